@@ -77,6 +77,14 @@ class HybridCache:
         end = self.max_length + T
         return keys[:, :, :end], values[:, :, :end]
 
+    def lengths_tensor(self, device) -> torch.Tensor:
+        """`lengths` as an int64 tensor [B] on `device`, rebuilt only when they change (once per step)."""
+        key = (tuple(self.lengths), str(device))
+        if getattr(self, "_lengths_key", None) != key:
+            self._lengths_tensor = torch.tensor(self.lengths, dtype=torch.int64, device=device)
+            self._lengths_key = key
+        return self._lengths_tensor
+
     def attention_mask(self, T: int, device) -> torch.Tensor | None:
         """Boolean [B, 1, T, S] (True = attend) for T new tokens per sequence, or None when no mask is needed."""
         S = self.max_length + T

@@ -8,7 +8,7 @@ from torch import nn
 
 from qwenrt.config import TextConfig
 from qwenrt.kernels import cpu_kernels
-from qwenrt.ops.linear import Linear
+from qwenrt.ops.linear import Linear, project
 from qwenrt.ops.conv import causal_conv1d_silu
 from qwenrt.ops.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
@@ -91,9 +91,18 @@ class GatedDeltaNet(nn.Module):
         """The same step as `forward` for T = 1 in one native call; conv and recurrent state updated in place."""
         B = x.shape[0]
         h = x[:, 0]  # [B, D]
-        out = kernels.gdn_decode_step(
-            self.in_proj_qkv(h).float(), conv_state, self.conv1d.weight[:, 0].float(), self.in_proj_a(h).float(),
-            self.in_proj_b(h).float(), self.A_log.float(), self.dt_bias.float(), recurrent_state,
-            self.in_proj_z(h).float().view(B, self.num_v_heads, self.head_v_dim), self.norm.weight.float(),
-            self.num_k_heads, self.norm.eps, x.dtype == torch.bfloat16)  # [B, Hv, Dv] fp32
-        return self.out_proj(out.to(x.dtype).view(B, 1, -1)), conv_state, recurrent_state
+        mixed, z, b, a = project(h, [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        conv_w, A_log, dt_bias, norm_w = self._fp32_parameters()
+        out = kernels.gdn_decode_step(mixed, conv_state, conv_w, a, b, A_log, dt_bias, recurrent_state,
+                                      z.view(B, self.num_v_heads, self.head_v_dim), norm_w, self.num_k_heads,
+                                      self.norm.eps, x.dtype == torch.bfloat16)  # [B, Hv·Dv]
+        return self.out_proj(out.view(B, 1, -1)), conv_state, recurrent_state
+
+    def _fp32_parameters(self) -> tuple[torch.Tensor, ...]:
+        """conv weight [C, K], A_log, dt_bias, norm weight in fp32 for the native step, converted once per weight."""
+        weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
+        key = tuple((w.data_ptr(), w._version) for w in weights)
+        if getattr(self, "_fp32_key", None) != key:
+            self._fp32 = tuple(w.detach().float().reshape(w.shape[0], -1).squeeze(-1).contiguous() for w in weights)
+            self._fp32_key = key
+        return self._fp32

@@ -18,7 +18,7 @@ from qwenrt.deltanet import GatedDeltaNet
 from qwenrt.errors import QwenrtError
 from qwenrt.kernels import cpu_kernels
 from qwenrt.ops.attention import decode_attention
-from qwenrt.ops.linear import Linear, linear
+from qwenrt.ops.linear import Linear, linear, project, swiglu
 from qwenrt.ops.rope import apply_rope, inv_frequencies, rope_cos_sin
 
 
@@ -59,7 +59,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(x, self.gate_proj, self.up_proj))
 
 
 class Experts(nn.Module):
@@ -137,20 +137,24 @@ class GatedAttention(nn.Module):
                 mask: torch.Tensor | None) -> torch.Tensor:
         """x [B, T, D]; cos, sin [B, T, R]; mask [B, 1, T, S] boolean or None (plain causal / all visible)."""
         B, T, _ = x.shape
-        qg = self.q_proj(x).view(B, T, self.num_heads, 2 * self.head_dim)
+        qg, k, v = project(x, [self.q_proj, self.k_proj, self.v_proj])
+        kernels = cpu_kernels() if T == 1 and cache is not None and x.is_cpu else None
+        if kernels is not None and x.dtype in (torch.bfloat16, torch.float32):
+            # norms, RoPE, the cache write, attention over the stores in place and the gate: one native call
+            o = kernels.attention_decode_step(
+                qg.view(B, self.num_heads, 2 * self.head_dim), k, v, self.q_norm.weight.float(),
+                self.k_norm.weight.float(), cos.reshape(B, -1), sin.reshape(B, -1), cache.keys[self.layer_idx],
+                cache.values[self.layer_idx], cache.lengths_tensor(x.device), self.q_norm.eps)  # [B, H·Dh]
+            return self.o_proj(o.view(B, 1, -1))
+        qg = qg.view(B, T, self.num_heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim:]
         q = self.q_norm(q).transpose(1, 2)  # [B, H, T, Dh]
-        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)  # [B, Hkv, T, Dh]
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        k = self.k_norm(k.view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)  # [B, Hkv, T, Dh]
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.write_kv(self.layer_idx, k, v)  # [B, Hkv, S, Dh]
-        kernels = cpu_kernels() if T == 1 and cache is not None and x.is_cpu else None
-        if kernels is not None:  # reads the cache stores in place: no copy of the key prefix
-            valid = torch.tensor([n + 1 for n in cache.lengths], device=x.device)  # keys per sequence
-            o = kernels.decode_attention(q[:, :, 0].contiguous(), cache.keys[self.layer_idx],
-                                         cache.values[self.layer_idx], valid)[:, :, None]  # [B, H, 1, Dh]
-        elif T == 1:
+        if T == 1:
             o = decode_attention(q, k, v, mask)  # [B, H, 1, Dh]
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=cache is None, enable_gqa=True)
@@ -171,8 +175,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache: HybridCache | None, mask):
-        h = self.input_layernorm(x)
+    def forward(self, x, delta, cos, sin, cache: HybridCache | None, mask):
+        """x [B, T, D] the residual stream and delta the previous layer's MLP output, still to be added (None for the
+        first layer): the add is fused into this layer's input norm. Returns (x, this layer's MLP output)."""
+        if delta is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_forward(x, delta)
         if self.is_linear:
             i = self.layer_idx
             conv, rec = (cache.conv[i], cache.recurrent[i]) if cache is not None else (None, None)
@@ -182,7 +191,7 @@ class DecoderLayer(nn.Module):
         else:
             h = self.self_attn(h, cos, sin, cache, mask)
         x, h = self.post_attention_layernorm.add_forward(x, h)
-        return x + self.mlp(h)
+        return x, self.mlp(h)
 
 
 class TextModel(nn.Module):
@@ -238,8 +247,7 @@ class Qwen35ForCausalLM(nn.Module):
         c = self.config.text
         if position_ids is None:
             position_ids = self.text_positions(B, T, cache)
-        inv_freq = inv_frequencies(c.rotary_dim, c.rope_theta, device=x.device)
-        cos, sin = rope_cos_sin(position_ids, inv_freq, c.mrope_section, c.mrope_interleaved)
+        cos, sin = rope_cos_sin(position_ids, self.inv_frequencies(x.device), c.mrope_section, c.mrope_interleaved)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         mask = None
         if cache is not None:
@@ -247,10 +255,20 @@ class Qwen35ForCausalLM(nn.Module):
                 raise QwenrtError(f"cache holds {cache.batch_size} sequences but input has batch size {B}")
             cache.reserve(cache.max_length + T)
             mask = cache.attention_mask(T, x.device)
+        delta = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache, mask)
+            x, delta = layer(x, delta, cos, sin, cache, mask)
         if cache is not None:
             cache.advance(T)
         if logits_to_keep:
-            x = x[:, -logits_to_keep:]
-        return self.lm_head(self.model.norm(x)).float()
+            x, delta = x[:, -logits_to_keep:], delta[:, -logits_to_keep:]
+        _, h = self.model.norm.add_forward(x, delta)
+        return self.lm_head(h).float()
+
+    def inv_frequencies(self, device: torch.device) -> torch.Tensor:
+        """RoPE inverse frequencies [rotary_dim / 2] fp32, computed once per device."""
+        cached = getattr(self, "_inv_freq", None)
+        if cached is None or cached.device != torch.device(device):
+            c = self.config.text
+            self._inv_freq = inv_frequencies(c.rotary_dim, c.rope_theta, device=device)
+        return self._inv_freq

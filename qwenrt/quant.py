@@ -4,7 +4,9 @@ Stored format (what checkpoints hold, the same on every machine), for a weight W
     int8  qweight int8 [*E, N, K];   scales bf16 [*E, N]                  W ≈ q·s        (symmetric, per output row)
     int4  qweight uint8 [*E, N, K/2]; scales, zeros bf16 [*E, N, K/G]     W ≈ (q - 8)·s + z  (min-max, per G columns)
           byte j of a group holds column j (low nibble) and column j + G/2 (high nibble), as GGUF's Q4_0.
-In memory int8 stays as stored; int4 is repacked into torch's CPU layout for `_weight_int4pack_mm_for_cpu`.
+In memory both stay as stored, used in place by the native kernels (qwenrt/kernels/cpu_gemv.cpp) at decode and
+dequantized per matrix for prefill's GEMM; without the native kernels int4 is repacked into torch's CPU layout
+for `_weight_int4pack_mm_for_cpu`.
 Norms, A_log, dt_bias, conv1d, the embedding lookup, the MoE router and the shared-expert gate stay in full precision.
 """
 
@@ -166,50 +168,83 @@ def _int4_kernel_layout(qweight: torch.Tensor, group_size: int) -> torch.Tensor:
 class QuantLinear(nn.Module):
     """y = x·dequant(W)ᵀ for a weight-only quantized W [*E, N, K] (E experts: call with `expert`).
 
-    Kernel-ready buffers: int8 qweight int8 [*E, N, K], scales [*E, N]; int4 qweight in torch's packed layout
-    [*E, N, K/2], scales = scale-and-zero [*E, K/G, N, 2]; scales in the compute dtype.
+    Buffers: int8 qweight int8 [*E, N, K], scales bf16 [*E, N] (as stored). int4 with the native kernels: as stored,
+    qweight uint8 [*E, N, K/2], scales and zeros bf16 [*E, N, K/G]; without them, torch's packed CPU layout for
+    `_weight_int4pack_mm_for_cpu`: qweight [*E, N, K/2] reordered, scales = scale-and-zero [*E, K/G, N, 2].
     """
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, in_features: int):
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, in_features: int,
+                 zeros: torch.Tensor | None = None):
         super().__init__()
         self.spec = spec
         self.in_features, self.out_features = in_features, qweight.shape[-2]
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)  # int4 in the stored layout only
+        self.torch_int4 = spec.bits == 4 and zeros is None
 
     @classmethod
     def from_stored(cls, stored: dict[str, torch.Tensor], spec: QuantSpec, dtype: torch.dtype) -> QuantLinear:
         q = stored["qweight"]
         if spec.bits == 8:
-            return cls(_aligned(q.contiguous()), stored["scales"].to(dtype).contiguous(), spec, q.shape[-1])
+            return cls(_aligned(q.contiguous()), stored["scales"].contiguous(), spec, q.shape[-1])
         lead, (N, half) = q.shape[:-2], q.shape[-2:]
+        if cpu_kernels() is not None:  # the native kernels read the stored layout: used in place
+            return cls(q.contiguous(), stored["scales"].contiguous(), spec, 2 * half, stored["zeros"].contiguous())
         packed = torch.stack([_int4_kernel_layout(w, spec.group_size) for w in q.reshape(-1, N, half)])
         sz = torch.stack([stored["scales"], stored["zeros"]], dim=-1).transpose(-3, -2)  # [*E, K/G, N, 2]
         return cls(packed.reshape(q.shape), sz.to(dtype).contiguous(), spec, 2 * half)
 
     @classmethod
     def placeholder(cls, shape: tuple[int, ...], spec: QuantSpec) -> QuantLinear:
-        """A shapes-only (meta) module for a weight of `shape`, replaced by the loaded one."""
-        *lead, N, K = shape
+        """A shapes-only (meta) module for a weight of `shape` (stored layout), replaced by the loaded one."""
         with torch.device("meta"):
-            if spec.bits == 8:
-                return cls(torch.empty(shape, dtype=torch.int8), torch.empty(*lead, N), spec, K)
-            return cls(torch.empty(*lead, N, K // 2, dtype=torch.uint8),
-                       torch.empty(*lead, K // spec.group_size, N, 2), spec, K)
+            pieces = [torch.empty(sh, dtype=d) for sh, d in storage_entries(shape, spec).values()]
+        return cls(pieces[0], pieces[1], spec, shape[-1], zeros=pieces[2] if len(pieces) == 3 else None)
+
+    def _weights(self, expert: int | None):
+        if expert is None:
+            return self.qweight, self.scales, self.zeros
+        return self.qweight[expert], self.scales[expert], None if self.zeros is None else self.zeros[expert]
 
     def forward(self, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
-        w, s = (self.qweight, self.scales) if expert is None else (self.qweight[expert], self.scales[expert])
-        s = s.to(x.dtype)
+        w, s, z = self._weights(expert)
         x2 = x.reshape(-1, self.in_features).contiguous()  # [M, K]
-        if self.spec.bits == 4:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, w, self.spec.group_size, s)
-        elif x2.shape[0] <= MAX_KERNEL_ROWS and self.in_features % 16 == 0 and cpu_kernels() is not None:
-            y = cpu_kernels().gemv_q8(x2.float(), w, s.float()).to(x.dtype)  # decode: a little over torch's kernel
+        kernels = cpu_kernels()
+        if x2.shape[0] <= MAX_KERNEL_ROWS and kernels is not None:
+            y = self._native(kernels, x2, [(w, s, z)], "bf16")
+            if y is not None:
+                return y[0].reshape(*x.shape[:-1], self.out_features)
+        if self.torch_int4:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, w, self.spec.group_size, s.to(x.dtype))
+        elif self.spec.bits == 4:  # prefill: dequantize this one matrix natively and use the GEMM
+            dense = kernels.dequantize_q4(w, s, z, self.spec.group_size,
+                                          x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.float32)
+            y = F.linear(x2, dense.to(x.dtype))
         elif x2.shape[0] <= SMALL_M:
-            y = torch.ops.aten._weight_int8pack_mm(_aligned(x2), _aligned(w), s)
+            y = torch.ops.aten._weight_int8pack_mm(_aligned(x2), _aligned(w), s.to(x.dtype))
         else:  # prefill: dequantize this one matrix and use the GEMM (about 2.5x the int8 kernel at M = 512)
-            y = F.linear(x2, w.to(x.dtype) * s[:, None])
+            y = F.linear(x2, w.to(x.dtype) * s.to(x.dtype)[:, None])
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _native(self, kernels, x2: torch.Tensor, weights: list[tuple], mode: str) -> list[torch.Tensor] | None:
+        """x2 [M <= 4, K] through each (qweight, scales, zeros) with the native kernel, or None where it has none
+        (the kernels take bf16 activations; fp32 ones go through torch's kernels, exact to the dequantized weight)."""
+        if x2.dtype != torch.bfloat16:
+            return None
+        if self.spec.bits == 8:
+            return kernels.gemv_q8(x2, [w for w, _, _ in weights], [s for _, s, _ in weights], mode)
+        if not self.torch_int4:
+            return kernels.gemv_q4(x2, [w for w, _, _ in weights], [s for _, s, _ in weights],
+                                   [z for _, _, z in weights], self.spec.group_size, mode)
+        return None
+
+    @staticmethod
+    def decode_many(kernels, x2: torch.Tensor, modules: list[QuantLinear], mode: str) -> list[torch.Tensor] | None:
+        """x2 [M, K] through several QuantLinears of one format in one native call, or None."""
+        if any(m.spec != modules[0].spec or m.qweight.dim() != 2 for m in modules):
+            return None
+        return modules[0]._native(kernels, x2, [(m.qweight, m.scales, m.zeros) for m in modules], mode)
 
     def extra_repr(self) -> str:
         lead = f"experts={self.qweight.shape[0]}, " if self.qweight.dim() == 3 else ""

@@ -6,41 +6,98 @@ import torch.nn.functional as F
 
 import qwenrt
 import qwenrt.deltanet
+import qwenrt.model
 import qwenrt.ops.linear
+import qwenrt.quant
 from qwenrt.kernels import cpu_kernels
 from qwenrt.ops.attention import decode_attention
+from qwenrt.ops.rope import apply_rope
+from qwenrt.quant import QuantSpec, dequantize_weight, quantize_weight
 from tests.checkpoints import VOCAB
 
-# The kernels need AVX-512 BF16: a real platform condition, as on CPUs without it qwenrt runs the torch paths.
-needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="CPU without AVX-512 BF16 (torch paths only)")
+# The kernels need AVX-512 BF16 and VNNI: a real platform condition, as on CPUs without them qwenrt runs torch paths.
+needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="CPU without AVX-512 BF16/VNNI (torch paths only)")
+SHAPES = [(13, 100), (1027, 1024), (40, 1088), (512, 3584)]  # odd rows, tails of every kernel's column blocks
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def torch_paths_only(monkeypatch):
+    """Make every caller see no native kernels, as on a CPU without them."""
+    for module in (qwenrt.model, qwenrt.deltanet, qwenrt.ops.linear, qwenrt.quant):
+        monkeypatch.setattr(module, "cpu_kernels", lambda: None)
 
 
 @needs_kernels
 @pytest.mark.parametrize("M", [1, 2, 3, 4])
-@pytest.mark.parametrize("N, K", [(13, 100), (1027, 1024), (512, 3584)])
-def test_gemv_bf16_matches_fp32_reference(M, N, K):
-    g = torch.Generator().manual_seed(M * N)
-    x = torch.randn(M, K, generator=g).bfloat16()
-    w = torch.randn(N, K, generator=g).bfloat16()
-    reference = x.float() @ w.float().t()
-    ours = cpu_kernels().gemv_bf16(x, w)
-    assert ((ours - reference).abs().max() / reference.abs().max()).item() < 1e-5
+def test_gemv_bf16_several_weights_match_fp64_reference(M):
+    g = torch.Generator().manual_seed(M)
+    for N, K in SHAPES:
+        x = torch.randn(M, K, generator=g).bfloat16()
+        ws = [torch.randn(n, K, generator=g).bfloat16() for n in (N, 7, 64)]
+        outs = cpu_kernels().gemv_bf16(x, ws, "fp32")
+        for w, y in zip(ws, outs):
+            ref = x.double() @ w.double().t()
+            assert y.dtype == torch.float32 and y.shape == (M, w.shape[0])
+            assert rel_err(y, ref) < 1e-6  # exact products, fp32 sums
+        rounded = cpu_kernels().gemv_bf16(x, ws[:1], "bf16")[0]
+        assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, outs[0].bfloat16())
+        gate_up = [ws[0], torch.randn(N, K, generator=g).bfloat16()]
+        gate, up = cpu_kernels().gemv_bf16(x, gate_up, "bf16")
+        fused = cpu_kernels().gemv_bf16(x, gate_up, "swiglu")[0]  # rounded as torch's bf16 ops round
+        assert (fused.float() - (F.silu(gate) * up).float()).abs().max() <= 1e-2 * up.float().abs().max()
 
 
 @needs_kernels
+@pytest.mark.parametrize("M", [1, 2, 4])
+@pytest.mark.parametrize("spec", [QuantSpec(8), QuantSpec(4, 32), QuantSpec(4, 64), QuantSpec(4, 128)], ids=str)
+def test_quantized_gemv_matches_its_dequantized_weight(M, spec):
+    """x·dequant(W)ᵀ in fp64 vs the kernels. int8 puts x in 16-bit fixed point per 256 columns (error ≤ 2^-16 of a
+    block's largest element); int4 sums (128 + n)·x and subtracts 136·s·Σx per group (fp32 cancellation): measured
+    ≤ 1.4e-5 of the largest output on these shapes, bound 5e-5."""
+    g = torch.Generator().manual_seed(M * spec.bits)
+    kernels = cpu_kernels()
+    for N, K in SHAPES:
+        if spec.bits == 4 and K % spec.group_size:
+            continue
+        x = torch.randn(M, K, generator=g).bfloat16()
+        pieces = [quantize_weight(torch.randn(n, K, generator=g) * 0.02, spec) for n in (N, 16)]
+        if spec.bits == 8:
+            outs = kernels.gemv_q8(x, [p["qweight"] for p in pieces], [p["scales"] for p in pieces], "fp32")
+        else:
+            outs = kernels.gemv_q4(x, [p["qweight"] for p in pieces], [p["scales"] for p in pieces],
+                                   [p["zeros"] for p in pieces], spec.group_size, "fp32")
+        for p, y in zip(pieces, outs):
+            ref = x.double() @ dequantize_weight(p, spec).double().t()
+            assert rel_err(y, ref) < 5e-5, (N, K)
+
+
+@needs_kernels
+@pytest.mark.parametrize("G", [32, 64, 128])
+def test_int4_dequantization_kernel_equals_reference(G):
+    pieces = quantize_weight(torch.randn(48, 512, generator=torch.Generator().manual_seed(G)), QuantSpec(4, G))
+    exact = dequantize_weight(pieces, QuantSpec(4, G))
+    args = (pieces["qweight"], pieces["scales"], pieces["zeros"], G)
+    assert torch.equal(cpu_kernels().dequantize_q4(*args, torch.float32), exact)
+    assert torch.equal(cpu_kernels().dequantize_q4(*args, torch.bfloat16), exact.bfloat16())
+
+
 def test_linear_dispatch_equals_f_linear():
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(300, 256, generator=g).bfloat16()
+    layer = qwenrt.ops.linear.Linear(256, 300)
+    layer.weight.data = torch.randn(300, 256, generator=g).bfloat16()
     for shape in [(1, 256), (2, 1, 256), (4, 256), (5, 256), (3, 7, 256)]:
         x = torch.randn(*shape, generator=g).bfloat16()
-        ours, ref = qwenrt.ops.linear.linear(x, w), F.linear(x, w)
+        ours, ref = layer(x), F.linear(x, layer.weight)
         assert ours.shape == ref.shape and ours.dtype == torch.bfloat16
         # both accumulate in fp32 and round once; summation order may flip the last bit
         assert torch.allclose(ours.float(), ref.float(), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("ragged", [False, True])
-def test_decode_attention_matches_sdpa(ragged):
+def test_torch_decode_attention_matches_sdpa(ragged):
     g = torch.Generator().manual_seed(1)
     q, k, v = torch.randn(2, 8, 1, 32, generator=g), torch.randn(2, 2, 50, 32, generator=g), torch.randn(2, 2, 50, 32, generator=g)
     mask = None
@@ -52,39 +109,60 @@ def test_decode_attention_matches_sdpa(ragged):
     assert torch.allclose(ours, ref, atol=1e-5)
 
 
-def decode_logits(model, ids, steps):
-    cache = model.new_cache(ids.shape[0])
-    out = [model(ids, cache=cache, logits_to_keep=1)]
-    token = out[0][:, -1].argmax(-1, keepdim=True)
-    for _ in range(steps):
-        out.append(model(token, cache=cache))
-        token = out[-1][:, -1].argmax(-1, keepdim=True)
-    return torch.cat(out, 1)
-
-
-@needs_kernels
-@pytest.mark.parametrize("dtype, bound", [("float32", 1e-5), ("bfloat16", 1e-2)])
-def test_fused_deltanet_step_matches_torch_path(dense_ckpt, monkeypatch, dtype, bound):
-    """Decode through the fused native step vs the torch ops it replaces, same weights, same rounding points."""
-    model, _ = qwenrt.load(dense_ckpt[0], dtype=dtype)
-    ids = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(2))
-    fused = decode_logits(model, ids, 12)
-    monkeypatch.setattr(qwenrt.deltanet, "cpu_kernels", lambda: None)
-    monkeypatch.setattr(qwenrt.ops.linear, "cpu_kernels", lambda: None)
-    reference = decode_logits(model, ids, 12)
-    err = ((fused - reference).abs().max() / reference.abs().max()).item()
-    assert err < bound, err
+def _norm(x, w, eps=1e-6):  # the decoder's zero-centred RMSNorm, as qwenrt.model.RMSNorm computes it
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w)).to(x.dtype)
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_native_decode_attention_matches_sdpa(dtype, bound):
+def test_native_attention_step_matches_torch_ops(dtype, bound):
+    """q/k norm, partial RoPE, cache write, attention over ragged rows and the output gate, vs torch ops."""
     g = torch.Generator().manual_seed(3)
-    q = torch.randn(2, 8, 64, generator=g).to(dtype)
-    keys, values = (torch.randn(2, 2, 96, 64, generator=g).to(dtype) for _ in range(2))
-    valid = torch.tensor([70, 33])  # ragged rows; the store holds stale entries past them
-    out = cpu_kernels().decode_attention(q, keys, values, valid)
-    for b, n in enumerate(valid.tolist()):
-        ref = F.scaled_dot_product_attention(q[b:b + 1, :, None].float(), keys[b:b + 1, :, :n].float(),
-                                             values[b:b + 1, :, :n].float(), enable_gqa=True)[0, :, 0]
-        assert (out[b].float() - ref).abs().max().item() < bound
+    B, H, Hkv, D, R, cap = 2, 8, 2, 64, 16, 96
+    qg = torch.randn(B, H, 2 * D, generator=g).to(dtype)
+    k, v = (torch.randn(B, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    qw, kw = torch.randn(D, generator=g) * 0.1, torch.randn(D, generator=g) * 0.1
+    angles = torch.randn(B, R // 2, generator=g) * 3
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))  # [B, R]
+    keys, values = (torch.randn(B, Hkv, cap, D, generator=g).to(dtype) for _ in range(2))
+    lengths = torch.tensor([70, 33])  # the stores hold stale entries past each row's length
+    ref_keys, ref_values = keys.clone(), values.clone()
+    out = cpu_kernels().attention_decode_step(qg, k, v, qw, kw, cos, sin, keys, values, lengths, 1e-6)
+    for b, n in enumerate(lengths.tolist()):
+        c, s = cos[b:b + 1, None], sin[b:b + 1, None]  # [1, 1, R]
+        q = apply_rope(_norm(qg[b:b + 1, :, None, :D], qw), c, s)  # [1, H, 1, D]
+        kb = apply_rope(_norm(k[b:b + 1, :, None], kw), c, s)
+        ref_keys[b, :, n], ref_values[b, :, n] = kb[0, :, 0], v[b]
+        o = F.scaled_dot_product_attention(q.float(), ref_keys[b:b + 1, :, :n + 1].float(),
+                                           ref_values[b:b + 1, :, :n + 1].float(), enable_gqa=True).to(dtype)
+        ref = o[0, :, 0] * torch.sigmoid(qg[b, :, D:])  # [H, D]
+        assert (out[b].view(H, D).float() - ref.float()).abs().max().item() < bound
+    assert torch.equal(values, ref_values)  # copied as they come
+    assert (keys.float() - ref_keys.float()).abs().max().item() < bound  # normed (sum order) and rotated
+
+
+def teacher_forced_logits(model, ids, prefill):
+    """Prefill ids[:, :prefill], then decode the rest one token at a time: logits [B, T - prefill + 1, V]."""
+    cache = model.new_cache(ids.shape[0])
+    out = [model(ids[:, :prefill], cache=cache, logits_to_keep=1)]
+    out += [model(ids[:, i:i + 1], cache=cache) for i in range(prefill, ids.shape[1])]
+    return torch.cat(out, 1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind, dtype, quantize, bound", [
+    ("dense_ckpt", "float32", None, 1e-5), ("dense_ckpt", "bfloat16", None, 1e-2), ("moe_ckpt", "bfloat16", None, 1e-2),
+    ("dense_ckpt", "bfloat16", QuantSpec(8), 1e-2), ("moe_ckpt", "bfloat16", QuantSpec(8), 1e-2),
+    ("dense_ckpt", "bfloat16", QuantSpec(4, 32), 1e-2), ("dense_ckpt", "float32", QuantSpec(4, 32), 1e-5)])
+def test_native_decode_matches_torch_paths(kind, dtype, quantize, bound, request, monkeypatch):
+    """Decode through every native kernel (fused projections, DeltaNet step, attention step, quantized GEMVs) vs the
+    torch ops they replace, same weights, same rounding points: a batch of 2, 20 prompt and 12 decoded tokens."""
+    path = request.getfixturevalue(kind)[0]
+    ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(2))
+    native, _ = qwenrt.load(path, dtype=dtype, quantize=quantize)
+    ours = teacher_forced_logits(native, ids, 20)
+    torch_paths_only(monkeypatch)
+    reference, _ = qwenrt.load(path, dtype=dtype, quantize=quantize)  # int4: torch's packed layout
+    err = rel_err(ours, teacher_forced_logits(reference, ids, 20))
+    assert err < bound, err

@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 
 SOURCES = [Path(__file__).with_name(n) for n in ("bindings.cpp", "cpu_gemv.cpp", "cpu_gdn.cpp", "cpu_norm.cpp",
-                                                 "cpu_attention.cpp", "cpu_qgemv.cpp")]
-REQUIRED_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+                                                 "cpu_attention.cpp")]
+ISA = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni"]
+REQUIRED_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
 
 
 def _cpu_flags() -> set[str]:
@@ -39,7 +40,7 @@ def cpu_kernels():
         from torch.utils.cpp_extension import load
 
         return load("qwenrt_cpu_kernels", [str(s) for s in SOURCES], verbose=False,
-                    extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"])
+                    extra_cflags=["-O3", *ISA, "-fopenmp"])
     except Exception as e:  # compiler missing or failing: torch ops still give the same results, slower
         print(f"qwenrt: native CPU kernels unavailable ({str(e).splitlines()[0][:200]}); using torch ops",
               file=sys.stderr)

@@ -14,26 +14,41 @@ inline float round_bf16(float x) {  // round-to-nearest-even to bfloat16, as tor
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
 
+struct Floats {  // read-only fp32 view of a bf16 or fp32 tensor
+  const void* p;
+  bool bf16;
+  explicit Floats(const torch::Tensor& t) : p(t.data_ptr()), bf16(t.scalar_type() == at::kBFloat16) {}
+  float operator[](int64_t i) const {
+    return bf16 ? static_cast<float>(static_cast<const at::BFloat16*>(p)[i]) : static_cast<const float*>(p)[i];
+  }
+};
+
 }  // namespace
 
-// mixed [B, C] fp32 (in_proj_qkv output), conv_state [B, C, K-1] fp32 (in place), conv_w [C, K] fp32,
-// a, b [B, Hv] fp32, A_log, dt_bias [Hv] fp32, state [B, Hv, Dk, Dv] fp32 (in place), z [B, Hv, Dv] fp32,
-// norm_w [Dv] fp32 -> out [B, Hv, Dv] fp32 (gated RMSNorm applied). `bf16` rounds where the bf16 reference does.
+// mixed [B, C] (in_proj_qkv output), conv_state [B, C, K-1] fp32 (in place), conv_w [C, K] fp32, a, b [B, Hv],
+// A_log, dt_bias [Hv] fp32, state [B, Hv, Dk, Dv] fp32 (in place), z [B, Hv, Dv], norm_w [Dv] fp32
+// -> out [B, Hv·Dv] (gated RMSNorm applied). The projections mixed, a, b, z come in the compute dtype, bf16 or
+// fp32, and so does the output; with bf16 the step rounds where the bf16 reference does.
 torch::Tensor gdn_decode_step(torch::Tensor mixed, torch::Tensor conv_state, torch::Tensor conv_w, torch::Tensor a,
                               torch::Tensor b, torch::Tensor A_log, torch::Tensor dt_bias, torch::Tensor state,
                               torch::Tensor z, torch::Tensor norm_w, int64_t num_k_heads, double eps, bool bf16) {
-  for (auto* t : {&mixed, &conv_state, &conv_w, &a, &b, &A_log, &dt_bias, &state, &z, &norm_w}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "gdn_decode_step: contiguous fp32 inputs only");
+  for (auto* t : {&conv_state, &conv_w, &A_log, &dt_bias, &state, &norm_w}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "gdn_decode_step: contiguous fp32 state/weights");
+  }
+  const auto dtype = bf16 ? at::kBFloat16 : at::kFloat;
+  for (auto* t : {&mixed, &a, &b, &z}) {
+    TORCH_CHECK(t->scalar_type() == dtype && t->is_contiguous(), "gdn_decode_step: projections in the compute dtype");
   }
   const int64_t B = mixed.size(0), C = mixed.size(1), K = conv_w.size(1);
   const int64_t Hv = state.size(1), Dk = state.size(2), Dv = state.size(3), Hk = num_k_heads;
   TORCH_CHECK(C == 2 * Hk * Dk + Hv * Dv && conv_state.size(2) == K - 1, "gdn_decode_step: shape mismatch");
   const int64_t r = Hv / Hk;
-  auto conv_out = torch::empty({B, C}, mixed.options());
-  auto out = torch::empty({B, Hv, Dv}, mixed.options());
+  auto conv_out = torch::empty({B, C}, conv_state.options());
+  auto out = torch::empty({B, Hv * Dv}, mixed.options());
+  std::vector<float> o_buf(B * Hv * Dv);
   auto rd = [bf16](float x) { return bf16 ? round_bf16(x) : x; };
 
-  const float* X = mixed.data_ptr<float>();
+  const Floats X(mixed);
   float* CS = conv_state.data_ptr<float>();
   const float* CW = conv_w.data_ptr<float>();
   float* Y = conv_out.data_ptr<float>();
@@ -51,14 +66,12 @@ torch::Tensor gdn_decode_step(torch::Tensor mixed, torch::Tensor conv_state, tor
     }
   });
 
-  const float* A = a.data_ptr<float>();
-  const float* Bt = b.data_ptr<float>();
+  const Floats A(a), Bt(b), Z(z);
   const float* AL = A_log.data_ptr<float>();
   const float* DT = dt_bias.data_ptr<float>();
   float* S = state.data_ptr<float>();
-  const float* Z = z.data_ptr<float>();
   const float* NW = norm_w.data_ptr<float>();
-  float* O = out.data_ptr<float>();
+  float* O = o_buf.data();
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(Dk));
   // 2. per value head: normalised q/k of its key head, then the delta rule and the gated norm
   at::parallel_for(0, B * Hv, 1, [&](int64_t h0, int64_t h1) {
@@ -95,9 +108,14 @@ torch::Tensor gdn_decode_step(torch::Tensor mixed, torch::Tensor conv_state, tor
       float ms = 0.f;
       for (int64_t j = 0; j < Dv; ++j) { const float oj = rd(o[j]); ms += oj * oj; }
       const float inv = 1.0f / std::sqrt(ms / Dv + static_cast<float>(eps));
-      const float* zz = Z + bh * Dv;
-      for (int64_t j = 0; j < Dv; ++j) o[j] = NW[j] * rd(rd(o[j]) * inv) * silu(zz[j]);
+      for (int64_t j = 0; j < Dv; ++j) o[j] = rd(NW[j] * rd(rd(o[j]) * inv) * silu(Z[bh * Dv + j]));
     }
   });
+  if (bf16) {
+    at::BFloat16* dst = out.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < B * Hv * Dv; ++i) dst[i] = static_cast<at::BFloat16>(O[i]);
+  } else {
+    std::copy(O, O + B * Hv * Dv, out.data_ptr<float>());
+  }
   return out;
 }

@@ -1,4 +1,9 @@
-"""Linear layers that take the native bf16 matrix-vector kernel at decode (a few rows) and torch's GEMM otherwise."""
+"""Linear maps: the native matrix-vector kernels at decode (a few rows), torch's GEMM otherwise.
+
+`project` runs several maps that share their input (q/k/v, the DeltaNet input projections) in one native call, and
+`swiglu` the MLP's gate and up projections with its activation, so a decode step makes a few calls per layer
+instead of one per weight and elementwise op.
+"""
 
 from __future__ import annotations
 
@@ -8,25 +13,61 @@ from torch import nn
 
 from qwenrt.kernels import cpu_kernels
 
-MAX_KERNEL_ROWS = 4  # the kernel streams the weight once for up to this many activation rows
+MAX_KERNEL_ROWS = 4  # the kernels stream each weight once for up to this many activation rows
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] · weight [N, K]ᵀ -> [..., N], like F.linear without bias (fp32 accumulation, rounded to x's dtype)."""
-    rows = x.numel() // x.shape[-1]
-    if rows <= MAX_KERNEL_ROWS and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.is_cpu:
-        kernels = cpu_kernels()
-        if kernels is not None:
-            y = kernels.gemv_bf16(x.reshape(rows, -1).contiguous(), weight)  # [rows, N] fp32
-            return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight)
+def decode_kernels(x: torch.Tensor):
+    """The native kernels when x [..., K] is a decode-sized CPU input (at most MAX_KERNEL_ROWS rows), else None."""
+    if x.is_cpu and x.numel() <= MAX_KERNEL_ROWS * x.shape[-1]:
+        return cpu_kernels()
+    return None
+
+
+def _native(x: torch.Tensor, modules: list[nn.Module], mode: str) -> list[torch.Tensor] | None:
+    """The modules' native decode call on x [..., K] (outputs [..., N_i]), or None where there is none."""
+    kernels = decode_kernels(x)
+    first = modules[0]
+    if kernels is None or x.dtype != torch.bfloat16 or any(type(m) is not type(first) for m in modules):
+        return None
+    ys = first.decode_many(kernels, x.reshape(-1, x.shape[-1]).contiguous(), modules, mode)
+    return None if ys is None else [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]
+
+
+def project(x: torch.Tensor, modules: list[nn.Module]) -> list[torch.Tensor]:
+    """[m(x) for m in modules], in one native call at decode when the modules share a weight format."""
+    return _native(x, modules, "bf16") or [m(x) for m in modules]
+
+
+def swiglu(x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module) -> torch.Tensor:
+    """silu(gate_proj(x))·up_proj(x), one native call at decode (rounded where torch's bf16 ops round)."""
+    fused = _native(x, [gate_proj, up_proj], "swiglu")
+    if fused is not None:
+        return fused[0]
+    return F.silu(gate_proj(x)) * up_proj(x)
 
 
 class Linear(nn.Linear):
-    """nn.Linear (no bias) routed through `linear`."""
+    """nn.Linear (no bias) whose decode-sized calls take the native bf16 kernel."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        y = _native(x, [self], "bf16")
+        return y[0] if y is not None else F.linear(x, self.weight)
+
+    @staticmethod
+    def decode_many(kernels, x2: torch.Tensor, modules: list[Linear], mode: str) -> list[torch.Tensor] | None:
+        """bf16 x2 [M, K] through each module's weight in one native call, or None unless the weights are bf16."""
+        if any(m.weight.dtype != torch.bfloat16 for m in modules):
+            return None
+        return kernels.gemv_bf16(x2, [m.weight for m in modules], mode)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] · weight [N, K]ᵀ -> [..., N] without a module (MoE experts' weight slices)."""
+    kernels = decode_kernels(x)
+    if kernels is not None and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
+        y = kernels.gemv_bf16(x.reshape(-1, x.shape[-1]).contiguous(), [weight], "bf16")[0]
+        return y.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight)
