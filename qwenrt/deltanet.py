@@ -30,7 +30,7 @@ class GatedRMSNorm(nn.Module):
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)  # pow(2) is x·x, and faster here
 
 
 class GatedDeltaNet(nn.Module):
@@ -62,9 +62,8 @@ class GatedDeltaNet(nn.Module):
             kernels = cpu_kernels()
             if kernels is not None:
                 return self.fused_decode_step(kernels, x, conv_state, recurrent_state)
-        mixed = self.in_proj_qkv(x).transpose(1, 2)  # [B, C, T]
-        mixed, conv_state = causal_conv1d_silu(mixed, self.conv1d.weight[:, 0], conv_state)
-        q, k, v = torch.split(mixed.transpose(1, 2), self.split, dim=-1)
+        mixed, conv_state = self.conv_silu(self.in_proj_qkv(x), conv_state)  # [B, T, C]
+        q, k, v = torch.split(mixed, self.split, dim=-1)
         q = q.reshape(B, T, self.num_k_heads, self.head_k_dim)
         k = k.reshape(B, T, self.num_k_heads, self.head_k_dim)
         v = v.reshape(B, T, self.num_v_heads, self.head_v_dim).float()
@@ -86,6 +85,21 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim)
         o = self.norm(o.to(x.dtype), z).reshape(B, T, -1)  # [B, T, Hv·Dv]
         return self.out_proj(o), conv_state, recurrent_state
+
+    def conv_silu(self, mixed: torch.Tensor, conv_state: torch.Tensor | None):
+        """silu(causal depthwise conv) over mixed [B, T, C], continuing conv_state [B, C, K-1] fp32 (None: zeros).
+
+        Returns (out [B, T, C], the state after these tokens). The native kernel works token-major and updates the
+        state in place; torch's conv1d needs channel-major copies.
+        """
+        kernels = cpu_kernels() if mixed.is_cpu and mixed.dtype in (torch.bfloat16, torch.float32) else None
+        if kernels is None:
+            out, conv_state = causal_conv1d_silu(mixed.transpose(1, 2), self.conv1d.weight[:, 0], conv_state)
+            return out.transpose(1, 2), conv_state
+        if conv_state is None:
+            B, _, C = mixed.shape
+            conv_state = mixed.new_zeros(B, C, self.conv1d.weight.shape[-1] - 1, dtype=torch.float32)
+        return F.silu(kernels.causal_conv1d(mixed.contiguous(), conv_state, self._fp32_parameters()[0])), conv_state
 
     def fused_decode_step(self, kernels, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor):
         """The same step as `forward` for T = 1 in one native call; conv and recurrent state updated in place."""

@@ -13,6 +13,7 @@ std::vector<torch::Tensor> gemv_q8(torch::Tensor x, std::vector<torch::Tensor> q
 std::vector<torch::Tensor> gemv_q4(torch::Tensor x, std::vector<torch::Tensor> qs, std::vector<torch::Tensor> scales,
                                    std::vector<torch::Tensor> zeros, int64_t G, std::string mode);
 
+torch::Tensor causal_conv1d(torch::Tensor x, torch::Tensor conv_state, torch::Tensor conv_w);
 torch::Tensor dequantize_q4(torch::Tensor q, torch::Tensor scales, torch::Tensor zeros, int64_t G,
                             c10::ScalarType dtype);
 torch::Tensor attention_decode_step(torch::Tensor qg, torch::Tensor k, torch::Tensor v, torch::Tensor q_norm_w,
@@ -27,5 +28,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_decode_step", &attention_decode_step,
         "q/k norm, RoPE, KV write, attention and output gate for one new token per sequence");
   m.def("rms_norm", &rms_norm, "zero-centred RMSNorm: (x [+ residual], normed)");
+  m.def("causal_conv1d", &causal_conv1d, "DeltaNet short conv over a prefill chunk, token-major (state in place)");
   m.def("gdn_decode_step", &gdn_decode_step, "fused Gated DeltaNet decode step (state updated in place)");
 }

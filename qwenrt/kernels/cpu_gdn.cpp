@@ -119,3 +119,68 @@ torch::Tensor gdn_decode_step(torch::Tensor mixed, torch::Tensor conv_state, tor
   }
   return out;
 }
+
+// The DeltaNet short convolution over a prefill chunk, token-major (no transposes): x [B, T, C] (in_proj_qkv
+// output), conv_state [B, C, K-1] fp32 (the K-1 inputs before x; updated in place to the last K-1), conv_w [C, K]
+// fp32 -> conv(x) [B, T, C] in x's dtype: fp32 sums rounded once, as the reference's conv1d. (SiLU stays torch's.)
+namespace {
+
+template <typename T>
+void conv_chunk(const T* X, float* CS, const float* W, T* Y, int64_t B, int64_t Tn, int64_t C, int64_t K) {
+  std::vector<float> WT(K * C);  // [K, C]: unit stride over channels in the inner loop
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t j = 0; j < K; ++j) WT[j * C + c] = W[c * K + j];
+  at::parallel_for(0, C, 256, [&](int64_t c0, int64_t c1) {
+    const int64_t width = c1 - c0;
+    std::vector<float> past((K - 1) * width), tail((K - 1) * width);  // [K-1, width] inputs at t = -(K-1)..-1
+    for (int64_t b = 0; b < B; ++b) {
+      const T* xb = X + b * Tn * C;
+      float* sb = CS + b * C * (K - 1);
+      for (int64_t j = 0; j < K - 1; ++j)
+        for (int64_t c = c0; c < c1; ++c) past[j * width + c - c0] = sb[c * (K - 1) + j];
+      auto input = [&](int64_t t, int64_t c) -> float {  // input at time t (negative: from the state)
+        return t >= 0 ? static_cast<float>(xb[t * C + c]) : past[(K - 1 + t) * width + c - c0];
+      };
+      for (int64_t t = 0; t < std::min(Tn, K - 1); ++t)  // the first K-1 outputs reach into the state
+        for (int64_t c = c0; c < c1; ++c) {
+          float acc = 0.f;
+          for (int64_t j = 0; j < K; ++j) acc += WT[j * C + c] * input(t - (K - 1) + j, c);
+          Y[(b * Tn + t) * C + c] = static_cast<T>(acc);
+        }
+      for (int64_t t = K - 1; t < Tn; ++t) {
+        T* yt = Y + (b * Tn + t) * C;
+        const T* x0 = xb + (t - (K - 1)) * C;
+        for (int64_t c = c0; c < c1; ++c) {
+          float acc = 0.f;
+          for (int64_t j = 0; j < K; ++j) acc += WT[j * C + c] * static_cast<float>(x0[j * C + c]);
+          yt[c] = static_cast<T>(acc);
+        }
+      }
+      for (int64_t j = 0; j < K - 1; ++j)  // the new state: the last K-1 inputs
+        for (int64_t c = c0; c < c1; ++c) tail[j * width + c - c0] = input(Tn - (K - 1) + j, c);
+      for (int64_t j = 0; j < K - 1; ++j)
+        for (int64_t c = c0; c < c1; ++c) sb[c * (K - 1) + j] = tail[j * width + c - c0];
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor causal_conv1d(torch::Tensor x, torch::Tensor conv_state, torch::Tensor conv_w) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "causal_conv1d: x must be contiguous [B, T, C] bf16 or fp32");
+  TORCH_CHECK(conv_state.scalar_type() == at::kFloat && conv_state.is_contiguous() &&
+              conv_w.scalar_type() == at::kFloat && conv_w.is_contiguous(), "causal_conv1d: fp32 state and weight");
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2), K = conv_w.size(1);
+  TORCH_CHECK(conv_w.size(0) == C && conv_state.size(0) == B && conv_state.size(1) == C &&
+              conv_state.size(2) == K - 1, "causal_conv1d: shapes");
+  auto y = torch::empty_like(x);
+  if (x.scalar_type() == at::kBFloat16) {
+    conv_chunk(x.data_ptr<at::BFloat16>(), conv_state.data_ptr<float>(), conv_w.data_ptr<float>(),
+               y.data_ptr<at::BFloat16>(), B, T, C, K);
+  } else {
+    conv_chunk(x.data_ptr<float>(), conv_state.data_ptr<float>(), conv_w.data_ptr<float>(), y.data_ptr<float>(), B, T,
+               C, K);
+  }
+  return y;
+}

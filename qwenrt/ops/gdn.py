@@ -49,25 +49,33 @@ def chunk_gated_delta_rule(q, k, v, *, g, beta, state=None, chunk_size: int = 64
     g, beta = g.reshape(B, H, N, C), beta.reshape(B, H, N, C)
 
     k_beta = k * beta[..., None]
-    v_beta = v * beta[..., None]
     c = g.cumsum(-1)  # [B, H, N, C] log-decay from the chunk start
     upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
     decay = (c[..., :, None] - c[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [B, H, N, C, C], i >= j
 
-    # UT transform: (I + strict_lower(A)) X = rhs, A = (k_β kᵀ) ⊙ decay
-    A = (k_beta @ k.transpose(-1, -2)) * decay
-    u = torch.linalg.solve_triangular(A, v_beta, upper=False, unitriangular=True)  # [B, H, N, C, Dv]
-    w = torch.linalg.solve_triangular(A, k_beta * c.exp()[..., None], upper=False, unitriangular=True)  # [.., Dk]
-    intra = (q @ k.transpose(-1, -2)) * decay  # [B, H, N, C, C]
+    # UT transform: u = T·v_β, w = T·(k_β·exp(c)) with T = (I + strict_lower(A))⁻¹, A = (k_β kᵀ) ⊙ decay. T comes
+    # from one triangular solve against I (C columns, not Dv + Dk), then two batched GEMMs.
+    kT = k.transpose(-1, -2).contiguous()  # [B, H, N, Dk, C]
+    A = (k_beta @ kT) * decay
+    eye = torch.eye(C, dtype=q.dtype, device=q.device).expand_as(A)
+    inverse = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)  # [B, H, N, C, C]
+    u = inverse @ (v * beta[..., None])  # [B, H, N, C, Dv]
+    w = inverse @ (k_beta * c.exp()[..., None])  # [B, H, N, C, Dk]
+    intra = (q @ kT) * decay  # [B, H, N, C, C]
     q_decayed = q * c.exp()[..., None]
-    k_decayed = k * (c[..., -1:] - c).exp()[..., None]
+    k_decayed_T = (kT * (c[..., -1:] - c).exp()[..., None, :]).contiguous()  # [B, H, N, Dk, C]
     chunk_decay = c[..., -1].exp()[..., None, None]  # [B, H, N, 1, 1]
 
-    S = q.new_zeros(B, H, Dk, Dv) if state is None else state.to(torch.float32)
-    out = torch.empty_like(u)
+    # the serial part over chunks, heads flattened: [B·H, ...]
+    u, w, q_decayed, intra, k_decayed_T = (x.reshape(B * H, N, *x.shape[-2:]) for x in (u, w, q_decayed, intra,
+                                                                                            k_decayed_T))
+    chunk_decay = chunk_decay.reshape(B * H, N, 1, 1)
+    S = q.new_zeros(B * H, Dk, Dv) if state is None else state.to(torch.float32).reshape(B * H, Dk, Dv)
+    out = torch.empty(B * H, N, C, Dv, dtype=q.dtype, device=q.device)
     for n in range(N):
-        v_new = u[:, :, n] - w[:, :, n] @ S  # [B, H, C, Dv]
-        out[:, :, n] = q_decayed[:, :, n] @ S + intra[:, :, n] @ v_new
-        S = S * chunk_decay[:, :, n] + k_decayed[:, :, n].transpose(-1, -2) @ v_new
+        v_new = torch.baddbmm(u[:, n], w[:, n], S, alpha=-1)  # u - w·S  [B·H, C, Dv]
+        out[:, n] = torch.baddbmm(intra[:, n] @ v_new, q_decayed[:, n], S)  # q·S + intra·v_new
+        S = torch.baddbmm(S * chunk_decay[:, n], k_decayed_T[:, n], v_new)
     out = out.reshape(B, H, N * C, Dv)[:, :, :T].transpose(1, 2)  # [B, T, H, Dv]
+    S = S.reshape(B, H, Dk, Dv)
     return out, S
