@@ -254,6 +254,11 @@ class Qwen35ForCausalLM(nn.Module):
             if cache.batch_size != B:
                 raise QwenrtError(f"cache holds {cache.batch_size} sequences but input has batch size {B}")
             cache.reserve(cache.max_length + T)
+            plan = self.decode_plan() if T == 1 and inputs_embeds is None and x.is_cpu else None
+            if plan is not None:  # the same step, without per-module Python work
+                logits = plan(input_ids, cache, cos[:, 0], sin[:, 0])
+                cache.advance(T)
+                return logits
             mask = cache.attention_mask(T, x.device)
         delta = None
         for layer in self.model.layers:
@@ -264,6 +269,16 @@ class Qwen35ForCausalLM(nn.Module):
             x, delta = x[:, -logits_to_keep:], delta[:, -logits_to_keep:]
         _, h = self.model.norm.add_forward(x, delta)
         return self.lm_head(h).float()
+
+    def decode_plan(self):
+        """The native decode step (qwenrt/decode_plan.py), or None without the native kernels or where some part of
+        the model has none."""
+        kernels = cpu_kernels()
+        if kernels is None:
+            return None
+        from qwenrt.decode_plan import DecodePlan  # it imports the quantized layers, which import this module
+
+        return DecodePlan.for_model(self, kernels)
 
     def inv_frequencies(self, device: torch.device) -> torch.Tensor:
         """RoPE inverse frequencies [rotary_dim / 2] fp32, computed once per device."""

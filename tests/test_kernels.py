@@ -9,6 +9,7 @@ import qwenrt.deltanet
 import qwenrt.model
 import qwenrt.ops.linear
 import qwenrt.quant
+from qwenrt.decode_plan import DecodePlan
 from qwenrt.kernels import cpu_kernels
 from qwenrt.ops.attention import decode_attention
 from qwenrt.ops.rope import apply_rope
@@ -166,3 +167,34 @@ def test_native_decode_matches_torch_paths(kind, dtype, quantize, bound, request
     reference, _ = qwenrt.load(path, dtype=dtype, quantize=quantize)  # int4: torch's packed layout
     err = rel_err(ours, teacher_forced_logits(reference, ids, 20))
     assert err < bound, err
+
+
+def without_plan(monkeypatch):
+    monkeypatch.setattr(DecodePlan, "for_model", classmethod(lambda cls, model, kernels: None))
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind, quantize", [("dense_ckpt", None), ("moe_ckpt", None), ("dense_ckpt", "int8")])
+def test_decode_plan_equals_the_modules_native_path(kind, quantize, request, monkeypatch):
+    """The bound plan runs the same kernels on the same inputs as the modules: identical logits."""
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(4))
+    model, _ = qwenrt.load(request.getfixturevalue(kind)[0], dtype="bfloat16", quantize=quantize)
+    planned = teacher_forced_logits(model, ids, 16)
+    assert model.decode_plan() is not None
+    without_plan(monkeypatch)
+    assert torch.equal(planned, teacher_forced_logits(model, ids, 16))
+
+
+@needs_kernels
+def test_decode_plan_follows_module_swaps(dense_ckpt, monkeypatch):
+    """A plan built before the model's modules are swapped (here: quantized in place) is rebuilt."""
+    ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(4))
+    model, _ = qwenrt.load(dense_ckpt[0], dtype="bfloat16")
+    full = teacher_forced_logits(model, ids, 16)
+    plan = model.decode_plan()
+    qwenrt.quant.quantize_model(model, 8)
+    assert model.decode_plan() is not plan
+    quantized = teacher_forced_logits(model, ids, 16)
+    without_plan(monkeypatch)
+    assert torch.equal(quantized, teacher_forced_logits(model, ids, 16))
+    assert not torch.equal(full, quantized)

@@ -21,9 +21,13 @@ torch::Tensor attention_decode_step(torch::Tensor qg, torch::Tensor k, torch::Te
                                     torch::Tensor values, torch::Tensor lengths, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv_bf16", &gemv_bf16, "x [M<=4, K] bf16 · each w [N, K]ᵀ bf16 -> [M, N] per weight (mode fp32|bf16|swiglu)");
-  m.def("gemv_q8", &gemv_q8, "x [M<=4, K] · each int8 W [N, K]ᵀ (bf16 row scales) -> [M, N] per weight");
-  m.def("gemv_q4", &gemv_q4, "x [M<=4, K] bf16 · each int4 W (stored layout, groups of G) -> [M, N] per weight");
+  using pybind11::arg;
+  m.def("gemv_bf16", &gemv_bf16, "x [M<=4, K] bf16 · each w [N, K]ᵀ bf16 -> [M, N] per weight (mode fp32|bf16|swiglu)",
+        arg("x"), arg("ws"), arg("mode"));
+  m.def("gemv_q8", &gemv_q8, "x [M<=4, K] bf16 · each int8 W [N, K]ᵀ (bf16 row scales) -> [M, N] per weight",
+        arg("x"), arg("qs"), arg("scales"), arg("mode"));
+  m.def("gemv_q4", &gemv_q4, "x [M<=4, K] bf16 · each int4 W (stored layout, groups of G) -> [M, N] per weight",
+        arg("x"), arg("qs"), arg("scales"), arg("zeros"), arg("G"), arg("mode"));
   m.def("dequantize_q4", &dequantize_q4, "int4 stored layout -> dense weight (bf16 or fp32)");
   m.def("attention_decode_step", &attention_decode_step,
         "q/k norm, RoPE, KV write, attention and output gate for one new token per sequence");
