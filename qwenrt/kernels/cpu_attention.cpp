@@ -18,6 +18,86 @@ inline __m512 load16(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// exp for x <= 0 (softmax after the max is subtracted): x = n·ln2 + r, |r| <= ln2/2, e^r by its degree-6 Taylor
+// polynomial (relative error < 2e-7, a few fp32 ulp), 2^n applied with vscalefps.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // below: e^x underflows to 0 in fp32 anyway
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.90465430e-9f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x));
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Scores of query heads [g0, g0 + GB) against keys [s0, s0 + KB): KB·GB dot products over D, each key read once.
+template <int GB, int KB, typename T>
+inline void score_block(const float* q, const T* k, int64_t D, int64_t S, int64_t s0, int64_t g0, float* p) {
+  __m512 acc[KB][GB];
+  for (int j = 0; j < KB; ++j)
+    for (int g = 0; g < GB; ++g) acc[j][g] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    __m512 qv[GB];
+    for (int g = 0; g < GB; ++g) qv[g] = _mm512_loadu_ps(q + (g0 + g) * D + d);
+    for (int j = 0; j < KB; ++j) {
+      const __m512 kv = load16(k + (s0 + j) * D + d);
+      for (int g = 0; g < GB; ++g) acc[j][g] = _mm512_fmadd_ps(qv[g], kv, acc[j][g]);
+    }
+  }
+  for (int j = 0; j < KB; ++j)
+    for (int g = 0; g < GB; ++g) p[(g0 + g) * S + s0 + j] = _mm512_reduce_add_ps(acc[j][g]);
+}
+
+template <int GB, typename T>
+void scores(const float* q, const T* k, int64_t D, int64_t S, int64_t g0, float* p) {
+  int64_t s = 0;
+  for (; s + 4 <= S; s += 4) score_block<GB, 4>(q, k, D, S, s, g0, p);
+  for (; s < S; ++s) score_block<GB, 1>(q, k, D, S, s, g0, p);
+}
+
+// out[g] = Σ_s p[g][s]·v[s] for heads [g0, g0 + GB): keys in blocks that stay in cache, 64 output dims at a time
+// held in registers.
+template <int GB, typename T>
+void weighted_values(const float* p, const T* v, int64_t D, int64_t S, int64_t g0, float* out) {
+  constexpr int64_t kKeys = 64;
+  for (int64_t s0 = 0; s0 < S; s0 += kKeys) {
+    const int64_t s1 = std::min(S, s0 + kKeys);
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      const int chunks = static_cast<int>(std::min<int64_t>(4, (D - d0) / 16));
+      __m512 acc[GB][4];
+      for (int g = 0; g < GB; ++g)
+        for (int c = 0; c < 4; ++c) acc[g][c] = c < chunks ? _mm512_loadu_ps(out + (g0 + g) * D + d0 + 16 * c)
+                                                           : _mm512_setzero_ps();
+      for (int64_t s = s0; s < s1; ++s) {
+        __m512 vv[4];
+        for (int c = 0; c < 4; ++c) vv[c] = c < chunks ? load16(v + s * D + d0 + 16 * c) : _mm512_setzero_ps();
+        for (int g = 0; g < GB; ++g) {
+          const __m512 pg = _mm512_set1_ps(p[(g0 + g) * S + s]);
+          for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(pg, vv[c], acc[g][c]);
+        }
+      }
+      for (int g = 0; g < GB; ++g)
+        for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(out + (g0 + g) * D + d0 + 16 * c, acc[g][c]);
+    }
+  }
+}
+
+template <typename F>
+void by_head_block(int64_t G, F&& f) {  // f(GB, g0) over head blocks of up to 4
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: f(std::integral_constant<int, 1>{}, g0); break;
+      case 2: f(std::integral_constant<int, 2>{}, g0); break;
+      case 3: f(std::integral_constant<int, 3>{}, g0); break;
+      default: f(std::integral_constant<int, 4>{}, g0); break;
+    }
+  }
+}
+
 template <typename T>
 void attend(const T* Q, const T* Kc, const T* Vc, const int64_t* valid, T* O, int64_t B, int64_t H, int64_t Hkv,
             int64_t cap, int64_t D, float scale) {
@@ -30,35 +110,32 @@ void attend(const T* Q, const T* Kc, const T* Vc, const int64_t* valid, T* O, in
       const T* v = Vc + i * cap * D;
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) q[g * D + d] = static_cast<float>(Q[(b * H + hk * G + g) * D + d]) * scale;
-      p.assign(G * S, 0.f);
-      for (int64_t s = 0; s < S; ++s) {  // scores: each key read once for its G query heads
-        const T* ks = k + s * D;
-        __m512 dot[kMaxGroup];
-        for (int64_t g = 0; g < G; ++g) dot[g] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 16) {
-          const __m512 kv = load16(ks + d);
-          for (int64_t g = 0; g < G; ++g) dot[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q.data() + g * D + d), kv, dot[g]);
-        }
-        for (int64_t g = 0; g < G; ++g) p[g * S + s] = _mm512_reduce_add_ps(dot[g]);
-      }
+      p.resize(G * S);
+      by_head_block(G, [&](auto gb, int64_t g0) { scores<decltype(gb)::value>(q.data(), k, D, S, g0, p.data()); });
       for (int64_t g = 0; g < G; ++g) {  // softmax over the S keys
         float* pg = p.data() + g * S;
-        float mx = -INFINITY, sum = 0.f;
+        float mx = -INFINITY;
         for (int64_t s = 0; s < S; ++s) mx = std::max(mx, pg[s]);
-        for (int64_t s = 0; s < S; ++s) { pg[s] = std::exp(pg[s] - mx); sum += pg[s]; }
-        for (int64_t s = 0; s < S; ++s) pg[s] /= sum;
+        __m512 sum = _mm512_setzero_ps();
+        int64_t s = 0;
+        for (; s + 16 <= S; s += 16) {
+          const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(pg + s), _mm512_set1_ps(mx)));
+          _mm512_storeu_ps(pg + s, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        if (s < S) {
+          const __mmask16 tail = static_cast<__mmask16>((1u << (S - s)) - 1);
+          const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, pg + s), _mm512_set1_ps(mx)));
+          _mm512_mask_storeu_ps(pg + s, tail, e);
+          sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
+        }
+        const float inv = 1.0f / _mm512_reduce_add_ps(sum);
+        for (int64_t t = 0; t < S; ++t) pg[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t s = 0; s < S; ++s) {  // values: each read once, accumulated into the G outputs (in L1)
-        const T* vs = v + s * D;
-        for (int64_t d = 0; d < D; d += 16) {
-          const __m512 vv = load16(vs + d);
-          for (int64_t g = 0; g < G; ++g) {
-            float* ag = acc.data() + g * D + d;
-            _mm512_storeu_ps(ag, _mm512_fmadd_ps(_mm512_set1_ps(p[g * S + s]), vv, _mm512_loadu_ps(ag)));
-          }
-        }
-      }
+      by_head_block(G, [&](auto gb, int64_t g0) {
+        weighted_values<decltype(gb)::value>(p.data(), v, D, S, g0, acc.data());
+      });
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) O[(b * H + hk * G + g) * D + d] = static_cast<T>(acc[g * D + d]);
     }
