@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from qwenrt.ops.linear import linear as qwenrt_linear
-from qwenrt.quant import QuantLinear, QuantSpec, quantize_weight
+from qwenrt.quant import QuantLinear, QuantSpec, _int4_kernel_layout, quantize_weight
 
 GDN = [(6144, 1024), (2048, 1024), (16, 1024), (16, 1024), (1024, 2048)]  # in_proj_qkv, z, b, a, out_proj
 ATTN = [(4096, 1024), (512, 1024), (512, 1024), (1024, 2048)]  # q (with gate), k, v, o
@@ -43,10 +43,17 @@ def reduce_int4(x, q, s, z):  # stored layout: q [N, K/2] bytes, two columns G/2
     return ((codes * xg).sum(-1) * s.float() + z.float() * xg.sum(-1)).sum(-1)
 
 
+def _torch_int4(stored: dict, group_size: int) -> dict:
+    """Stored int4 pieces -> torch's packed layout and scale-and-zero tensor."""
+    sz = torch.stack([stored["scales"], stored["zeros"]], dim=-1).transpose(0, 1).contiguous()  # [K/G, N, 2]
+    return {"packed": _int4_kernel_layout(stored["qweight"], group_size), "sz": sz}
+
+
 def options(m: int, group_sizes: list[int], compiled: bool):
     """name -> (prepare(weight) -> state, run(x, state), bytes(state))."""
     bf16_bytes = lambda w: w.numel() * 2  # noqa: E731
-    quant_bytes = lambda q: q.qweight.numel() + q.scales.numel() * q.scales.element_size()  # noqa: E731
+    quant_bytes = lambda q: sum(b.numel() * b.element_size() for b in q.buffers())  # noqa: E731
+    stored_bytes = lambda st: sum(t.numel() * t.element_size() for t in st.values())  # noqa: E731
     out = {"bf16 F.linear": (lambda w: w, lambda x, w: F.linear(x, w), bf16_bytes),
            "bf16 qwenrt linear (native GEMV at M<=4)": (lambda w: w, qwenrt_linear, bf16_bytes)}
     specs = [QuantSpec(8)] + [QuantSpec(4, g) for g in group_sizes]
@@ -54,6 +61,15 @@ def options(m: int, group_sizes: list[int], compiled: bool):
         out[f"{spec} QuantLinear"] = (
             lambda w, spec=spec: QuantLinear.from_stored(quantize_weight(w, spec), spec, w.dtype),
             lambda x, q: q(x), quant_bytes)
+    # torch's own packed kernels, the alternatives QuantLinear measured against
+    out["int8 torch _weight_int8pack_mm"] = (
+        lambda w: quantize_weight(w, QuantSpec(8)),
+        lambda x, st: torch.ops.aten._weight_int8pack_mm(x, st["qweight"], st["scales"].to(x.dtype)), stored_bytes)
+    g = group_sizes[0]
+    out[f"int4 g{g} torch _weight_int4pack_mm_for_cpu"] = (
+        lambda w: _torch_int4(quantize_weight(w, QuantSpec(4, g)), g),
+        lambda x, st: torch.ops.aten._weight_int4pack_mm_for_cpu(x, st["packed"], g, st["sz"]),
+        lambda st: st["packed"].numel() + st["sz"].numel() * st["sz"].element_size())
     if m > 1:
         out["int8 dequantize + F.linear"] = (
             lambda w: quantize_weight(w, QuantSpec(8)),

@@ -23,7 +23,8 @@ inline __m512 load16(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
 inline __m512 exp_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // below: e^x underflows to 0 in fp32 anyway
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.90465430e-9f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x));
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.90465430e-9f),  // ln 2 in two parts: r = x - n·ln 2
+                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x));
   __m512 p = _mm512_set1_ps(1.0f / 720);
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));

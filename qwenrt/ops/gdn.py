@@ -53,8 +53,8 @@ def chunk_gated_delta_rule(q, k, v, *, g, beta, state=None, chunk_size: int = 64
     upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
     decay = (c[..., :, None] - c[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [B, H, N, C, C], i >= j
 
-    # UT transform: u = T·v_β, w = T·(k_β·exp(c)) with T = (I + strict_lower(A))⁻¹, A = (k_β kᵀ) ⊙ decay. T comes
-    # from one triangular solve against I (C columns, not Dv + Dk), then two batched GEMMs.
+    # UT transform: u = T·v_β, w = T·(k_β·exp(c)) with T = (I + strict_lower(A))⁻¹, A = (k_β kᵀ) ⊙ decay.
+    # T comes from one triangular solve against I (C columns, not Dv + Dk), then two batched GEMMs.
     kT = k.transpose(-1, -2).contiguous()  # [B, H, N, Dk, C]
     A = (k_beta @ kT) * decay
     eye = torch.eye(C, dtype=q.dtype, device=q.device).expand_as(A)
