@@ -2,8 +2,9 @@
 
     python bench/quality.py CKPT [--prompts 8 --tokens 64]
 
-The reference is the checkpoint's weights computed in fp32; every other configuration is scored against it over
-every position of the same random-token prompts (seeded). Random-weight checkpoints give flat distributions
+The reference is the checkpoint's weights computed in fp32; every other configuration is scored against it on the
+same random-token prompts (seeded): the first half of each prefilled, the rest decoded one token at a time, so both
+paths count (prefill: dequantize + GEMM; decode: the native matrix-vector kernels), at the positions T/2-1 .. T-1. Random-weight checkpoints give flat distributions
 (small KL whatever happens), so read top-1 and cosine there; on a trained checkpoint all three mean what they say.
 """
 
@@ -25,8 +26,15 @@ CONFIGS = {"bf16": ("bfloat16", None), "int8": ("bfloat16", QuantSpec(8)),
 
 @torch.inference_mode()
 def logits(path, dtype, spec, ids: torch.Tensor) -> torch.Tensor:
+    """[P, T - T/2 + 1, V] fp32: prefill T/2 tokens, then decode the rest teacher-forced."""
     model, _ = qwenrt.load(path, dtype=dtype, quantize=spec)
-    return torch.cat([model(row[None]) for row in ids])  # [P, T, V] fp32
+    half, out = ids.shape[1] // 2, []
+    for row in ids[:, None]:  # [1, T] each
+        cache = model.new_cache(1)
+        steps = [model(row[:, :half], cache=cache, logits_to_keep=1)]
+        steps += [model(row[:, i:i + 1], cache=cache) for i in range(half, ids.shape[1])]
+        out.append(torch.cat(steps, 1))
+    return torch.cat(out)
 
 
 def scores(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:

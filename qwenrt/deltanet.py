@@ -115,7 +115,7 @@ class GatedDeltaNet(nn.Module):
     def _fp32_parameters(self) -> tuple[torch.Tensor, ...]:
         """conv weight [C, K], A_log, dt_bias, norm weight in fp32 for the native step, converted once per weight."""
         weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
-        key = tuple((w.data_ptr(), w._version) for w in weights)
+        key = tuple((w.data_ptr(), 0 if w.is_inference() else w._version) for w in weights)  # no counter there
         if getattr(self, "_fp32_key", None) != key:
             self._fp32 = tuple(w.detach().float().reshape(w.shape[0], -1).squeeze(-1).contiguous() for w in weights)
             self._fp32_key = key

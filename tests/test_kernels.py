@@ -198,3 +198,13 @@ def test_decode_plan_follows_module_swaps(dense_ckpt, monkeypatch):
     without_plan(monkeypatch)
     assert torch.equal(quantized, teacher_forced_logits(model, ids, 16))
     assert not torch.equal(full, quantized)
+
+
+def test_loaded_and_run_under_inference_mode(dense_ckpt):
+    """Weights created under torch.inference_mode (no version counters) decode the same as normal ones."""
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(6))
+    model, _ = qwenrt.load(dense_ckpt[0], dtype="bfloat16")
+    expected = teacher_forced_logits(model, ids, 6)
+    with torch.inference_mode():
+        model, _ = qwenrt.load(dense_ckpt[0], dtype="bfloat16")
+        assert torch.equal(teacher_forced_logits(model, ids, 6), expected)

@@ -87,6 +87,33 @@ def test_quantized_logits_close_to_full_precision(kind, spec, request):
     assert top1 >= min_top1 and kl <= max_kl, (top1, kl)
 
 
+def teacher_forced(model, ids, prefill):
+    """Logits at positions prefill-1 .. T-1: a prefill, then every further token as a decode step."""
+    cache = model.new_cache(ids.shape[0])
+    out = [model(ids[:, :prefill], cache=cache, logits_to_keep=1)]
+    return torch.cat(out + [model(ids[:, i:i + 1], cache=cache) for i in range(prefill, ids.shape[1])], 1)
+
+
+# The decode path (bf16 activations through the native GEMVs; int8 puts them in 16-bit fixed point), scored like
+# the test above against fp32 logits over positions 8-47. Measured (top-1 / KL): dense bf16 alone 1.00 / 2.7e-8,
+# int8 1.00 / 3.4e-8, int4 g32 1.00 / 9.2e-7; MoE bf16 alone 0.98 / 1.1e-5, int8 0.96 / 2.0e-5. Bounds: ~10x KL.
+DECODE_BOUNDS = {("dense_ckpt", None): (0.95, 3e-7), ("dense_ckpt", 8): (0.95, 3e-7), ("dense_ckpt", 4): (0.95, 1e-5),
+                 ("moe_ckpt", None): (0.9, 2e-4), ("moe_ckpt", 8): (0.9, 2e-4)}
+
+
+@pytest.mark.parametrize("kind, spec", [("dense_ckpt", None), ("dense_ckpt", QuantSpec(8)),
+                                        ("dense_ckpt", QuantSpec(4, 32)), ("moe_ckpt", None),
+                                        ("moe_ckpt", QuantSpec(8))], ids=str)
+def test_quantized_decode_close_to_full_precision(kind, spec, request):
+    path, _ = request.getfixturevalue(kind)
+    full, _ = qwenrt.load(path, dtype="float32")
+    reference = full(PROMPTS)[:, 7:]
+    model, _ = qwenrt.load(path, dtype="bfloat16", quantize=spec)
+    top1, kl = logit_stats(teacher_forced(model, PROMPTS, 8), reference)
+    min_top1, max_kl = DECODE_BOUNDS[kind, spec.bits if spec else None]
+    assert top1 >= min_top1 and kl <= max_kl, (top1, kl)
+
+
 @pytest.mark.parametrize("kind, spec", [("dense_ckpt", QuantSpec(4, 32)), ("moe_ckpt", QuantSpec(8)),
                                         ("published_ckpt", QuantSpec(8))])
 def test_saved_checkpoint_reloads_to_identical_logits(kind, spec, request, tmp_path):
@@ -163,22 +190,3 @@ def test_stored_quantized_checkpoint_is_strictly_accounted(dense_ckpt, tmp_path)
     save_file(tensors, dst / "model.safetensors")
     with pytest.raises(QwenrtError, match="missing 1 tensor.*model.layers.1.mlp.up_proj.scales"):
         qwenrt.load(dst)
-
-
-@pytest.mark.parametrize("kind", ["dense_ckpt", "moe_ckpt"])
-def test_native_int8_gemv_agrees_with_torch_kernel(kind, request, monkeypatch):
-    """Decode through the native int8 GEMV vs torch's int8 kernel: both compute x·dequant(W)ᵀ."""
-    import qwenrt.quant
-
-    if qwenrt.quant.cpu_kernels() is None:
-        pytest.skip("CPU without AVX-512 BF16: only torch's kernel exists here")
-    model, _ = qwenrt.load(request.getfixturevalue(kind)[0], dtype="float32", quantize="int8")
-    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(5))
-
-    def prefill_and_decode():
-        cache = model.new_cache(1)
-        return torch.cat([model(ids[:, :30], cache=cache)] + [model(ids[:, i:i + 1], cache=cache) for i in range(30, 40)], 1)
-
-    native = prefill_and_decode()
-    monkeypatch.setattr(qwenrt.quant, "cpu_kernels", lambda: None)
-    assert rel_err(native, prefill_and_decode()) < 1e-5
