@@ -8,12 +8,14 @@ instructions, no compiler is found, or QWENRT_KERNELS=0, `cpu_kernels()` returns
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import sys
 from pathlib import Path
 
 SOURCES = [Path(__file__).with_name(n) for n in ("bindings.cpp", "cpu_gemv.cpp", "cpu_gdn.cpp", "cpu_norm.cpp",
                                                  "cpu_attention.cpp")]
+HEADERS = [Path(__file__).with_name("vec_math.h")]
 ISA = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni"]
 REQUIRED_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
 
@@ -39,7 +41,9 @@ def cpu_kernels():
     try:
         from torch.utils.cpp_extension import load
 
-        return load("qwenrt_cpu_kernels", [str(s) for s in SOURCES], verbose=False,
+        # torch rebuilds when a source changes, not a header: the name carries a hash of every file
+        digest = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS)).hexdigest()[:10]
+        return load(f"qwenrt_cpu_kernels_{digest}", [str(s) for s in SOURCES], verbose=False,
                     extra_cflags=["-O3", *ISA, "-fopenmp"])
     except Exception as e:  # compiler missing or failing: torch ops still give the same results, slower
         print(f"qwenrt: native CPU kernels unavailable ({str(e).splitlines()[0][:200]}); using torch ops",

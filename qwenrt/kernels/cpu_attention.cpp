@@ -8,6 +8,8 @@
 #include <cmath>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
 
 constexpr int64_t kMaxGroup = 16;  // query heads per key/value head
@@ -16,23 +18,6 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// exp for x <= 0 (softmax after the max is subtracted): x = n·ln2 + r, |r| <= ln2/2, e^r by its degree-6 Taylor
-// polynomial (relative error < 2e-7, a few fp32 ulp), 2^n applied with vscalefps.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // below: e^x underflows to 0 in fp32 anyway
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.90465430e-9f),  // ln 2 in two parts: r = x - n·ln 2
-                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x));
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
 }
 
 // Scores of query heads [g0, g0 + GB) against keys [s0, s0 + KB): KB·GB dot products over D, each key read once.
@@ -120,13 +105,13 @@ void attend(const T* Q, const T* Kc, const T* Vc, const int64_t* valid, T* O, in
         __m512 sum = _mm512_setzero_ps();
         int64_t s = 0;
         for (; s + 16 <= S; s += 16) {
-          const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(pg + s), _mm512_set1_ps(mx)));
+          const __m512 e = qwenrt::exp_ps(_mm512_sub_ps(_mm512_loadu_ps(pg + s), _mm512_set1_ps(mx)));
           _mm512_storeu_ps(pg + s, e);
           sum = _mm512_add_ps(sum, e);
         }
         if (s < S) {
           const __mmask16 tail = static_cast<__mmask16>((1u << (S - s)) - 1);
-          const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, pg + s), _mm512_set1_ps(mx)));
+          const __m512 e = qwenrt::exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, pg + s), _mm512_set1_ps(mx)));
           _mm512_mask_storeu_ps(pg + s, tail, e);
           sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
         }

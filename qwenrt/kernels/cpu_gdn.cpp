@@ -3,8 +3,11 @@
 // torch path is the reference (tests/test_kernels.py holds the two together).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <cmath>
 #include <vector>
+
+#include "vec_math.h"
 
 namespace {
 
@@ -22,6 +25,54 @@ struct Floats {  // read-only fp32 view of a bf16 or fp32 tensor
     return bf16 ? static_cast<float>(static_cast<const at::BFloat16*>(p)[i]) : static_cast<const float*>(p)[i];
   }
 };
+
+
+// The gated delta rule for one head on its state s [Dk, Dv]: S ← decay·S; u = Sᵀk; δ = β(v − u); S ← S + kδᵀ;
+// o = Sᵀq. NV = Dv / 16 keeps u and o in vector registers (0: any Dv, plain loops); u is scratch [Dv].
+template <int NV>
+void delta_rule_step(float* s, const float* k, const float* q, const float* v, float decay, float beta, int64_t Dk,
+                     int64_t Dv, float* u, float* o) {
+  if constexpr (NV == 0) {
+    std::fill(u, u + Dv, 0.f);
+    for (int64_t i = 0; i < Dk; ++i) {
+      float* si = s + i * Dv;
+      for (int64_t j = 0; j < Dv; ++j) { si[j] *= decay; u[j] += si[j] * k[i]; }
+    }
+    for (int64_t j = 0; j < Dv; ++j) u[j] = beta * (v[j] - u[j]);
+    std::fill(o, o + Dv, 0.f);
+    for (int64_t i = 0; i < Dk; ++i) {
+      float* si = s + i * Dv;
+      for (int64_t j = 0; j < Dv; ++j) { si[j] += k[i] * u[j]; o[j] += si[j] * q[i]; }
+    }
+  } else {
+    __m512 acc[NV];
+    const __m512 dec = _mm512_set1_ps(decay);
+    for (int c = 0; c < NV; ++c) acc[c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < Dk; ++i) {  // decay the state; u = Sᵀk
+      float* si = s + i * Dv;
+      const __m512 ki = _mm512_set1_ps(k[i]);
+      for (int c = 0; c < NV; ++c) {
+        const __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(si + 16 * c), dec);
+        _mm512_storeu_ps(si + 16 * c, sv);
+        acc[c] = _mm512_fmadd_ps(sv, ki, acc[c]);
+      }
+    }
+    __m512 delta[NV];
+    for (int c = 0; c < NV; ++c)
+      delta[c] = _mm512_mul_ps(_mm512_set1_ps(beta), _mm512_sub_ps(_mm512_loadu_ps(v + 16 * c), acc[c]));
+    for (int c = 0; c < NV; ++c) acc[c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < Dk; ++i) {  // S += k·δᵀ; o = Sᵀq
+      float* si = s + i * Dv;
+      const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
+      for (int c = 0; c < NV; ++c) {
+        const __m512 sv = _mm512_fmadd_ps(ki, delta[c], _mm512_loadu_ps(si + 16 * c));
+        _mm512_storeu_ps(si + 16 * c, sv);
+        acc[c] = _mm512_fmadd_ps(sv, qi, acc[c]);
+      }
+    }
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + 16 * c, acc[c]);
+  }
+}
 
 }  // namespace
 
@@ -60,10 +111,16 @@ torch::Tensor gdn_decode_step(torch::Tensor mixed, torch::Tensor conv_state, tor
       const float* w = CW + c * K;
       float acc = w[K - 1] * X[i];
       for (int64_t j = 0; j < K - 1; ++j) acc += w[j] * s[j];
-      Y[i] = rd(silu(rd(acc)));
+      Y[i] = rd(acc);
       for (int64_t j = 0; j + 1 < K - 1; ++j) s[j] = s[j + 1];
       if (K > 1) s[K - 2] = rd(X[i]);
     }
+    int64_t i = i0;  // SiLU, rounded where the reference rounds
+    for (; i + 16 <= i1; i += 16) {
+      const __m512 y = qwenrt::silu_ps(_mm512_loadu_ps(Y + i));
+      _mm512_storeu_ps(Y + i, bf16 ? qwenrt::round_bf16_ps(y) : y);
+    }
+    for (; i < i1; ++i) Y[i] = rd(silu(Y[i]));
   });
 
   const Floats A(a), Bt(b), Z(z);
@@ -90,19 +147,13 @@ torch::Tensor gdn_decode_step(torch::Tensor mixed, torch::Tensor conv_state, tor
       const float decay = std::exp(g);
       const float beta = rd(1.0f / (1.0f + std::exp(-Bt[bh])));
       float* s = S + bh * Dk * Dv;
-      std::fill(u.begin(), u.end(), 0.f);
-      for (int64_t i = 0; i < Dk; ++i) {  // decay the state; u = Sᵀk
-        float* si = s + i * Dv;
-        const float ki = k[i];
-        for (int64_t j = 0; j < Dv; ++j) { si[j] *= decay; u[j] += si[j] * ki; }
-      }
-      for (int64_t j = 0; j < Dv; ++j) u[j] = beta * (v[j] - u[j]);  // delta
       float* o = O + bh * Dv;
-      std::fill(o, o + Dv, 0.f);
-      for (int64_t i = 0; i < Dk; ++i) {  // S += k·deltaᵀ; o = Sᵀq
-        float* si = s + i * Dv;
-        const float ki = k[i], qi = q[i];
-        for (int64_t j = 0; j < Dv; ++j) { si[j] += ki * u[j]; o[j] += si[j] * qi; }
+      switch (Dv / 16) {  // the value dimension held in registers where it is a small multiple of 16
+        case 1: delta_rule_step<1>(s, k.data(), q.data(), v, decay, beta, Dk, Dv, u.data(), o); break;
+        case 2: delta_rule_step<2>(s, k.data(), q.data(), v, decay, beta, Dk, Dv, u.data(), o); break;
+        case 4: delta_rule_step<4>(s, k.data(), q.data(), v, decay, beta, Dk, Dv, u.data(), o); break;
+        case 8: delta_rule_step<8>(s, k.data(), q.data(), v, decay, beta, Dk, Dv, u.data(), o); break;
+        default: delta_rule_step<0>(s, k.data(), q.data(), v, decay, beta, Dk, Dv, u.data(), o); break;
       }
       // gated RMSNorm: w · round(o·rsqrt(mean(o²)+eps)) · silu(z)
       float ms = 0.f;
