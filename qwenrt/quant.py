@@ -224,7 +224,7 @@ class QuantLinear(nn.Module):
         elif x2.shape[0] <= SMALL_M:
             y = torch.ops.aten._weight_int8pack_mm(_aligned(x2), _aligned(w), s.to(x.dtype))
         else:  # prefill: dequantize this one matrix and use the GEMM (about 2.5x the int8 kernel at M = 512)
-            y = F.linear(x2, w.to(x.dtype) * s.to(x.dtype)[:, None])
+            y = F.linear(x2, w * s.to(x.dtype)[:, None])  # int8 · bf16 promotes to bf16 in one pass, exactly
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _native(self, kernels, x2: torch.Tensor, weights: list[tuple], mode: str) -> list[torch.Tensor] | None:
