@@ -133,6 +133,9 @@ def run(args) -> str:
     reference = Config("transformers", "bf16") if args.compare else None
     if reference is not None:
         configs[reference] = path
+    from qwenrt.loader import prepare_kernels
+
+    prepare_kernels(progress=True)  # compiled once here on a fresh install, not inside a measured load
     samples: dict[Config, list[dict]] = {c: [] for c in configs}
     for repeat in range(args.repeats):
         for config, ckpt in configs.items():

@@ -94,7 +94,7 @@ def _quantizer(model, config, quantize, dtype, device) -> LoadQuantizer | None:
     return LoadQuantizer(model, stored[0] if stored else QuantSpec.parse(quantize), stored is not None, dtype)
 
 
-def _prepare_kernels(progress: bool) -> None:
+def prepare_kernels(progress: bool) -> None:
     """Build (first time) or load the native CPU kernels now rather than inside the first token."""
     start = time.perf_counter()
     if cpu_kernels() is not None and progress and time.perf_counter() - start > 2:
@@ -134,7 +134,7 @@ def load_model(path: str | Path, dtype="auto", device: str | torch.device = "cpu
     model.requires_grad_(False)
     model.eval()
     if model.device.type == "cpu":
-        _prepare_kernels(progress)
+        prepare_kernels(progress)
     model.checkpoint_path = Path(path)
     model.extra_tensors = sorted(aside)  # mtp.* and model.visual.*, for the MTP head and vision tower
     return model

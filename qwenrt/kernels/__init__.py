@@ -11,6 +11,7 @@ import functools
 import hashlib
 import os
 import sys
+import threading
 from pathlib import Path
 
 SOURCES = [Path(__file__).with_name(n) for n in ("bindings.cpp", "cpu_gemv.cpp", "cpu_gdn.cpp", "cpu_norm.cpp",
@@ -43,8 +44,14 @@ def cpu_kernels():
 
         # torch rebuilds when a source changes, not a header: the name carries a hash of every file
         digest = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS)).hexdigest()[:10]
-        return load(f"qwenrt_cpu_kernels_{digest}", [str(s) for s in SOURCES], verbose=False,
-                    extra_cflags=["-O3", *ISA, "-fopenmp"])
+        notice = threading.Timer(3.0, lambda: print("qwenrt: compiling the native CPU kernels (once per qwenrt "
+                                                    "version, about a minute)...", file=sys.stderr, flush=True))
+        notice.start()  # a cached build loads in well under a second and says nothing
+        try:
+            return load(f"qwenrt_cpu_kernels_{digest}", [str(s) for s in SOURCES], verbose=False,
+                        extra_cflags=["-O3", *ISA, "-fopenmp"])
+        finally:
+            notice.cancel()
     except Exception as e:  # compiler missing or failing: torch ops still give the same results, slower
         print(f"qwenrt: native CPU kernels unavailable ({str(e).splitlines()[0][:200]}); using torch ops",
               file=sys.stderr)
