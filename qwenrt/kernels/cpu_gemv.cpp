@@ -29,11 +29,9 @@ namespace {
 constexpr int64_t kPrefetch = 16384;  // bytes ahead of the weight stream (bf16: 4 KB 38, 8 KB 42.6, 16 KB 43.5 GB/s)
 constexpr int64_t kQ8Block = 256;    // int8: columns per activation scale
 
-enum class Format { kBF16, kQ8, kQ4 };
-
 struct Segment {  // one weight matrix of a call and where its rows go
   const uint8_t* w;
-  const uint16_t* scales;  // bf16: int8 [N]; int4 [N, K/G]
+  const uint16_t* scales;  // bf16 scales: int8 [N]; int4 [N, K/G]
   const uint16_t* zeros;   // int4 [N, K/G]
   int64_t N;
   float* out;  // [M, N] fp32 (rounded to bf16 afterwards when asked)
@@ -48,10 +46,6 @@ inline float bf16_to_float(uint16_t v) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
-}
-
-inline __m512 bf16x16_to_ps(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
 // Sums of 4 vectors' lanes -> one __m128 [Σa, Σb, Σc, Σd]
