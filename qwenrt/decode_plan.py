@@ -9,6 +9,7 @@ the process (quantization swaps modules in, load_state_dict(assign=True) replace
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -19,6 +20,7 @@ from qwenrt.ops.linear import Linear
 from qwenrt.quant import QuantLinear
 
 _generation = [0]  # bumped by every module / parameter / buffer registration
+_plans = weakref.WeakKeyDictionary()  # model -> ((generation, dtype), plan or None); not in the model: it pickles
 
 
 def _registered(*_args) -> None:
@@ -93,9 +95,9 @@ class DecodePlan:
     def for_model(cls, model: nn.Module, kernels) -> DecodePlan | None:
         """The model's plan, built at its first decode step and kept until a registration or a dtype change."""
         key = (_generation[0], model.dtype)
-        cached = model.__dict__.get("_decode_plan")
+        cached = _plans.get(model)
         if cached is None or cached[0] != key:
-            cached = model._decode_plan = (key, cls.build(model, kernels))
+            cached = _plans[model] = (key, cls.build(model, kernels))
         return cached[1]
 
     def __call__(self, input_ids: torch.Tensor, cache: HybridCache, cos: torch.Tensor, sin: torch.Tensor):

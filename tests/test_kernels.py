@@ -1,5 +1,8 @@
 """Native CPU kernels and fast paths against the torch reference paths they replace."""
 
+import copy
+import pickle
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -208,3 +211,13 @@ def test_loaded_and_run_under_inference_mode(dense_ckpt):
     with torch.inference_mode():
         model, _ = qwenrt.load(dense_ckpt[0], dtype="bfloat16")
         assert torch.equal(teacher_forced_logits(model, ids, 6), expected)
+
+
+@needs_kernels
+def test_decoded_model_copies_and_pickles(dense_ckpt):
+    """The decode plan lives beside the model, not in it: a model that has decoded deep-copies and pickles."""
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(7))
+    model, _ = qwenrt.load(dense_ckpt[0], dtype="bfloat16")
+    expected = teacher_forced_logits(model, ids, 6)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert torch.equal(teacher_forced_logits(clone, ids, 6), expected)
