@@ -106,23 +106,15 @@ class DecodePlan:
         The caller reserves room in the cache and advances it afterwards, as for the modules' forward.
         """
         k, eps = self.kernels, self.eps
-        B = input_ids.shape[0]
         x = self.embed.index_select(0, input_ids.reshape(-1))  # [B, D]
-        lengths = cache.lengths_tensor(x.device)
         delta = None  # the previous layer's MLP output, added in the next norm
         for layer in self.layers:
             x, h = k.rms_norm(x, delta, layer.input_norm, eps)
-            m, i = layer.mixer, layer.index
+            i = layer.index
             if layer.linear:
-                mixed, z, b, a = layer.project(h, mode="bf16")
-                conv_w, A_log, dt_bias, norm_w = m._fp32_parameters()
-                o = k.gdn_decode_step(mixed, cache.conv[i], conv_w, a, b, A_log, dt_bias, cache.recurrent[i],
-                                      z.view(B, m.num_v_heads, m.head_v_dim), norm_w, m.num_k_heads, m.norm.eps, True)
+                o = layer.mixer.native_step(k, *layer.project(h, mode="bf16"), cache.conv[i], cache.recurrent[i])
             else:
-                qg, key, value = layer.project(h, mode="bf16")
-                o = k.attention_decode_step(qg.view(B, m.num_heads, 2 * m.head_dim), key, value, m.q_norm.weight,
-                                            m.k_norm.weight, cos, sin, cache.keys[i], cache.values[i], lengths,
-                                            m.q_norm.eps)
+                o = layer.mixer.native_step(k, *layer.project(h, mode="bf16"), cos, sin, cache)
             x, h = k.rms_norm(x, layer.out(o, mode="bf16")[0], layer.post_norm, eps)
             if layer.gate_up is not None:
                 delta = layer.down(layer.gate_up(h, mode="swiglu")[0], mode="bf16")[0]

@@ -106,11 +106,16 @@ class GatedDeltaNet(nn.Module):
         B = x.shape[0]
         h = x[:, 0]  # [B, D]
         mixed, z, b, a = project(h, [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
-        conv_w, A_log, dt_bias, norm_w = self._fp32_parameters()
-        out = kernels.gdn_decode_step(mixed, conv_state, conv_w, a, b, A_log, dt_bias, recurrent_state,
-                                      z.view(B, self.num_v_heads, self.head_v_dim), norm_w, self.num_k_heads,
-                                      self.norm.eps, x.dtype == torch.bfloat16)  # [B, Hv·Dv]
+        out = self.native_step(kernels, mixed, z, b, a, conv_state, recurrent_state)
         return self.out_proj(out.view(B, 1, -1)), conv_state, recurrent_state
+
+    def native_step(self, kernels, mixed, z, b, a, conv_state: torch.Tensor, recurrent_state: torch.Tensor):
+        """The native kernel on one token's projections (mixed [B, C], z [B, Hv·Dv], b, a [B, Hv]) -> the gated
+        output [B, Hv·Dv] before out_proj; conv and recurrent state updated in place."""
+        conv_w, A_log, dt_bias, norm_w = self._fp32_parameters()
+        return kernels.gdn_decode_step(mixed, conv_state, conv_w, a, b, A_log, dt_bias, recurrent_state,
+                                       z.view(z.shape[0], self.num_v_heads, self.head_v_dim), norm_w,
+                                       self.num_k_heads, self.norm.eps, mixed.dtype == torch.bfloat16)
 
     def _fp32_parameters(self) -> tuple[torch.Tensor, ...]:
         """conv weight [C, K], A_log, dt_bias, norm weight in fp32 for the native step, converted once per weight."""

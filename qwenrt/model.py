@@ -140,11 +140,8 @@ class GatedAttention(nn.Module):
         qg, k, v = project(x, [self.q_proj, self.k_proj, self.v_proj])
         kernels = cpu_kernels() if T == 1 and cache is not None and x.is_cpu else None
         if kernels is not None and x.dtype in (torch.bfloat16, torch.float32):
-            # norms, RoPE, the cache write, attention over the stores in place and the gate: one native call
-            o = kernels.attention_decode_step(
-                qg.view(B, self.num_heads, 2 * self.head_dim), k, v, self.q_norm.weight.float(),
-                self.k_norm.weight.float(), cos.reshape(B, -1), sin.reshape(B, -1), cache.keys[self.layer_idx],
-                cache.values[self.layer_idx], cache.lengths_tensor(x.device), self.q_norm.eps)  # [B, H·Dh]
+            o = self.native_step(kernels, qg.view(B, -1), k.view(B, -1), v.view(B, -1), cos.reshape(B, -1),
+                                 sin.reshape(B, -1), cache)
             return self.o_proj(o.view(B, 1, -1))
         qg = qg.view(B, T, self.num_heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim:]
@@ -160,6 +157,16 @@ class GatedAttention(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=cache is None, enable_gqa=True)
         o = o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))  # [B, T, H·Dh]
         return self.o_proj(o)
+
+
+    def native_step(self, kernels, qg, k, v, cos: torch.Tensor, sin: torch.Tensor, cache: HybridCache):
+        """One token's projections (qg [B, H·2·Dh], k, v [B, Hkv·Dh]; cos, sin [B, R]) -> the gated attention output
+        [B, H·Dh] before o_proj, in one native call: norms, RoPE, the cache write, attention over the stores in
+        place, the gate."""
+        return kernels.attention_decode_step(
+            qg.view(qg.shape[0], self.num_heads, 2 * self.head_dim), k, v, self.q_norm.weight.float(),
+            self.k_norm.weight.float(), cos, sin, cache.keys[self.layer_idx], cache.values[self.layer_idx],
+            cache.lengths_tensor(qg.device), self.q_norm.eps)
 
 
 class DecoderLayer(nn.Module):
