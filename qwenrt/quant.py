@@ -181,7 +181,11 @@ class QuantLinear(nn.Module):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
         self.register_buffer("zeros", zeros)  # int4 in the stored layout only
-        self.torch_int4 = spec.bits == 4 and zeros is None
+
+    @property
+    def torch_int4(self) -> bool:
+        """int4 held in torch's packed layout (no zeros buffer: they sit in `scales`)."""
+        return self.spec.bits == 4 and self.zeros is None
 
     @classmethod
     def from_stored(cls, stored: dict[str, torch.Tensor], spec: QuantSpec, dtype: torch.dtype) -> QuantLinear:
