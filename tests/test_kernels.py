@@ -18,14 +18,11 @@ from qwenrt.ops.attention import decode_attention
 from qwenrt.ops.rope import apply_rope
 from qwenrt.quant import QuantSpec, dequantize_weight, quantize_weight
 from tests.checkpoints import VOCAB
+from tests.numerics import rel_err, teacher_forced_logits
 
 # The kernels need AVX-512 BF16 and VNNI: a real platform condition, as on CPUs without them qwenrt runs torch paths.
 needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="CPU without AVX-512 BF16/VNNI (torch paths only)")
 SHAPES = [(13, 100), (1027, 1024), (40, 1088), (512, 3584)]  # odd rows, tails of every kernel's column blocks
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
 def torch_paths_only(monkeypatch):
@@ -144,14 +141,6 @@ def test_native_attention_step_matches_torch_ops(dtype, bound):
         assert (out[b].view(H, D).float() - ref.float()).abs().max().item() < bound
     assert torch.equal(values, ref_values)  # copied as they come
     assert (keys.float() - ref_keys.float()).abs().max().item() < bound  # normed (sum order) and rotated
-
-
-def teacher_forced_logits(model, ids, prefill):
-    """Prefill ids[:, :prefill], then decode the rest one token at a time: logits [B, T - prefill + 1, V]."""
-    cache = model.new_cache(ids.shape[0])
-    out = [model(ids[:, :prefill], cache=cache, logits_to_keep=1)]
-    out += [model(ids[:, i:i + 1], cache=cache) for i in range(prefill, ids.shape[1])]
-    return torch.cat(out, 1)
 
 
 @needs_kernels

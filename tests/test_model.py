@@ -5,12 +5,9 @@ import torch
 
 import qwenrt
 from tests.checkpoints import VOCAB
+from tests.numerics import rel_err
 
 KINDS = ["dense_ckpt", "moe_ckpt", "vlm_ckpt", "published_ckpt"]
-
-
-def rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 def reference_logits(ref, ids):

@@ -9,6 +9,7 @@ import qwenrt
 from qwenrt import QwenrtError
 from qwenrt.generate import prepare_prompt
 from qwenrt.multimodal import vision_embeddings
+from tests.numerics import rel_err
 
 
 def picture(h, w, seed):
@@ -38,10 +39,6 @@ def reference_inputs(ref, prepared):
 def reference(ref, prepared):
     with torch.no_grad():
         return ref(**reference_inputs(ref, prepared)).logits
-
-
-def rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 CASES = {

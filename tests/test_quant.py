@@ -15,13 +15,10 @@ from qwenrt.errors import QwenrtError
 from qwenrt.quant import (QuantExperts, QuantLinear, QuantSpec, default_predicate, dequantize_weight, quantize_model,
                           quantize_weight)
 from tests.checkpoints import VOCAB
+from tests.numerics import rel_err, teacher_forced_logits
 
 SPECS = [QuantSpec(8), QuantSpec(4, 32), QuantSpec(4, 64), QuantSpec(4, 128)]
 PROMPTS = torch.randint(0, VOCAB, (4, 48), generator=torch.Generator().manual_seed(7))
-
-
-def rel_err(a, b):
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
@@ -87,13 +84,6 @@ def test_quantized_logits_close_to_full_precision(kind, spec, request):
     assert top1 >= min_top1 and kl <= max_kl, (top1, kl)
 
 
-def teacher_forced(model, ids, prefill):
-    """Logits at positions prefill-1 .. T-1: a prefill, then every further token as a decode step."""
-    cache = model.new_cache(ids.shape[0])
-    out = [model(ids[:, :prefill], cache=cache, logits_to_keep=1)]
-    return torch.cat(out + [model(ids[:, i:i + 1], cache=cache) for i in range(prefill, ids.shape[1])], 1)
-
-
 # The decode path (bf16 activations through the native GEMVs; int8 puts them in 16-bit fixed point), scored like
 # the test above against fp32 logits over positions 8-47. Measured (top-1 / KL): dense bf16 alone 1.00 / 2.7e-8,
 # int8 1.00 / 3.4e-8, int4 g32 1.00 / 9.2e-7; MoE bf16 alone 0.98 / 1.1e-5, int8 0.96 / 2.0e-5. Bounds: ~10x KL.
@@ -109,7 +99,7 @@ def test_quantized_decode_close_to_full_precision(kind, spec, request):
     full, _ = qwenrt.load(path, dtype="float32")
     reference = full(PROMPTS)[:, 7:]
     model, _ = qwenrt.load(path, dtype="bfloat16", quantize=spec)
-    top1, kl = logit_stats(teacher_forced(model, PROMPTS, 8), reference)
+    top1, kl = logit_stats(teacher_forced_logits(model, PROMPTS, 8), reference)
     min_top1, max_kl = DECODE_BOUNDS[kind, spec.bits if spec else None]
     assert top1 >= min_top1 and kl <= max_kl, (top1, kl)
 

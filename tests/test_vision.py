@@ -38,6 +38,7 @@ from qwenrt.vision import (
     sample_frame_indices,
 )
 from qwenrt.vision.preprocess import _normalize, _patchify, frame_timestamps, smart_resize_video
+from tests.numerics import rel_err
 
 VISION = dict(depth=2, hidden_size=64, hidden_act="gelu_pytorch_tanh", intermediate_size=96, num_heads=2,
               in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
@@ -45,10 +46,6 @@ VISION = dict(depth=2, hidden_size=64, hidden_act="gelu_pytorch_tanh", intermedi
 MIN_PIXELS, MAX_PIXELS = 64 * 64, 256 * 256  # small, so most test images are resized up or down
 IMAGE_ID, VIDEO_ID, START_ID, END_ID = 256, 257, 258, 259
 SPECIALS = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]  # ids 256..259
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
 def random_image(h: int, w: int, mode: str = "RGB", seed: int = 0):
