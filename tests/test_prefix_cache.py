@@ -208,3 +208,41 @@ def test_images_are_part_of_the_key(vlm_chat, monkeypatch):
     assert engine.prefix_cache.hit_tokens == hit  # another picture: nothing past its start is reused
     for r in requests[1:]:
         check_same(engine, rec, model, tok, r, monkeypatch, tokens)
+
+
+def test_snapshots_on_disk_survive_a_restart(chat_ckpt, chat_model, ids, tmp_path, monkeypatch, capsys):
+    model, tok, _ = chat_model
+    folder = tmp_path / "prefix"
+    first = Engine(model, tok, prefix_cache_dir=folder)
+    finish(first, [greedy(ids[:40])])
+    first.prefix_cache.store.flush()
+    files = sorted(folder.rglob("*.safetensors"))
+    assert files and not list(folder.rglob("*.tmp"))
+
+    restarted = Engine(model, tok, prefix_cache_dir=folder)  # empty memory: only the disk has them
+    rec = Recorder(restarted, monkeypatch)
+    request = greedy(ids[:40] + tok.encode(" and so on"))
+    tokens = finish(restarted, [request])
+    assert restarted.prefix_cache.hit_tokens >= 39
+    check_same(restarted, rec, model, tok, request, monkeypatch, tokens)
+
+    import qwenrt
+    other, _ = qwenrt.load(chat_ckpt[0], dtype="bfloat16")  # another dtype: another identity, never read
+    elsewhere = Engine(other, tok, prefix_cache_dir=folder)
+    finish(elsewhere, [greedy(ids[:40] + tok.encode(" and so on"))])
+    assert elsewhere.prefix_cache.hit_tokens == 0
+
+    for i, f in enumerate(files):  # cut short or flip a byte: each is ignored with a warning and removed
+        data = bytearray(f.read_bytes())
+        if i % 2:
+            data[-3] ^= 0xFF
+        f.write_bytes(bytes(data) if i % 2 else bytes(data[: len(data) // 2]))
+    capsys.readouterr()
+    broken = Engine(model, tok, prefix_cache_dir=folder)
+    request = greedy(ids[:40] + tok.encode(" again"))
+    rec = Recorder(broken, monkeypatch)
+    tokens = finish(broken, [request])
+    warnings = capsys.readouterr().err
+    assert warnings.count("ignoring and removing") == len(files) and all(not f.exists() for f in files)
+    assert broken.prefix_cache.hit_tokens == 0
+    check_same(broken, rec, model, tok, request, monkeypatch, tokens)

@@ -23,6 +23,7 @@ import torch
 
 from qwenrt.cache import deltanet_state_bytes, kv_bytes_per_token
 from qwenrt.engine.prefix_cache import PrefixCache, prompt_key
+from qwenrt.engine.prefix_store import PrefixStore, model_identity
 from qwenrt.engine.request import Request, RequestOutput, Sequence, Status, TokenLogprob
 from qwenrt.engine.runner import ModelRunner
 from qwenrt.engine.scheduler import Scheduler, SchedulerConfig
@@ -115,13 +116,15 @@ class Engine:
     tokens per step (one per decoding sequence; the rest goes to prompt chunks). memory_budget: bytes of cache
     (KV + DeltaNet state) the running sequences may reserve together (default: half the available memory).
     prefix_cache_size: bytes of prefix snapshots kept for later requests (default: a tenth of the machine's memory;
-    0: no prefix cache). snapshot_interval: prompt tokens between snapshots inside a long prompt.
+    0: no prefix cache). prefix_cache_dir: also keep the snapshots in this folder (as much again on disk), so a
+    restart keeps them. snapshot_interval: prompt tokens between snapshots inside a long prompt.
     """
 
     def __init__(self, model, tokenizer=None, *, max_running: int = DEFAULT_MAX_RUNNING,
                  max_queue: int = DEFAULT_MAX_QUEUE, max_model_len: int | None = None,
                  max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, memory_budget: int | None = None,
-                 prefix_cache_size: int | None = None, snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL):
+                 prefix_cache_size: int | None = None, prefix_cache_dir: str | None = None,
+                 snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL):
         c = model.config.text
         limit = c.max_position_embeddings
         if max_model_len is not None and _positive("max_model_len", max_model_len) > limit:
@@ -138,8 +141,8 @@ class Engine:
         size = default_prefix_cache_size() if prefix_cache_size is None else prefix_cache_size
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise QwenrtError(f"prefix_cache_size must be a number of bytes >= 0 (0 = off), got {size!r}")
-        self.prefix_cache = PrefixCache(size, list(c.full_attention_layers), list(c.linear_attention_layers),
-                                        self.kv_token_bytes) if size else None
+        store = PrefixStore(prefix_cache_dir, model_identity(model), size) if size and prefix_cache_dir else None
+        self.prefix_cache = PrefixCache(size, c, model.dtype, store) if size else None
         self.snapshot_interval = _positive("snapshot_interval", snapshot_interval)
         self._turn_token = tokenizer.token_to_id("<|im_start|>") if tokenizer is not None else None
         self.scheduler = Scheduler(SchedulerConfig(_positive("max_running", max_running),
@@ -156,10 +159,15 @@ class Engine:
 
     @classmethod
     def for_model(cls, model, tokenizer=None, **options) -> Engine:
-        """The model's default engine, made on first use (or anew with `options`); the Python API's fronts use it."""
+        """The model's default engine, made on first use (or anew with `options`) with the options `qwenrt.load` was
+        given; the Python API's fronts use it."""
         engine = _engines.get(model)
         if engine is None or engine.tokenizer is not tokenizer or options:
-            engine = _engines[model] = cls(model, tokenizer, **options)
+            options = {**getattr(model, "engine_options", {}), **options}
+            try:
+                engine = _engines[model] = cls(model, tokenizer, **options)
+            except TypeError as e:
+                raise QwenrtError(f"unknown engine option: {e}") from None
         return engine
 
     # ---- what callers use ----
@@ -319,7 +327,7 @@ class Engine:
         hit = self.prefix_cache.match(seq.key)
         if hit.length:
             self.prefix_cache.restore(hit, seq.state)
-            seq.computed = hit.length
+            seq.computed = seq.cached = hit.length
         points = {seq.prompt_len, *range(self.snapshot_interval, seq.prompt_len, self.snapshot_interval)}
         turn = _last_index(seq.prompt.ids, self._turn_token)
         if turn:  # the next chat turn's prompt repeats everything before the generation prompt

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qwenrt.cache import SequenceState
+from qwenrt.cache import SequenceState, kv_bytes_per_token
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -57,9 +57,16 @@ class Match:
 
 
 class PrefixCache:
-    def __init__(self, budget: int, full_layers: list[int], linear_layers: list[int], kv_token_bytes: int):
-        self.budget, self.kv_token_bytes = budget, kv_token_bytes
-        self.full_layers, self.linear_layers = full_layers, linear_layers
+    def __init__(self, budget: int, config, kv_dtype: torch.dtype, store=None):
+        c = config
+        self.budget, self.store = budget, store  # store: a PrefixStore (snapshots on disk) or None
+        self.full_layers, self.linear_layers = list(c.full_attention_layers), list(c.linear_attention_layers)
+        self.kv_token_bytes = kv_bytes_per_token(c, kv_dtype)
+        self.shapes = {"conv": (len(self.linear_layers), c.conv_dim, c.linear_conv_kernel_dim - 1),
+                       "recurrent": (len(self.linear_layers), c.linear_num_value_heads, c.linear_key_head_dim,
+                                     c.linear_value_head_dim),
+                       "kv": (len(self.full_layers), 2, c.num_key_value_heads, c.head_dim), "kv_dtype": kv_dtype,
+                       "vocab": c.vocab_size}
         self.root = _Node((), None, None, 0)
         self.nbytes = 0
         self._lru: OrderedDict[int, _Node] = OrderedDict()  # nodes with a snapshot, least recently used first
@@ -71,7 +78,20 @@ class PrefixCache:
     # ---- lookup ----
 
     def match(self, key: list[int]) -> Match:
-        """The deepest snapshot along `key`: one before its end, or at its end when it kept the last logits."""
+        """The deepest snapshot along `key` (in memory, else on disk): one before its end, or at its end when it
+        kept the last logits."""
+        found = self._match(key)
+        if self.store is not None and self._load(key, found.length):
+            found = self._match(key)
+        self.queries += 1
+        self.query_tokens += len(key)
+        if found.node is not None:
+            self.hits += 1
+            self.hit_tokens += found.length
+            self._touch(found.node)
+        return found
+
+    def _match(self, key: list[int]) -> Match:
         node, pos, best = self.root, 0, (0, None)
         while pos < len(key):
             child = node.children.get(key[pos])
@@ -84,13 +104,29 @@ class PrefixCache:
             node = child
             if node.has_snapshot and (pos < len(key) or node.logits is not None):
                 best = (pos, node)
-        self.queries += 1
-        self.query_tokens += len(key)
-        if best[1] is not None:
-            self.hits += 1
-            self.hit_tokens += best[0]
-            self._touch(best[1])
         return Match(best[0], best[1], pos)
+
+    def _load(self, key: list[int], longer_than: int) -> bool:
+        """Bring the longest usable disk snapshot longer than `longer_than` into memory; True when one came."""
+        for n, digest in self.store.candidates(key, longer_than):
+            t = self.store.read(digest, key)
+            if t is None or (n == len(key) and "logits" not in t):
+                continue
+            if not self._fits(t, n):
+                self.store.discard(digest, "its shapes do not fit this model")
+                continue
+            kv = t.get("kv")
+            self._insert(key[:n], lambda a, b: kv[:, :, :, a:b].clone(), t["conv"], t["recurrent"], t.get("logits"))
+            return True
+        return False
+
+    def _fits(self, t: dict[str, torch.Tensor], n: int) -> bool:
+        s = self.shapes
+        return (tuple(t["conv"].shape) == s["conv"] and t["conv"].dtype == torch.float32
+                and tuple(t["recurrent"].shape) == s["recurrent"] and t["recurrent"].dtype == torch.float32
+                and (not self.full_layers or (tuple(t["kv"].shape) == (*s["kv"][:3], n, s["kv"][3])
+                                              and t["kv"].dtype == s["kv_dtype"]))
+                and ("logits" not in t or tuple(t["logits"].shape) == (s["vocab"],)))
 
     def restore(self, match: Match, state: SequenceState) -> None:
         """Put the matched prefix into a fresh sequence cache: KV of every edge on the path, then the snapshot."""
@@ -115,18 +151,32 @@ class PrefixCache:
 
     def insert(self, key: list[int], state: SequenceState, logits: torch.Tensor | None = None) -> None:
         """Snapshot a sequence whose cache holds exactly the tokens of `key` (and its last logits [V], if given)."""
-        L = len(key)
-        if L == 0 or L != state.length:
+        if not key or len(key) != state.length:
             return
-        if logits is not None and self._state_bytes(state, logits) > self.budget:
+        conv = torch.cat([state.conv[i] for i in self.linear_layers])  # [Ll, C, K-1]
+        recurrent = torch.cat([state.recurrent[i] for i in self.linear_layers])  # [Ll, Hv, Dk, Dv]
+        logits = None if logits is None else logits.detach().reshape(-1).float().clone()
+        self._insert(key, lambda a, b: self._kv_slice(state, a, b), conv, recurrent, logits)
+        if self.store is not None:
+            tensors = {"conv": conv, "recurrent": recurrent, **({} if logits is None else {"logits": logits})}
+            if self.full_layers:
+                tensors["kv"] = self._kv_slice(state, 0, len(key))
+            self.store.write(key, tensors)
+
+    def _insert(self, key: list[int], kv, conv: torch.Tensor, recurrent: torch.Tensor,
+                logits: torch.Tensor | None) -> None:
+        """Add key's path (edges' KV from kv(start, end) -> [Lf, 2, Hkv, n, Dh]) and a snapshot at its end."""
+        L = len(key)
+        snapshot = _nbytes(conv) + _nbytes(recurrent)
+        if logits is not None and snapshot + _nbytes(logits) > self.budget:
             logits = None  # the snapshot may still fit without them
         node, pos = self.root, 0
         while pos < L:
             child = node.children.get(key[pos])
             if child is None:
-                if (L - pos) * self.kv_token_bytes + self._state_bytes(state, logits) > self.budget:
+                if (L - pos) * self.kv_token_bytes + snapshot > self.budget:
                     return  # would not fit even alone
-                child = _Node(tuple(key[pos:L]), self._kv_slice(state, pos, L), node, L)
+                child = _Node(tuple(key[pos:L]), kv(pos, L) if self.full_layers else None, node, L)
                 node.children[key[pos]] = child
                 self.nbytes += _nbytes(child.kv)
                 node, pos = child, L
@@ -136,14 +186,13 @@ class PrefixCache:
                 child = self._split(child, n)
             node, pos = child, pos + n
         if not node.has_snapshot:
-            if self._state_bytes(state, logits) > self.budget:
+            if snapshot > self.budget:
                 return
-            node.conv = torch.cat([state.conv[i] for i in self.linear_layers])  # [Ll, C, K-1]
-            node.recurrent = torch.cat([state.recurrent[i] for i in self.linear_layers])  # [Ll, Hv, Dk, Dv]
-            self.nbytes += _nbytes(node.conv) + _nbytes(node.recurrent)
+            node.conv, node.recurrent = conv.clone(), recurrent.clone()
+            self.nbytes += snapshot
         if logits is not None and node.logits is None:
-            node.logits = logits.detach().reshape(-1).float().clone()
-            self.nbytes += _nbytes(node.logits)
+            node.logits = logits
+            self.nbytes += _nbytes(logits)
         self._touch(node)
         self._evict(keep=node)
 
@@ -166,10 +215,6 @@ class PrefixCache:
             return None
         return torch.stack([torch.stack([state.keys[i][0, :, start:end], state.values[i][0, :, start:end]])
                             for i in self.full_layers])  # [Lf, 2, Hkv, n, Dh]
-
-    def _state_bytes(self, state: SequenceState, logits: torch.Tensor | None) -> int:
-        return sum(_nbytes(state.conv[i]) + _nbytes(state.recurrent[i]) for i in self.linear_layers) + (
-            0 if logits is None else logits.numel() * 4)
 
     def _touch(self, node: _Node) -> None:
         if node.has_snapshot:

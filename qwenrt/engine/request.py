@@ -61,6 +61,7 @@ class RequestOutput:
     time: float  # when this output was made
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when the request asked for them
     error: str | None = None  # finish_reason "error": what went wrong
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of computed
 
     @property
     def finished(self) -> bool:
@@ -84,6 +85,7 @@ class Sequence:
         self.status = Status.WAITING
         self.state: SequenceState | None = None  # allocated when admitted, dropped when finished
         self.computed = 0  # prompt tokens in the cache
+        self.cached = 0  # of which restored from the prefix cache
         self.tokens: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
@@ -147,4 +149,4 @@ class Sequence:
                error: str | None = None) -> RequestOutput:
         return RequestOutput(self.request_id, text, token_ids, self.finish_reason, self.prompt_len, len(self.tokens),
                              self.arrival_time, self.first_token_time, self.prefill_start_time, time.perf_counter(),
-                             logprobs, error)
+                             logprobs, error, self.cached)
