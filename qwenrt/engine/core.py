@@ -40,26 +40,27 @@ MIN_BRANCH_GAIN = 32  # a shared prefix found as KV only gets its own snapshot w
 _engines = weakref.WeakKeyDictionary()  # model -> its default engine (Engine.for_model)
 
 
-def default_memory_budget() -> int:
-    """Half the memory available now (the weights are loaded by then), at least 1 GiB; 4 GiB where unknown."""
+def _meminfo(field: str) -> int | None:
+    """A /proc/meminfo figure in bytes (MemTotal, MemAvailable), None where unknown."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return max(1 << 30, int(line.split()[1]) * 1024 // 2)
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return 4 << 30
+    return None
+
+
+def default_memory_budget() -> int:
+    """Half the memory available now (the weights are loaded by then), at least 1 GiB; 4 GiB where unknown."""
+    available = _meminfo("MemAvailable")
+    return 4 << 30 if available is None else max(1 << 30, available // 2)
 
 
 def default_prefix_cache_size() -> int:
     """A tenth of the machine's memory, at most 8 GiB; 1 GiB where unknown."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return min(8 << 30, int(line.split()[1]) * 1024 // 10)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 1 << 30
+    total = _meminfo("MemTotal")
+    return 1 << 30 if total is None else min(8 << 30, total // 10)
 
 
 def _last_index(ids: list[int], token: int | None) -> int:
