@@ -270,3 +270,17 @@ def test_leaving_a_stream_early_cancels(chat_model):
         if i == 2:
             break
     assert engine.num_running == 0 and not engine.has_work
+
+
+def test_prompt_chunks_follow_the_step_target(chat_model, monkeypatch):
+    """After the first chunk has measured the prefill speed, chunks are sized to the step target (at least one
+    DeltaNet chunk); without a target, to max_batched_tokens."""
+    model, tok, _ = chat_model
+    prompt = tok.encode("word " * 700)[:700]
+    for target, expected in ((1e-6, [512, 64, 64, 60]), (None, [512, 188])):
+        engine = Engine(model, tok, step_target=target, snapshot_interval=10**6)
+        chunks = []
+        real = engine.runner.prefill
+        monkeypatch.setattr(engine.runner, "prefill", lambda seq, n: chunks.append(n) or real(seq, n))
+        run(engine, {0: [greedy(prompt, 2)]})
+        assert chunks == expected

@@ -33,7 +33,9 @@ from qwenrt.sampling import TokenCounts, sample
 
 DEFAULT_MAX_RUNNING = 8
 DEFAULT_MAX_QUEUE = 256
-DEFAULT_MAX_BATCHED_TOKENS = 256  # per step: bounds how long running streams wait while a long prompt prefills
+DEFAULT_MAX_BATCHED_TOKENS = 512  # per step at most
+DEFAULT_STEP_TARGET = 0.5  # seconds: prompt chunks are sized so a step takes about this long (streams keep flowing)
+MIN_CHUNK = 64  # prompt tokens per step at least (one DeltaNet chunk), whatever the step target
 MAX_LOGPROBS = 20
 DEFAULT_SNAPSHOT_INTERVAL = 1024  # prompt tokens between prefix-cache snapshots inside a long prompt
 MIN_BRANCH_GAIN = 32  # a shared prefix found as KV only gets its own snapshot when it is at least this long
@@ -114,7 +116,10 @@ class Engine:
 
     max_running: sequences decoded together at most. max_queue: requests waiting at most (more are refused with
     QueueFullError). max_model_len: context limit of every request (default: the model's). max_batched_tokens:
-    tokens per step (one per decoding sequence; the rest goes to prompt chunks). memory_budget: bytes of cache
+    tokens per step at most (one per decoding sequence; the rest goes to prompt chunks). step_target: seconds a step
+    should take: prompt chunks are sized from the measured prefill speed so that running streams keep producing
+    tokens and a new request's first token does not wait long behind a long prompt (None: always
+    max_batched_tokens). memory_budget: bytes of cache
     (KV + DeltaNet state) the running sequences may reserve together (default: half the available memory).
     prefix_cache_size: bytes of prefix snapshots kept for later requests (default: a tenth of the machine's memory;
     0: no prefix cache). prefix_cache_dir: also keep the snapshots in this folder (as much again on disk), so a
@@ -123,7 +128,8 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, *, max_running: int = DEFAULT_MAX_RUNNING,
                  max_queue: int = DEFAULT_MAX_QUEUE, max_model_len: int | None = None,
-                 max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, memory_budget: int | None = None,
+                 max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, step_target: float | None = DEFAULT_STEP_TARGET,
+                 memory_budget: int | None = None,
                  prefix_cache_size: int | None = None, prefix_cache_dir: str | None = None,
                  snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL):
         c = model.config.text
@@ -145,6 +151,10 @@ class Engine:
         store = PrefixStore(prefix_cache_dir, model_identity(model), size) if size and prefix_cache_dir else None
         self.prefix_cache = PrefixCache(size, c, model.dtype, store) if size else None
         self.snapshot_interval = _positive("snapshot_interval", snapshot_interval)
+        if step_target is not None and not (isinstance(step_target, (int, float)) and step_target > 0):
+            raise QwenrtError(f"step_target must be a number of seconds > 0 (or None), got {step_target!r}")
+        self.step_target = step_target
+        self._prefill_rate: float | None = None  # prompt tokens per second, a moving average
         self._turn_token = tokenizer.token_to_id("<|im_start|>") if tokenizer is not None else None
         self.scheduler = Scheduler(SchedulerConfig(_positive("max_running", max_running),
                                                    _positive("max_batched_tokens", max_batched_tokens),
@@ -305,7 +315,7 @@ class Engine:
         try:
             for seq in list(involved):
                 self._run(outputs, [seq], lambda s=seq: self._start(s, outputs))
-            plan = self.scheduler.schedule()
+            plan = self.scheduler.schedule(self._step_tokens())
             involved += plan.decode + [s for s, _ in plan.prefill]
             if plan.decode:
                 self._run(outputs, plan.decode, lambda: self._decode(plan.decode, outputs))
@@ -318,6 +328,12 @@ class Engine:
                     self._fail(seq, outputs, "interrupted")
             raise
         return outputs
+
+    def _step_tokens(self) -> int:
+        """This step's token budget: what the measured prefill speed does in step_target seconds."""
+        if self.step_target is None or self._prefill_rate is None:
+            return self.scheduler.config.max_batched_tokens
+        return max(MIN_CHUNK, int(self._prefill_rate * self.step_target))
 
     def _start(self, seq: Sequence, outputs: list) -> None:
         """Give an admitted sequence its cache, restoring the longest cached prefix of its prompt; choose where its
@@ -362,9 +378,13 @@ class Engine:
             self._run(outputs, [seq], lambda s=seq, row=logits[b:b + 1]: self._sample(s, row, outputs))
 
     def _prefill(self, seq: Sequence, n: int, outputs: list) -> None:
+        start = time.perf_counter()
         if seq.prefill_start_time is None:
-            seq.prefill_start_time = time.perf_counter()
+            seq.prefill_start_time = start
         logits = self.runner.prefill(seq, n)
+        if n >= MIN_CHUNK // 2:  # short chunks say more about fixed costs than about speed
+            rate = n / max(time.perf_counter() - start, 1e-6)
+            self._prefill_rate = rate if self._prefill_rate is None else 0.7 * self._prefill_rate + 0.3 * rate
         if self.prefix_cache is not None and seq.computed in seq.snapshots:
             self.prefix_cache.insert(seq.key[:seq.computed], seq.state, logits)
         if logits is not None:

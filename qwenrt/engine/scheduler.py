@@ -18,7 +18,7 @@ from qwenrt.engine.request import Sequence, Status
 @dataclass
 class SchedulerConfig:
     max_running: int  # sequences decoded together at most
-    max_batched_tokens: int  # tokens per step: one per decoding sequence, the rest for prompt chunks
+    max_batched_tokens: int  # tokens per step at most: one per decoding sequence, the rest for prompt chunks
     memory_budget: int  # bytes of cache (KV + DeltaNet state) all running sequences may reserve together
 
 
@@ -62,11 +62,11 @@ class Scheduler:
             admitted.append(seq)
         return admitted
 
-    def schedule(self) -> Schedule:
-        """Every decoding sequence one token; prompt chunks, shortest remaining prompt first, within the rest of the
-        token budget, each request's chunk limit and up to its next snapshot point."""
+    def schedule(self, tokens: int) -> Schedule:
+        """Every decoding sequence one token; prompt chunks, shortest remaining prompt first, within the rest of
+        `tokens` (this step's budget), each request's chunk limit and up to its next snapshot point."""
         plan = Schedule(decode=[s for s in self.running if not s.prefilling])
-        budget = self.config.max_batched_tokens - len(plan.decode)
+        budget = min(tokens, self.config.max_batched_tokens) - len(plan.decode)
         # short prompts first: a short request's first token does not wait for a long prompt's prefill
         for seq in sorted((s for s in self.running if s.prefilling), key=lambda s: s.prompt_len - s.computed):
             if budget <= 0:
