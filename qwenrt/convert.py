@@ -18,7 +18,7 @@ import torch
 from qwenrt.checkpoint import INDEX_FILE, materialize
 from qwenrt.errors import QwenrtError
 from qwenrt.loader import STORED_DTYPES, verify_checkpoint
-from qwenrt.quant import QuantSpec, plan_units, quantize_weight, shared_sources, storage_entries, stored_spec
+from qwenrt.quant import QuantSpec, plan_units, quantize_weight, storage_entries, stored_spec
 from qwenrt.writer import Entry, aligned_order, write_safetensors
 
 
@@ -40,7 +40,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int, group_size:
         raise QwenrtError(f"{src}: already quantized")
     units, kept = plan_units(model, spec)
     sources = {path: src_name for weights in units.values() for path, (src_name, _) in weights.items()}
-    replaced = set(sources.values()) - shared_sources(model, units)  # a tied head's embedding stays, for the lookup
+    replaced = set(sources.values())  # a tied embedding included: its lookup reads the quantized head
 
     def first_name(name):
         source = plan[name]

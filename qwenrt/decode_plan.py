@@ -65,7 +65,7 @@ class DecodePlan:
     def __init__(self, model: nn.Module, kernels, layers: list[_Layer], head):
         text = model.model
         self.kernels, self.layers, self.head = kernels, layers, head
-        self.embed, self.final_norm, self.eps = text.embed_tokens.weight, text.norm.weight, text.norm.eps
+        self.embed, self.final_norm, self.eps = text.embed_tokens, text.norm.weight, text.norm.eps
 
     @classmethod
     def build(cls, model: nn.Module, kernels) -> DecodePlan | None:
@@ -106,7 +106,7 @@ class DecodePlan:
         The caller reserves room in the cache and advances it afterwards, as for the modules' forward.
         """
         k, eps = self.kernels, self.eps
-        x = self.embed.index_select(0, input_ids.reshape(-1))  # [B, D]
+        x = self.embed(input_ids.reshape(-1))  # [B, D]
         delta = None  # the previous layer's MLP output, added in the next norm
         for layer in self.layers:
             x, h = k.rms_norm(x, delta, layer.input_norm, eps)
