@@ -7,23 +7,34 @@ import time
 
 from qwenrt.errors import QwenrtError
 from qwenrt.generate import GenerationResponse, stream_generate
-from qwenrt.loader import load
+from qwenrt.loader import load, resolve_device, resolve_dtype
 from qwenrt.parsing import parse_completion
 from qwenrt.sampling import SamplingParams
+from qwenrt.validation import check_max_context, check_text
+from qwenrt.vision.media import DEFAULT_POLICY, preflight_media
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "seed", "stop")
 
 
-def load_for_cli(source: str, dtype: str, device: str):
+def load_for_cli(source: str, dtype: str, device: str, check_finite: bool = True):
     """Load with progress and timing on stderr."""
     start = time.perf_counter()
     print(f"loading {source} …", file=sys.stderr, flush=True)
-    model, tokenizer = load(source, dtype=dtype, device=device, progress=True)
+    model, tokenizer = load(source, dtype=dtype, device=device, progress=True, check_finite=check_finite)
     c = model.config.text
     print(f"loaded {c.num_hidden_layers}-layer {'MoE ' if c.is_moe else ''}model ({model.dtype}) in "
           f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return model, tokenizer
+
+
+def check_options(sampling: dict, device: str, dtype: str, media: list = ()) -> None:
+    """What can be refused before the model loads: sampling values, the device, the dtype, local media files."""
+    SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
+    resolve_device(device)
+    resolve_dtype(dtype, None)
+    for source in media:
+        preflight_media(source, DEFAULT_POLICY)
 
 
 def sampling_params(options: dict, tokenizer) -> SamplingParams:
@@ -67,16 +78,22 @@ def user_message(text: str, images: list[str], videos: list[str]) -> dict:
 
 def run(source: str, prompt: str, *, raw: bool, system: str | None, thinking: bool | None, dtype: str, device: str,
         prefill_chunk: int, max_context: int | None, sampling: dict, images: list[str] = (),
-        videos: list[str] = ()) -> None:
+        videos: list[str] = (), check_finite: bool = True) -> None:
     """`qwenrt run`: stream one answer to stdout; load progress and a stats line go to stderr."""
     if prompt == "-":
-        prompt = sys.stdin.read()
+        try:
+            prompt = sys.stdin.read()
+        except UnicodeDecodeError as e:
+            raise QwenrtError(f"the prompt on stdin is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    check_text(prompt, "the prompt")
     if raw and (images or videos):
         raise QwenrtError("--image/--video need the chat template; drop --raw")
-    model, tokenizer = load_for_cli(source, dtype, device)
+    check_options(sampling, device, dtype, [*images, *videos])
+    model, tokenizer = load_for_cli(source, dtype, device, check_finite)
     if tokenizer is None:
         raise QwenrtError(f"{source}: the checkpoint has no tokenizer.json; text prompts need one")
     params = sampling_params(sampling, tokenizer)
+    check_max_context(max_context, model.config.text.max_position_embeddings)
     if not raw:
         prompt = ([{"role": "system", "content": system}] if system else []) + [user_message(prompt, images, videos)]
     last = _stream(model, tokenizer, prompt, params, thinking, prefill_chunk, max_context, [])
@@ -88,12 +105,14 @@ CHAT_HELP = "commands: /reset (forget the conversation), /thinking on|off, /exit
 
 
 def chat(source: str, *, system: str | None, thinking: bool | None, dtype: str, device: str, prefill_chunk: int,
-         max_context: int | None, sampling: dict) -> None:
+         max_context: int | None, sampling: dict, check_finite: bool = True) -> None:
     """`qwenrt chat`: a multi-turn session on the terminal."""
-    model, tokenizer = load_for_cli(source, dtype, device)
+    check_options(sampling, device, dtype)
+    model, tokenizer = load_for_cli(source, dtype, device, check_finite)
     if tokenizer is None:
         raise QwenrtError(f"{source}: the checkpoint has no tokenizer.json; chat needs one")
     params = sampling_params(sampling, tokenizer)
+    check_max_context(max_context, model.config.text.max_position_embeddings)
     start = [{"role": "system", "content": system}] if system else []
     history = list(start)
     print(CHAT_HELP, file=sys.stderr)
@@ -105,6 +124,9 @@ def chat(source: str, *, system: str | None, thinking: bool | None, dtype: str, 
             return
         except KeyboardInterrupt:
             print(file=sys.stderr)
+            continue
+        except UnicodeDecodeError as e:  # the session goes on
+            print(f"error: that line is not valid UTF-8 ({e.reason})", file=sys.stderr)
             continue
         command = line.strip()
         if not command:

@@ -64,7 +64,7 @@ def read_text(path: Path, limit: int = JSON_LIMIT, what: str = "file") -> str:
     try:
         return read_bytes(path, limit, what).decode("utf-8")
     except UnicodeDecodeError as e:
-        raise QwenrtError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise QwenrtError(f"cannot read {what} {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def _no_constant(name: str):
