@@ -96,7 +96,7 @@ def _tensor_entry(file: Path, name, info) -> tuple[str, tuple[int, ...], int, in
     if not isinstance(name, str) or not name or not isinstance(info, dict):
         raise QwenrtError(f"{bad} is not a name with an object")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in DTYPE_BYTES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
         raise QwenrtError(f"{bad} has unknown dtype {dtype!r}")
     if (not isinstance(shape, list) or len(shape) > MAX_RANK
             or not all(type(n) is int and 0 <= n < 1 << 48 for n in shape)):

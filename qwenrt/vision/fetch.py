@@ -112,13 +112,13 @@ def _connect(parts: urllib.parse.SplitResult, policy, deadline: float, what: str
     raise QwenrtError(f"could not download {what}: cannot connect to {parts.hostname} ({error})")
 
 
-def _read_body(conn, response: http.client.HTTPResponse, policy, deadline: float, what: str) -> bytes:
+def _read_body(sock: socket.socket, response: http.client.HTTPResponse, policy, deadline: float, what: str) -> bytes:
     length = response.getheader("Content-Length")
     if length is not None and length.isdigit() and int(length) > policy.max_bytes:
         raise QwenrtError(f"{what} is {int(length)} bytes; the limit is {policy.max_bytes}")
     chunks, total = [], 0
     while True:
-        conn.sock.settimeout(_remaining(deadline, what))  # each read waits at most what is left of the whole
+        sock.settimeout(_remaining(deadline, what))  # each read waits at most what is left of the whole
         chunk = response.read1(CHUNK)
         if not chunk:
             return b"".join(chunks)
@@ -137,13 +137,14 @@ def fetch(url: str, policy, what: str) -> bytes:
         try:
             target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
             conn.request("GET", target, headers={"User-Agent": "qwenrt", "Accept": "image/*, */*"})
+            sock = conn.sock  # the response keeps reading it after the connection lets go of it
             response = conn.getresponse()
             if response.status in REDIRECTS and response.getheader("Location"):
                 url = urllib.parse.urljoin(url, response.getheader("Location"))
                 continue
             if response.status != 200:
                 raise QwenrtError(f"could not download {what}: HTTP {response.status} {response.reason}")
-            return _read_body(conn, response, policy, deadline, what)
+            return _read_body(sock, response, policy, deadline, what)
         except TimeoutError:  # a read waited for the rest of the deadline
             raise QwenrtError(f"could not download {what}: it took longer than the download limit "
                               f"({policy.download_seconds:g} s)") from None

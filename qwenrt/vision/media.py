@@ -12,6 +12,7 @@ import binascii
 import io
 import os
 import stat
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,7 +140,9 @@ def _source_bytes(source: str | os.PathLike, policy: MediaPolicy) -> bytes:
 def _decode(data: bytes, what: str, policy: MediaPolicy):
     PIL = _pil()
     try:
-        image = PIL.Image.open(io.BytesIO(data))
+        with warnings.catch_warnings():  # the policy's pixel limit below is the one that applies
+            warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
+            image = PIL.Image.open(io.BytesIO(data))
         if image.width * image.height > policy.max_pixels:  # known from the header, before any pixel is decoded
             raise QwenrtError(f"image {what} is {image.width}x{image.height} pixels; the limit is "
                               f"{policy.max_pixels} pixels")
