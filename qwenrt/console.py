@@ -7,6 +7,8 @@ import time
 
 from qwenrt.errors import QwenrtError
 from qwenrt.generate import GenerationResponse, stream_generate
+from qwenrt.config import load_config
+from qwenrt.hub import resolve_model_path
 from qwenrt.loader import load, resolve_device, resolve_dtype
 from qwenrt.parsing import parse_completion
 from qwenrt.sampling import SamplingParams
@@ -28,13 +30,17 @@ def load_for_cli(source: str, dtype: str, device: str, check_finite: bool = True
     return model, tokenizer
 
 
-def check_options(sampling: dict, device: str, dtype: str, media: list = ()) -> None:
-    """What can be refused before the model loads: sampling values, the device, the dtype, local media files."""
+def check_options(source: str, sampling: dict, device: str, dtype: str, max_context: int | None, media: list = ()):
+    """What can be refused before the weights load: sampling values, the device, the dtype, local media files, the
+    context limit against the checkpoint's config. Returns the checkpoint directory (a hub id resolved)."""
     SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
     resolve_device(device)
     resolve_dtype(dtype, None)
-    for source in media:
-        preflight_media(source, DEFAULT_POLICY)
+    for item in media:
+        preflight_media(item, DEFAULT_POLICY)
+    path = resolve_model_path(source)
+    check_max_context(max_context, load_config(path).text.max_position_embeddings)
+    return path
 
 
 def sampling_params(options: dict, tokenizer) -> SamplingParams:
@@ -88,12 +94,11 @@ def run(source: str, prompt: str, *, raw: bool, system: str | None, thinking: bo
     check_text(prompt, "the prompt")
     if raw and (images or videos):
         raise QwenrtError("--image/--video need the chat template; drop --raw")
-    check_options(sampling, device, dtype, [*images, *videos])
-    model, tokenizer = load_for_cli(source, dtype, device, check_finite)
+    path = check_options(source, sampling, device, dtype, max_context, [*images, *videos])
+    model, tokenizer = load_for_cli(path, dtype, device, check_finite)
     if tokenizer is None:
         raise QwenrtError(f"{source}: the checkpoint has no tokenizer.json; text prompts need one")
     params = sampling_params(sampling, tokenizer)
-    check_max_context(max_context, model.config.text.max_position_embeddings)
     if not raw:
         prompt = ([{"role": "system", "content": system}] if system else []) + [user_message(prompt, images, videos)]
     last = _stream(model, tokenizer, prompt, params, thinking, prefill_chunk, max_context, [])
@@ -107,14 +112,15 @@ CHAT_HELP = "commands: /reset (forget the conversation), /thinking on|off, /exit
 def chat(source: str, *, system: str | None, thinking: bool | None, dtype: str, device: str, prefill_chunk: int,
          max_context: int | None, sampling: dict, check_finite: bool = True) -> None:
     """`qwenrt chat`: a multi-turn session on the terminal."""
-    check_options(sampling, device, dtype)
-    model, tokenizer = load_for_cli(source, dtype, device, check_finite)
+    path = check_options(source, sampling, device, dtype, max_context)
+    model, tokenizer = load_for_cli(path, dtype, device, check_finite)
     if tokenizer is None:
         raise QwenrtError(f"{source}: the checkpoint has no tokenizer.json; chat needs one")
     params = sampling_params(sampling, tokenizer)
-    check_max_context(max_context, model.config.text.max_position_embeddings)
     start = [{"role": "system", "content": system}] if system else []
     history = list(start)
+    if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is refused as a turn, not fatal to the session
+        sys.stdin.reconfigure(errors="surrogateescape")
     print(CHAT_HELP, file=sys.stderr)
     while True:
         try:

@@ -29,9 +29,8 @@ def check_text(text: Any, what: str = "prompt text") -> str:
 
 def check_token_ids(ids: Any, vocab_size: int = TOKEN_ID_LIMIT, what: str = "token ids") -> list[int]:
     """A list of integers in [0, vocab_size) (numpy and torch integers accepted; bools and floats refused)."""
-    if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):  # a tensor or an array
-        ids = ids.tolist()
-        ids = ids if isinstance(ids, list) else [ids]
+    if hasattr(ids, "reshape") and hasattr(ids, "tolist"):  # a tensor or an array, of any rank
+        ids = ids.reshape(-1).tolist()
     if not isinstance(ids, (list, tuple)):
         raise QwenrtError(f"{what} must be a list of integers, got {type(ids).__name__}")
     out = []
@@ -99,7 +98,7 @@ def check_prompt(prompt: Any, vocab_size: int) -> None:
         check_text(prompt)
         if not prompt:
             raise QwenrtError("the prompt is empty")
-    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, Mapping) for m in prompt):
+    elif isinstance(prompt, (list, tuple)) and any(isinstance(m, Mapping) for m in prompt):
         check_messages(prompt)
     elif isinstance(prompt, (list, tuple)) or hasattr(prompt, "tolist"):
         if not check_token_ids(prompt, vocab_size, "prompt token ids"):
