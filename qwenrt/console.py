@@ -30,14 +30,15 @@ def load_for_cli(source: str, dtype: str, device: str, check_finite: bool = True
     return model, tokenizer
 
 
-def check_options(source: str, sampling: dict, device: str, dtype: str, max_context: int | None, media: list = ()):
+def check_options(source: str, sampling: dict, device: str, dtype: str, max_context: int | None,
+                  media: list[tuple[str, str]] = ()):
     """What can be refused before the weights load: sampling values, the device, the dtype, local media files, the
     context limit against the checkpoint's config. Returns the checkpoint directory (a hub id resolved)."""
     SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
     resolve_device(device)
     resolve_dtype(dtype, None)
-    for item in media:
-        preflight_media(item, DEFAULT_POLICY)
+    for kind, item in media:  # ("image" | "video", source)
+        preflight_media(item, DEFAULT_POLICY, kind)
     path = resolve_model_path(source)
     check_max_context(max_context, load_config(path).text.max_position_embeddings)
     return path
@@ -94,7 +95,8 @@ def run(source: str, prompt: str, *, raw: bool, system: str | None, thinking: bo
     check_text(prompt, "the prompt")
     if raw and (images or videos):
         raise QwenrtError("--image/--video need the chat template; drop --raw")
-    path = check_options(source, sampling, device, dtype, max_context, [*images, *videos])
+    path = check_options(source, sampling, device, dtype, max_context,
+                         [("image", i) for i in images] + [("video", v) for v in videos])
     model, tokenizer = load_for_cli(path, dtype, device, check_finite)
     if tokenizer is None:
         raise QwenrtError(f"{source}: the checkpoint has no tokenizer.json; text prompts need one")
