@@ -22,7 +22,7 @@ from torch import nn
 
 from qwenrt.errors import QwenrtError
 from qwenrt.kernels import cpu_kernels
-from qwenrt.model import Experts, dispatch_experts
+from qwenrt.mlp import Experts, dispatch_experts
 from qwenrt.ops.linear import MAX_KERNEL_ROWS
 
 BITS = (8, 4)

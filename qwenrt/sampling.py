@@ -43,6 +43,7 @@ class SamplingParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # keep generating past end-of-sequence tokens (stop_token_ids still stop)
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
@@ -76,6 +77,8 @@ class SamplingParams:
         if not all(_is_int(i) and i >= 0 for i in ids):
             raise QwenrtError(f"stop_token_ids must be integers >= 0, got {ids!r}")
         object.__setattr__(self, "stop_token_ids", ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise QwenrtError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:
