@@ -23,7 +23,6 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 STORED_DTYPES = {**SAFETENSORS_DTYPES, "I8": torch.int8, "U8": torch.uint8}
-FINITE_SLICE = 1 << 22  # elements per NaN/Inf check (what the exact check's temporary holds)
 VISUAL_PREFIX = "model.visual."
 
 
@@ -125,17 +124,15 @@ def verify_checkpoint(path: str | Path):
 
 
 def scan_finite(where, name: str, tensor: torch.Tensor) -> None:
-    """Refuse a weight holding NaN or ±Inf: it would silently poison every output. Scanned in bounded slices."""
-    if not tensor.is_floating_point():
+    """Refuse a weight holding NaN or ±Inf: it would silently poison every output. One pass: NaN and ±Inf show in
+    the minimum or the maximum (aminmax propagates NaN), the fastest exact reduction torch has on the CPU."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
         return
-    flat = tensor.reshape(-1)
-    for start in range(0, flat.numel(), FINITE_SLICE):
-        piece = flat[start:start + FINITE_SLICE]
-        # a sum is NaN/Inf when an entry is (fast); only then the exact elementwise check (a huge sum can overflow)
-        if not bool(torch.isfinite(piece.sum(dtype=torch.float32))) and not bool(torch.isfinite(piece).all()):
-            bad = int((~torch.isfinite(flat)).sum())
-            raise QwenrtError(f"{where}: tensor '{name}' holds {bad} NaN/Inf value(s) in {tensor.dtype} "
-                              "(load with check_finite=False / --no-finite-check to skip this scan)")
+    if all(bool(torch.isfinite(v)) for v in torch.aminmax(tensor)):
+        return
+    bad = int((~torch.isfinite(tensor)).sum())
+    raise QwenrtError(f"{where}: tensor '{name}' holds {bad} NaN/Inf value(s) in {tensor.dtype} "
+                      "(load with check_finite=False / --no-finite-check to skip this scan)")
 
 
 def resolve_device(device) -> torch.device:
