@@ -133,9 +133,6 @@ def chat(source: str, *, system: str | None, thinking: bool | None, dtype: str, 
         except KeyboardInterrupt:
             print(file=sys.stderr)
             continue
-        except UnicodeDecodeError as e:  # the session goes on
-            print(f"error: that line is not valid UTF-8 ({e.reason})", file=sys.stderr)
-            continue
         command = line.strip()
         if not command:
             continue

@@ -8,7 +8,6 @@ Hugging Face cache repo the checkpoint is a snapshot of (`models--org--name/snap
 from __future__ import annotations
 
 import json
-import math
 import os
 import stat
 from pathlib import Path, PurePosixPath
@@ -83,10 +82,6 @@ def read_json(path: Path, limit: int = JSON_LIMIT, what: str = "file", expect=di
     return value
 
 
-def finite_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 class CheckpointDir:
     """A checkpoint directory and the places its files may live."""
 
@@ -97,12 +92,12 @@ class CheckpointDir:
                 raise QwenrtError(f"{self.path}: not a directory")
             self.root = self.path.resolve(strict=True)
             os.listdir(self.root)
+            self.roots = [self.root]
+            blobs = self.root.parent.parent / "blobs"
+            if self.root.parent.name == "snapshots" and blobs.is_dir():  # a Hugging Face cache snapshot
+                self.roots.append(blobs.resolve())
         except OSError as e:
             raise QwenrtError(f"cannot read checkpoint directory {self.path}: {_why(e)}") from None
-        self.roots = [self.root]
-        blobs = self.root.parent.parent / "blobs"
-        if self.root.parent.name == "snapshots" and blobs.is_dir():  # a Hugging Face cache snapshot
-            self.roots.append(blobs.resolve())
 
     def file(self, name: str, what: str = "file") -> Path:
         """The checkpoint file `name` (relative), refused if it escapes the checkpoint; it need not exist."""
@@ -124,7 +119,10 @@ class CheckpointDir:
     def exists(self, name: str) -> bool:
         """Whether `name` is present (a confined file, or a dangling/escaping link, which `file` then refuses)."""
         path = self.path / name
-        return path.is_symlink() or path.exists()
+        try:
+            return path.is_symlink() or path.exists()
+        except OSError:  # e.g. permission denied: present, and reading it will say why
+            return True
 
     def read_json(self, name: str, what: str | None = None, limit: int = JSON_LIMIT) -> dict:
         return read_json(self.file(name, what or name), limit, what or name)

@@ -14,8 +14,8 @@ from tokenizers import Tokenizer as _BackendTokenizer
 
 from qwenrt.errors import QwenrtError
 from qwenrt.files import TOKENIZER_LIMIT, CheckpointDir, read_text
-from qwenrt.validation import check_messages, check_text, check_token_ids, check_tools
 from qwenrt.template import SOURCE_LIMIT, TemplateEnvironment, TemplateLimits, compile_template, render_template
+from qwenrt.validation import check_messages, check_text, check_token_ids, check_tools
 
 # generation_config.json keys exposed as `Tokenizer.generation_defaults`.
 SAMPLING_KEYS = (
@@ -52,11 +52,11 @@ class Tokenizer:
     """
 
     def __init__(self, path: str | Path, template_limits: TemplateLimits = TemplateLimits()):
-        where_dir = CheckpointDir(path)
-        path = where_dir.path
-        if not where_dir.exists("tokenizer.json"):
+        files = CheckpointDir(path)
+        path = files.path
+        if not files.exists("tokenizer.json"):
             raise QwenrtError(f"no tokenizer.json in {path}")
-        tok_file = where_dir.file("tokenizer.json")
+        tok_file = files.file("tokenizer.json")
         try:
             self._tok = _BackendTokenizer.from_str(read_text(tok_file, TOKENIZER_LIMIT, "tokenizer.json"))
         except Exception as e:  # tokenizers raises a bare Exception for every parse failure
@@ -64,8 +64,8 @@ class Tokenizer:
 
         cfg_file, gen_file, template_file = (path / n for n in ("tokenizer_config.json", "generation_config.json",
                                                                  TEMPLATE_FILE))
-        config = where_dir.optional_json(cfg_file.name) or {}
-        gen = where_dir.optional_json(gen_file.name) or {}
+        config = files.optional_json(cfg_file.name) or {}
+        gen = files.optional_json(gen_file.name) or {}
 
         self._add_declared_tokens(config.get("added_tokens_decoder", {}), cfg_file)
         self._special_tokens = {
@@ -80,8 +80,8 @@ class Tokenizer:
 
         self.template_limits = template_limits
         env = TemplateEnvironment()
-        if where_dir.exists(TEMPLATE_FILE):
-            source, where = read_text(where_dir.file(TEMPLATE_FILE), 4 * SOURCE_LIMIT, TEMPLATE_FILE), template_file
+        if files.exists(TEMPLATE_FILE):
+            source, where = read_text(files.file(TEMPLATE_FILE), 4 * SOURCE_LIMIT, TEMPLATE_FILE), template_file
         else:
             source, where = config.get("chat_template"), cfg_file
         self.chat_template = source

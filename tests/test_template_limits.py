@@ -89,20 +89,23 @@ def tokenizer_dir(tmp_path):
 
 
 def test_checkpoint_template_bombs(tokenizer_dir):
-    """A bomb in a checkpoint's template loads (compiling runs nothing) and is refused when rendered."""
+    """A bomb in a checkpoint's template loads (compiling runs nothing) and is refused when rendered; so is one among
+    tokenizer_config's named templates, under the limits the tokenizer was given."""
     (tokenizer_dir / "chat_template.jinja").write_text("{{ 'x' * 10**10 }}{{ messages }}")
     tok = Tokenizer(tokenizer_dir)
     one_line_error(lambda: tok.apply_chat_template([{"role": "user", "content": "hi"}]), "chat template exceeds")
-    (tokenizer_dir / "chat_template.jinja").write_text("{% for %}")
-    one_line_error(lambda: Tokenizer(tokenizer_dir), "chat template syntax error")
-    (tokenizer_dir / "chat_template.jinja").write_text("x" * (2 << 20))
-    one_line_error(lambda: Tokenizer(tokenizer_dir), "the limit is")
     (tokenizer_dir / "chat_template.jinja").unlink()
     config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
-    config["chat_template"] = [{"name": "default", "template": "{{ 1 // 0 }}"}]
+    config["chat_template"] = [{"name": "default", "template": "{% for m in messages %}{{ m }}{% endfor %}"}]
     (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps(config))
-    tok = Tokenizer(tokenizer_dir, TemplateLimits(seconds=1.0))
-    one_line_error(lambda: tok.apply_chat_template([{"role": "user", "content": "hi"}]), "ZeroDivisionError")
+    tok = Tokenizer(tokenizer_dir, TemplateLimits(iterations=2))
+    one_line_error(lambda: tok.apply_chat_template([{"role": "user", "content": "hi"}] * 3), "more than 2 iterations")
+
+
+def test_template_source_errors():
+    env = TemplateEnvironment()
+    one_line_error(lambda: compile_template(env, "{% for %}", "t"), "t: chat template syntax error on line 1")
+    one_line_error(lambda: compile_template(env, "x" * (2 << 20), "t"), "the limit is 1048576")
 
 
 def test_real_template_renders_long_conversations_within_the_limits(tokenizer_dir):
