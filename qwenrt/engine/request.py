@@ -95,6 +95,8 @@ class Sequence:
         self.generator = torch.Generator(device=device).manual_seed(seed)  # one per request: draws independent of the batch
         self.history: TokenCounts | None = None  # penalties' token counts, made at the first sample
         self.vision_embeds: torch.Tensor | None = None  # [1, T, D] while an image/video prompt is being prefilled
+        self.key: list[int] = prompt.ids  # the prompt as the prefix cache knows it (images by content)
+        self.snapshots: list[int] = [self.prompt_len]  # prompt lengths where a prefix snapshot is taken, ascending
         self.arrival_time = time.perf_counter()
         self.prefill_start_time: float | None = None
         self.first_token_time: float | None = None
@@ -110,6 +112,10 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         return self.computed < self.prompt_len
+
+    def next_boundary(self) -> int:
+        """Where the current prompt chunk must end at the latest: the next snapshot point (or the prompt's end)."""
+        return next((p for p in self.snapshots if p > self.computed), self.prompt_len)
 
     @property
     def last_token(self) -> int:
