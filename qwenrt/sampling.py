@@ -205,9 +205,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, history: TokenCounts | 
     NaN/Inf logits are refused with a QwenrtError rather than sampled.
     """
     logits = logits.float()
-    # sampling from NaN/Inf would pick garbage silently; they show in a row's min or max (NaN propagates)
-    low, high = torch.aminmax(logits, dim=-1)  # [B]
-    if not bool((torch.isfinite(low) & torch.isfinite(high)).all()):
+    # sampling from NaN/Inf would pick garbage silently; they show in the min or the max (NaN propagates), exactly,
+    # in one pass (the whole tensor's: torch's per-row aminmax is ~20x slower)
+    if not all(bool(torch.isfinite(v)) for v in torch.aminmax(logits)):
         rows = (~torch.isfinite(logits)).any(-1).nonzero().view(-1).tolist()
         raise QwenrtError(f"the model produced NaN/Inf logits (batch rows {rows[:8]}): its weights or activations "
                           "overflow in this dtype (try dtype='float32')")
