@@ -23,7 +23,7 @@ PREFILL_CHUNK = 512
 def decode_bytes(model: nn.Module, top_k: int = 0, experts: int = 0) -> int:
     """Weight bytes one decode step reads: every weight once (a tied head once), the embedding table not at all
     (one row is looked up) unless it is the head, and of the MoE experts only top_k of `experts`."""
-    embed = model.model.embed_tokens.weight
+    embed = getattr(model.model.embed_tokens, "weight", None)  # None: looked up in the quantized head
     head = getattr(model.lm_head, "weight", None)
     seen, total = set(), 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):

@@ -7,23 +7,42 @@ import time
 
 from qwenrt.errors import QwenrtError
 from qwenrt.generate import GenerationResponse, stream_generate
-from qwenrt.loader import load
+from qwenrt.config import load_config
+from qwenrt.hub import resolve_model_path
+from qwenrt.loader import load, resolve_device, resolve_dtype
 from qwenrt.parsing import parse_completion
 from qwenrt.sampling import SamplingParams
+from qwenrt.validation import check_max_context, check_text
+from qwenrt.vision.media import DEFAULT_POLICY, preflight_media
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "seed", "stop")
 
 
-def load_for_cli(source: str, dtype: str, device: str, engine_options: dict | None = None):
+def load_for_cli(source: str, dtype: str, device: str, check_finite: bool = True, engine_options: dict | None = None):
     """Load with progress and timing on stderr."""
     start = time.perf_counter()
     print(f"loading {source} …", file=sys.stderr, flush=True)
-    model, tokenizer = load(source, dtype=dtype, device=device, progress=True, **(engine_options or {}))
+    model, tokenizer = load(source, dtype=dtype, device=device, progress=True, check_finite=check_finite,
+                            **(engine_options or {}))
     c = model.config.text
     print(f"loaded {c.num_hidden_layers}-layer {'MoE ' if c.is_moe else ''}model ({model.dtype}) in "
           f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return model, tokenizer
+
+
+def check_options(source: str, sampling: dict, device: str, dtype: str, max_context: int | None,
+                  media: list[tuple[str, str]] = ()):
+    """What can be refused before the weights load: sampling values, the device, the dtype, local media files, the
+    context limit against the checkpoint's config. Returns the checkpoint directory (a hub id resolved)."""
+    SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
+    resolve_device(device)
+    resolve_dtype(dtype, None)
+    for kind, item in media:  # ("image" | "video", source)
+        preflight_media(item, DEFAULT_POLICY, kind)
+    path = resolve_model_path(source)
+    check_max_context(max_context, load_config(path).text.max_position_embeddings)
+    return path
 
 
 def sampling_params(options: dict, tokenizer) -> SamplingParams:
@@ -68,13 +87,19 @@ def user_message(text: str, images: list[str], videos: list[str]) -> dict:
 
 def run(source: str, prompt: str, *, raw: bool, system: str | None, thinking: bool | None, dtype: str, device: str,
         prefill_chunk: int | None, max_context: int | None, sampling: dict, images: list[str] = (),
-        videos: list[str] = (), engine_options: dict | None = None) -> None:
+        videos: list[str] = (), check_finite: bool = True, engine_options: dict | None = None) -> None:
     """`qwenrt run`: stream one answer to stdout; load progress and a stats line go to stderr."""
     if prompt == "-":
-        prompt = sys.stdin.read()
+        try:
+            prompt = sys.stdin.read()
+        except UnicodeDecodeError as e:
+            raise QwenrtError(f"the prompt on stdin is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    check_text(prompt, "the prompt")
     if raw and (images or videos):
         raise QwenrtError("--image/--video need the chat template; drop --raw")
-    model, tokenizer = load_for_cli(source, dtype, device, engine_options)
+    path = check_options(source, sampling, device, dtype, max_context,
+                         [("image", i) for i in images] + [("video", v) for v in videos])
+    model, tokenizer = load_for_cli(path, dtype, device, check_finite, engine_options)
     if tokenizer is None:
         raise QwenrtError(f"{source}: the checkpoint has no tokenizer.json; text prompts need one")
     params = sampling_params(sampling, tokenizer)
@@ -89,14 +114,18 @@ CHAT_HELP = "commands: /reset (forget the conversation), /thinking on|off, /exit
 
 
 def chat(source: str, *, system: str | None, thinking: bool | None, dtype: str, device: str,
-         prefill_chunk: int | None, max_context: int | None, sampling: dict, engine_options: dict | None = None) -> None:
+         prefill_chunk: int | None, max_context: int | None, sampling: dict, check_finite: bool = True,
+         engine_options: dict | None = None) -> None:
     """`qwenrt chat`: a multi-turn session on the terminal; each turn reuses what the previous ones computed."""
-    model, tokenizer = load_for_cli(source, dtype, device, engine_options)
+    path = check_options(source, sampling, device, dtype, max_context)
+    model, tokenizer = load_for_cli(path, dtype, device, check_finite, engine_options)
     if tokenizer is None:
         raise QwenrtError(f"{source}: the checkpoint has no tokenizer.json; chat needs one")
     params = sampling_params(sampling, tokenizer)
     start = [{"role": "system", "content": system}] if system else []
     history = list(start)
+    if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is refused as a turn, not fatal to the session
+        sys.stdin.reconfigure(errors="surrogateescape")
     print(CHAT_HELP, file=sys.stderr)
     while True:
         try:

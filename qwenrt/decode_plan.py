@@ -68,7 +68,7 @@ class DecodePlan:
     def __init__(self, model: nn.Module, kernels, layers: list[_Layer], head):
         text, c = model.model, model.config.text
         self.kernels, self.layers, self.head = kernels, layers, head
-        self.embed, self.final_norm, self.eps = text.embed_tokens.weight, text.norm.weight, text.norm.eps
+        self.embed, self.final_norm, self.eps = text.embed_tokens, text.norm.weight, text.norm.eps
         self.inv_freq, self.mrope = model.inv_frequencies(model.device), (c.mrope_section, c.mrope_interleaved)
 
     @classmethod
@@ -114,7 +114,7 @@ class DecodePlan:
         cache.reserve(1)
         cos, sin = rope_cos_sin(cache.positions(1, input_ids.device), self.inv_freq, *self.mrope)
         cos, sin = cos[:, 0].to(torch.bfloat16), sin[:, 0].to(torch.bfloat16)  # [B, R]
-        x = self.embed.index_select(0, input_ids.reshape(-1))  # [B, D]
+        x = self.embed(input_ids.reshape(-1))  # [B, D] (an nn.Embedding or a quantized lookup)
         delta = None  # the previous layer's MLP output, added in the next norm
         for layer in self.layers:
             x, h = k.rms_norm(x, delta, layer.input_norm, eps)

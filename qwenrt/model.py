@@ -169,11 +169,13 @@ class Qwen35ForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        embed = self.model.embed_tokens  # an nn.Embedding, or a quantized lookup (qwenrt.quant.QuantEmbedding)
+        return embed.weight.dtype if isinstance(embed, nn.Embedding) else embed.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        embed = self.model.embed_tokens
+        return embed.weight.device if isinstance(embed, nn.Embedding) else embed.device
 
     def new_sequence(self, capacity: int = 256, limit: int | None = None) -> SequenceState:
         """An empty cache for one sequence (KV for full-attention layers, conv + recurrent state for DeltaNet)."""

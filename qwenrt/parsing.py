@@ -156,7 +156,8 @@ def _parameter_schemas(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, d
     for tool in tools or ():
         fn = tool.get("function", tool) if isinstance(tool, Mapping) else None
         if isinstance(fn, Mapping) and isinstance(fn.get("name"), str):
-            props = (fn.get("parameters") or {}).get("properties") or {}
+            params = fn.get("parameters")
+            props = (params.get("properties") if isinstance(params, Mapping) else None) or {}
             schemas[fn["name"]] = props if isinstance(props, Mapping) else {}
     return schemas
 
