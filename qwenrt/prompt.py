@@ -9,6 +9,7 @@ import torch
 
 from qwenrt.errors import QwenrtError
 from qwenrt.multimodal import VisionPrompt, collect_media, prepare_vision_prompt
+from qwenrt.vision.media import DEFAULT_POLICY, MediaPolicy
 
 
 @dataclass
@@ -19,10 +20,9 @@ class PreparedPrompt:
 
 
 def prepare_prompt(model, tokenizer, prompt, enable_thinking: bool | None = None, tools=None,
-                   max_context: int | None = None) -> PreparedPrompt:
-    """A string (raw text), chat messages (rendered with the chat template; image/video parts allowed) or token ids.
-
-    Checks the prompt against the context limit and the vocabulary before any model work.
+                   max_context: int | None = None, policy: MediaPolicy = DEFAULT_POLICY) -> PreparedPrompt:
+    """A string (raw text), chat messages (rendered with the chat template; image/video parts allowed, read under
+    `policy`) or token ids. Checks the prompt against the context limit and the vocabulary before any model work.
     """
     limit = max_context or model.config.text.max_position_embeddings
     vision = None
@@ -37,7 +37,7 @@ def prepare_prompt(model, tokenizer, prompt, enable_thinking: bool | None = None
                                              enable_thinking=enable_thinking, tools=tools)
         images, videos = collect_media(prompt)
         if images or videos:
-            ids, vision = prepare_vision_prompt(model, tokenizer, text, images, videos, limit)
+            ids, vision = prepare_vision_prompt(model, tokenizer, text, images, videos, limit, policy)
         else:
             ids = tokenizer.encode(text)
     elif isinstance(prompt, torch.Tensor) or (isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt)):

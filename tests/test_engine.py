@@ -284,3 +284,18 @@ def test_prompt_chunks_follow_the_step_target(chat_model, monkeypatch):
         monkeypatch.setattr(engine.runner, "prefill", lambda seq, n: chunks.append(n) or real(seq, n))
         run(engine, {0: [greedy(prompt, 2)]})
         assert chunks == expected
+
+
+def test_a_request_reads_media_under_its_policy(vlm_chat, tmp_path):
+    from qwenrt.vision import MediaPolicy
+
+    model, tok, _, _ = vlm_chat
+    picture(32, 32, 3).save(tmp_path / "local.png")
+    ask = [{"role": "user", "content": [{"type": "image", "image": str(tmp_path / "local.png")},
+                                        {"type": "text", "text": "What is it?"}]}]
+    engine = Engine(model, tok)
+    with pytest.raises(QwenrtError, match="local"):
+        engine.add_request(Request(ask, greedy("x").params, media_policy=MediaPolicy.strict()), lambda o: None)
+    allowed = MediaPolicy.strict(file_root=str(tmp_path))
+    engine.add_request(Request(ask, greedy("x").params, media_policy=allowed), lambda o: None)
+    assert engine.num_waiting == 1

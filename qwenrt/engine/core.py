@@ -30,6 +30,7 @@ from qwenrt.engine.scheduler import Scheduler, SchedulerConfig
 from qwenrt.errors import QueueFullError, QwenrtError
 from qwenrt.prompt import prepare_prompt
 from qwenrt.sampling import TokenCounts, sample
+from qwenrt.validation import check_request
 
 DEFAULT_MAX_RUNNING = 8
 DEFAULT_MAX_QUEUE = 256
@@ -204,14 +205,15 @@ class Engine:
 
         Raises QwenrtError for a bad request (one that can never run included), QueueFullError when the queue is full.
         """
-        limit = min(request.max_context or self.max_model_len, self.max_model_len)
+        limit = check_request([request.prompt], vocab_size=self.model.config.text.vocab_size,
+                              model_limit=self.max_model_len, tools=request.tools, max_context=request.max_context)
         if request.prefill_chunk is not None:
             _positive("prefill_chunk", request.prefill_chunk)
         if request.logprobs is not None and not (isinstance(request.logprobs, int) and
                                                  0 <= request.logprobs <= MAX_LOGPROBS):
             raise QwenrtError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {request.logprobs!r}")
         prompt = prepare_prompt(self.model, self.tokenizer, request.prompt, request.enable_thinking, request.tools,
-                                limit)
+                                limit, request.media_policy)
         params = request.params
         stop_ids = (set() if params.ignore_eos else self.eos_ids) | set(params.stop_token_ids)
         seq = Sequence(request, prompt, self.tokenizer, stop_ids, min(limit, len(prompt.ids) + params.max_tokens),

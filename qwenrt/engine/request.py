@@ -15,6 +15,7 @@ from qwenrt.cache import SequenceState
 from qwenrt.prompt import PreparedPrompt
 from qwenrt.sampling import SamplingParams, StopStringMatcher, TokenCounts
 from qwenrt.tokenizer import IncrementalDetokenizer
+from qwenrt.vision.media import DEFAULT_POLICY, MediaPolicy
 
 _ids = itertools.count()
 
@@ -34,7 +35,8 @@ class Request:
     tools: list | None = None  # chat messages only: tool definitions for the template (and for typing tool calls)
     logprobs: int | None = None  # None: no log-probabilities; n >= 0: the sampled token's and the n most likely
     prefill_chunk: int | None = None  # at most this many prompt tokens per engine step (None: the engine's budget)
-    max_context: int | None = None  # context limit for this request (None or more than the engine's: the engine's)
+    max_context: int | None = None  # context limit for this request (None: the engine's; at most the engine's)
+    media_policy: MediaPolicy = DEFAULT_POLICY  # how images/videos may be read (a server passes a strict one)
     request_id: str = field(default_factory=new_request_id)
 
 
