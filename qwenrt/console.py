@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 import time
 
+from tqdm import tqdm
+
 from qwenrt.errors import QwenrtError
 from qwenrt.generate import GenerationResponse, stream_generate
 from qwenrt.config import load_config
@@ -67,13 +69,29 @@ def stats_line(last: GenerationResponse) -> str:
 
 
 def _stream(model, tokenizer, prompt, params, thinking, prefill_chunk, max_context, out: list[str]):
-    """Write the answer to stdout as it streams, collecting the deltas in `out`; returns the last response."""
-    last = None
-    for last in stream_generate(model, tokenizer, prompt, params=params, enable_thinking=thinking,
-                                prefill_chunk=prefill_chunk, max_context=max_context):
-        out.append(last.text)
-        sys.stdout.write(last.text)
-        sys.stdout.flush()
+    """Write the answer to stdout as it streams, collecting the deltas in `out`; returns the last response. A prompt
+    that takes more than a second to read gets a progress bar on stderr."""
+    last, bar = None, None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, initial=done, desc="reading the prompt", unit="tok", delay=1.0, leave=False,
+                       file=sys.stderr)
+        bar.update(done - bar.n)
+
+    try:
+        for last in stream_generate(model, tokenizer, prompt, params=params, enable_thinking=thinking,
+                                    prefill_chunk=prefill_chunk, max_context=max_context, on_prefill=progress):
+            if bar is not None:
+                bar.close()
+                bar = None
+            out.append(last.text)
+            sys.stdout.write(last.text)
+            sys.stdout.flush()
+    finally:
+        if bar is not None:
+            bar.close()
     return last
 
 

@@ -69,9 +69,10 @@ def _engine(model, tokenizer) -> Engine:
     return Engine.for_model(model, tokenizer)
 
 
-def _submit(model, tokenizer, prompt, params, enable_thinking, tools, prefill_chunk, max_context) -> RequestStream:
-    return _engine(model, tokenizer).submit(Request(prompt, params, enable_thinking, tools,
-                                                    prefill_chunk=prefill_chunk, max_context=max_context))
+def _submit(model, tokenizer, prompt, params, enable_thinking, tools, prefill_chunk, max_context,
+            on_prefill=None) -> RequestStream:
+    return _engine(model, tokenizer).submit(Request(prompt, params, enable_thinking, tools, prefill_chunk=prefill_chunk,
+                                                    max_context=max_context, on_prefill=on_prefill))
 
 
 def _rates(out: RequestOutput) -> tuple[float, float, float]:
@@ -93,14 +94,15 @@ def _checked(out: RequestOutput) -> RequestOutput:
 
 def stream_generate(model, tokenizer, prompt, *, params: SamplingParams | None = None,
                     enable_thinking: bool | None = None, tools=None, prefill_chunk: int | None = None,
-                    max_context: int | None = None, **sampling) -> Iterator[GenerationResponse]:
+                    max_context: int | None = None, on_prefill=None, **sampling) -> Iterator[GenerationResponse]:
     """Generate for one prompt, yielding text deltas as they complete. The last response has finish_reason set.
 
     sampling: SamplingParams fields (max_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
-    presence_penalty, frequency_penalty, seed, stop, stop_token_ids, ignore_eos). Leaving the loop early cancels.
+    presence_penalty, frequency_penalty, seed, stop, stop_token_ids, ignore_eos). on_prefill(done, total) is
+    called after each prompt chunk. Leaving the loop early cancels.
     """
     stream = _submit(model, tokenizer, prompt, _params(params, sampling), enable_thinking, tools, prefill_chunk,
-                     max_context)
+                     max_context, on_prefill)
     for out in stream:
         if not _checked(out).token_ids:  # nothing sampled (cancelled)
             continue

@@ -279,11 +279,13 @@ def test_prompt_chunks_follow_the_step_target(chat_model, monkeypatch):
     prompt = tok.encode("word " * 700)[:700]
     for target, expected in ((1e-6, [512, 64, 64, 60]), (None, [512, 188])):
         engine = Engine(model, tok, step_target=target, snapshot_interval=10**6)
-        chunks = []
+        chunks, progress = [], []
         real = engine.runner.prefill
         monkeypatch.setattr(engine.runner, "prefill", lambda seq, n: chunks.append(n) or real(seq, n))
-        run(engine, {0: [greedy(prompt, 2)]})
+        request = dataclasses.replace(greedy(prompt, 2), on_prefill=lambda done, total: progress.append((done, total)))
+        run(engine, {0: [request]})
         assert chunks == expected
+        assert progress == [(sum(chunks[:i + 1]), 700) for i in range(len(chunks))]
 
 
 def test_a_request_reads_media_under_its_policy(vlm_chat, tmp_path):

@@ -387,6 +387,8 @@ class Engine:
         if n >= MIN_CHUNK // 2:  # short chunks say more about fixed costs than about speed
             rate = n / max(time.perf_counter() - start, 1e-6)
             self._prefill_rate = rate if self._prefill_rate is None else 0.7 * self._prefill_rate + 0.3 * rate
+        if seq.request.on_prefill is not None:
+            seq.request.on_prefill(seq.computed, seq.prompt_len)
         if self.prefix_cache is not None and seq.computed in seq.snapshots:
             self.prefix_cache.insert(seq.key[:seq.computed], seq.state, logits)
         if logits is not None:

@@ -37,6 +37,7 @@ class Request:
     prefill_chunk: int | None = None  # at most this many prompt tokens per engine step (None: the engine's budget)
     max_context: int | None = None  # context limit for this request (None: the engine's; at most the engine's)
     media_policy: MediaPolicy = DEFAULT_POLICY  # how images/videos may be read (a server passes a strict one)
+    on_prefill: Callable[[int, int], None] | None = None  # (prompt tokens done, prompt tokens) after each chunk
     request_id: str = field(default_factory=new_request_id)
 
 
