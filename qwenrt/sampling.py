@@ -196,14 +196,8 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     return torch.Generator(device=device).manual_seed(params.seed)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, history: TokenCounts | None = None,
-           generator: torch.Generator | None = None) -> torch.Tensor:
-    """Pick one token per row from logits [B, V]; returns [B] int64.
-
-    Penalties -> argmax when greedy, else temperature -> top-k -> top-p -> min-p -> a draw with
-    `generator`. `history` is required when params.uses_penalties; update it with the result.
-    NaN/Inf logits are refused with a QwenrtError rather than sampled.
-    """
+def _checked_scores(logits: torch.Tensor, params: SamplingParams, history: TokenCounts | None) -> torch.Tensor:
+    """logits [B, V] in fp32, refused when not finite, with the penalties applied."""
     logits = logits.float()
     # sampling from NaN/Inf would pick garbage silently; they show in the min or the max (NaN propagates), exactly,
     # in one pass (the whole tensor's: torch's per-row aminmax is ~20x slower)
@@ -215,11 +209,28 @@ def sample(logits: torch.Tensor, params: SamplingParams, history: TokenCounts | 
         if history is None:
             raise QwenrtError("repetition/presence/frequency penalties need a TokenCounts history, got None")
         logits = apply_penalties(logits, params, history)
+    return logits
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, history: TokenCounts | None = None,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pick one token per row from logits [B, V]; returns [B] int64.
+
+    Penalties -> argmax when greedy, else temperature -> top-k -> top-p -> min-p -> a draw with
+    `generator`. `history` is required when params.uses_penalties; update it with the result.
+    NaN/Inf logits are refused with a QwenrtError rather than sampled.
+    """
+    logits = _checked_scores(logits, params, history)
     if params.greedy:
         return logits.argmax(-1)
     scores, ids = _candidates(logits, params)
     choice = torch.multinomial(scores.softmax(-1), 1, generator=generator)  # [B, 1]
     return (choice if ids is None else ids.gather(1, choice)).view(-1)
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams, history: TokenCounts | None = None) -> torch.Tensor:
+    """The distribution `sample` draws from (temperature > 0), [B, V] fp32: penalties, then the filters."""
+    return filter_logits(_checked_scores(logits, params, history), params).softmax(-1)
 
 
 class StopStringMatcher:
