@@ -1,0 +1,110 @@
+"""POST /v1/completions: raw prompts (text or token ids, one or a list) -> engine requests (prompts × n choices)
+-> a text_completion, or its chunks as server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import StreamingResponse
+
+from qwenrt.engine import Request
+from qwenrt.server.bridge import Submission, abort_on_disconnect, submit
+from qwenrt.server.errors import APIError, error_body
+from qwenrt.server.params import check_context, choice_params
+from qwenrt.server.protocol import CompletionRequest
+from qwenrt.server.responses import LogprobCollector, SSE_DONE, completion_logprobs, new_id, now, sse, usage
+
+
+def _prompts(body: CompletionRequest) -> list:
+    """A list of prompts, each a string or a list of token ids."""
+    prompt = body.prompt
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+async def completions(body: CompletionRequest, http: HTTPRequest, state):
+    name = state.check_model(body.model)
+    for field, refused in (("echo", body.echo), ("suffix", body.suffix)):
+        if refused:
+            raise APIError(400, f"{field} is not supported", field)
+    if body.best_of is not None and body.best_of != body.n:
+        raise APIError(400, "best_of must equal n (qwenrt does not rank extra samples)", "best_of")
+    prompts = _prompts(body)
+    params = choice_params(body, state.tokenizer, body.max_tokens, state.max_model_len)
+    request_id = new_id("cmpl")
+    requests = [Request(prompt, p, logprobs=body.logprobs, request_id=f"{request_id}-{k}-{j}")
+                for k, prompt in enumerate(prompts) for j, p in enumerate(params)]
+    submission = await submit(state.engine, state.metrics, requests)
+    try:
+        check_context(submission.handles, body.max_tokens, state.max_model_len, "max_tokens")
+    except APIError:
+        submission.abort()
+        raise
+    reply = _Reply(request_id, name, body, submission, state.tokenizer)
+    if body.stream:
+        return StreamingResponse(reply.stream(http.receive), media_type="text/event-stream")
+    return await reply.collect(http.receive)
+
+
+class _Reply:
+    def __init__(self, request_id: str, model: str, body: CompletionRequest, submission: Submission, tokenizer):
+        self.id, self.model, self.body, self.submission, self.tokenizer = request_id, model, body, submission, tokenizer
+        self.created = now()
+        # each prompt counted once, whatever n
+        self.prompt_tokens = sum(h.prompt_tokens for h in submission.handles[::body.n])
+
+    def _body(self, choices: list[dict], generated: list[int] | None) -> dict:
+        out = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+               "choices": choices}
+        if generated is not None:
+            out["usage"] = usage(self.prompt_tokens, sum(generated))
+        return out
+
+    def _logprobs(self, entries, offset: int) -> dict | None:
+        return completion_logprobs(self.tokenizer, entries, offset) if self.body.logprobs is not None else None
+
+    async def collect(self, receive) -> dict:
+        n = len(self.submission.handles)
+        texts, last, logprobs = [""] * n, [None] * n, [LogprobCollector() for _ in range(n)]
+        watcher = asyncio.create_task(abort_on_disconnect(receive, self.submission))
+        try:
+            async for i, out in self.submission.outputs():
+                texts[i] += out.text
+                logprobs[i].add(out)
+                last[i] = out
+        finally:
+            watcher.cancel()
+            self.submission.abort()
+        for out in last:
+            if out.finish_reason in ("error", "abort"):
+                raise APIError(500 if out.finish_reason == "error" else 503, out.error or "the request was cancelled")
+        choices = [{"index": i, "text": texts[i], "logprobs": self._logprobs(logprobs[i].entries, 0),
+                    "finish_reason": out.finish_reason} for i, out in enumerate(last)]
+        return self._body(choices, [o.generation_tokens for o in last])
+
+    async def stream(self, receive):
+        n = len(self.submission.handles)
+        logprobs, generated, offsets = [LogprobCollector() for _ in range(n)], [0] * n, [0] * n
+        watcher = asyncio.create_task(abort_on_disconnect(receive, self.submission))
+        try:
+            async for i, out in self.submission.outputs():
+                if out.finish_reason == "error":
+                    yield sse(error_body(500, out.error or "generation failed"))
+                    continue
+                generated[i] = out.generation_tokens
+                entries = logprobs[i].add(out)
+                if not (out.text or entries or out.finished):
+                    continue
+                lp = self._logprobs(entries, offsets[i])
+                if entries and lp is not None:
+                    offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                yield sse(self._body([{"index": i, "text": out.text, "logprobs": lp,
+                                       "finish_reason": out.finish_reason}], None))
+            if self.body.stream_options and self.body.stream_options.include_usage:
+                yield sse(self._body([], generated))
+            yield SSE_DONE
+        finally:
+            watcher.cancel()
+            self.submission.abort()
