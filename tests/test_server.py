@@ -7,11 +7,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
-import re
-import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,59 +22,20 @@ import qwenrt
 from qwenrt.engine import RequestHandle, RequestOutput
 from qwenrt.parsing import parse_completion
 from tests import checkpoints
+from tests.server_process import ROOT, ServerProcess
 
 KEY = "sk-test"
-ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---- a real server ------------------------------------------------------------------------------------------
 
-class Server:
+class Server(ServerProcess):
     def __init__(self, tmp: Path, checkpoint: Path, *options: str):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = tmp / f"server-{port}.log"
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "qwenrt", "serve", str(checkpoint), "--port", str(port), "--served-model-name",
-                 "tiny", "--api-key", KEY, "--disable-uvicorn-access-log", *options],
-                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="2"))
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise AssertionError(f"the server did not come up:\n{self.log.read_text()}")
+        super().__init__(checkpoint, tmp / "server.log", "--served-model-name", "tiny", "--api-key", KEY, *options,
+                         env={"OMP_NUM_THREADS": "2"})
 
     def client(self, **options) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, **options)
-
-    def metric(self, name: str, labels: str = "") -> float:
-        text = httpx.get(self.url + "/metrics").text
-        match = re.search(rf"^qwenrt:{name}{re.escape(labels)} (\S+)$", text, re.M)
-        return float(match.group(1)) if match else 0.0
-
-    def wait_idle(self, timeout: float = 30) -> float:
-        """Seconds until no request is running or waiting."""
-        start = time.monotonic()
-        while self.metric("num_requests_running") or self.metric("num_requests_waiting"):
-            assert time.monotonic() - start < timeout, "requests still running"
-            time.sleep(0.02)
-        return time.monotonic() - start
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 @pytest.fixture(scope="session")
@@ -556,3 +512,18 @@ def test_503_while_loading_and_after_a_failed_load(tokenizer):
             time.sleep(0.01)
         with pytest.raises(openai.InternalServerError, match="failed to load: no such checkpoint"):
             client.models.list()
+
+
+def test_several_choices_whole_and_streamed(tokenizer):
+    engine = ScriptedEngine(tokenizer, pieces_of("Plan.\n</think>\n\nAnswer."))
+    http, client = scripted_client(engine)
+    with http:
+        whole = client.chat.completions.create(model="tiny", messages=user("Hi"), n=3, seed=5)
+        chunks = list(client.chat.completions.create(model="tiny", messages=user("Hi"), n=3, stream=True))
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert all((c.message.reasoning_content, c.message.content) == ("Plan.", "Answer.") for c in whole.choices)
+    assert [r.params.seed for r in engine.requests[:3]] == [5, 6, 7]  # seeded choices differ, repeatably
+    for i in range(3):
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+        assert text == "Answer."
+    assert whole.usage.completion_tokens == 3 * len(engine.pieces) and whole.usage.prompt_tokens == 5

@@ -22,6 +22,8 @@ from qwenrt.server.errors import APIError
 from qwenrt.server.metrics import ServerMetrics
 from qwenrt.server.protocol import ChatCompletionRequest, CompletionRequest
 
+STOP_WAIT_S = 10
+
 
 @dataclass
 class ServerConfig:
@@ -81,8 +83,13 @@ def create_app(config: ServerConfig, load: Callable[[], object],
     async def lifespan(_: FastAPI):
         threading.Thread(target=load_in_background, name="qwenrt-load", daemon=True).start()
         yield
-        if state.engine is not None:
-            state.engine.stop()
+        if state.engine is not None:  # the step under way ends first; on a slow machine that can take long
+            stopper = threading.Thread(target=state.engine.stop, daemon=True)
+            stopper.start()
+            stopper.join(STOP_WAIT_S)
+            if stopper.is_alive():
+                print(f"qwenrt serve: the engine step under way did not end within {STOP_WAIT_S} s; exiting "
+                      "without it", file=sys.stderr, flush=True)
 
     app = FastAPI(title="qwenrt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.qwenrt = state

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from starlette.concurrency import run_in_threadpool
 
-from qwenrt.engine import Request, RequestHandle, RequestOutput
-from qwenrt.server.errors import from_engine
+from qwenrt.engine import Request, RequestHandle, RequestOutput, TokenLogprob
+from qwenrt.server.errors import APIError, error_body, from_engine
 from qwenrt.server.metrics import RequestTimer
+from qwenrt.server.responses import SSE_DONE, LogprobCollector, sse
 
 
 class Submission:
@@ -67,8 +69,51 @@ async def submit(engine, metrics, requests: list[Request]) -> Submission:
     return submission
 
 
-async def abort_on_disconnect(receive, submission: Submission) -> None:
+async def _abort_on_disconnect(receive, submission: Submission) -> None:
     """Wait for the client to go away, then cancel its requests (run as a task beside the response)."""
     while (await receive())["type"] != "http.disconnect":
         pass
     submission.abort()
+
+
+@dataclass
+class Finished:
+    """One choice, run to its end."""
+
+    text: str
+    last: RequestOutput
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+async def collect(submission: Submission, receive) -> list[Finished]:
+    """Every choice's whole output; cancelled if the client goes away first. An engine failure is a 500."""
+    n = len(submission.handles)
+    texts, last, logprobs = [[] for _ in range(n)], [None] * n, [LogprobCollector() for _ in range(n)]
+    watcher = asyncio.create_task(_abort_on_disconnect(receive, submission))
+    try:
+        async for i, out in submission.outputs():
+            texts[i].append(out.text)
+            logprobs[i].add(out)
+            last[i] = out
+    finally:
+        watcher.cancel()
+        submission.abort()
+    for out in last:
+        if out.finish_reason in ("error", "abort"):
+            raise APIError(500 if out.finish_reason == "error" else 503, out.error or "the request was cancelled")
+    return [Finished("".join(t), o, lp.entries) for t, o, lp in zip(texts, last, logprobs)]
+
+
+async def event_stream(events: AsyncIterator[str], submission: Submission, receive) -> AsyncIterator[str]:
+    """A submission's server-sent events, then [DONE]. The requests are cancelled when the client goes away (or the
+    stream stops early); a failure of ours mid-stream becomes an error event rather than a cut connection."""
+    watcher = asyncio.create_task(_abort_on_disconnect(receive, submission))
+    try:
+        async for event in events:
+            yield event
+        yield SSE_DONE
+    except Exception as e:  # noqa: BLE001 (the status line is sent: an error event is all that is left)
+        yield sse(error_body(500, f"internal error: {type(e).__name__}: {e}"))
+    finally:
+        watcher.cancel()
+        submission.abort()

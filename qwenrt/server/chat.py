@@ -3,7 +3,6 @@ server-sent events (reasoning, content and tool calls split as they stream)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 from fastapi import Request as HTTPRequest
@@ -11,12 +10,12 @@ from fastapi.responses import StreamingResponse
 
 from qwenrt.engine import Request
 from qwenrt.parsing import parse_completion, split_reasoning
-from qwenrt.server.bridge import Submission, abort_on_disconnect, submit
+from qwenrt.server.bridge import Submission, collect, event_stream, submit
 from qwenrt.server.errors import APIError, error_body
 from qwenrt.server.media import check_media
 from qwenrt.server.params import check_context, choice_params
 from qwenrt.server.protocol import ChatCompletionRequest
-from qwenrt.server.responses import LogprobCollector, SSE_DONE, chat_logprobs, new_id, now, sse, usage
+from qwenrt.server.responses import LogprobCollector, chat_logprobs, new_id, now, sse, usage
 from qwenrt.server.stream_parser import MessageDelta, MessageStream
 
 
@@ -113,7 +112,7 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest, state
         raise
     reply = _Reply(request_id, name, body, submission, state.tokenizer, tools, parse_tools)
     if body.stream:
-        return StreamingResponse(reply.stream(http.receive), media_type="text/event-stream")
+        return StreamingResponse(event_stream(reply.events(), submission, http.receive), media_type="text/event-stream")
     return await reply.collect(http.receive)
 
 
@@ -131,29 +130,16 @@ class _Reply:
         return usage(self.prompt_tokens, sum(completion_tokens))
 
     async def collect(self, receive) -> dict:
-        n = len(self.submission.handles)
-        texts, last, logprobs = [[] for _ in range(n)], [None] * n, [LogprobCollector() for _ in range(n)]
-        watcher = asyncio.create_task(abort_on_disconnect(receive, self.submission))
-        try:
-            async for i, out in self.submission.outputs():
-                texts[i].append(out.text)
-                logprobs[i].add(out)
-                last[i] = out
-        finally:
-            watcher.cancel()
-            self.submission.abort()
+        finished = await collect(self.submission, receive)
         choices = []
-        for i, out in enumerate(last):
-            if out.finish_reason in ("error", "abort"):
-                raise APIError(500 if out.finish_reason == "error" else 503, out.error or "the request was cancelled")
-            handle = self.submission.handles[i]
-            message, calls = _assistant_message("".join(texts[i]), handle.thinking_started,
+        for i, done in enumerate(finished):
+            message, calls = _assistant_message(done.text, self.submission.handles[i].thinking_started,
                                                 self.tools if self.parse_tools else None)
             choices.append({"index": i, "message": message,
-                            "logprobs": chat_logprobs(self.tokenizer, logprobs[i].entries) if self.body.logprobs
-                            else None, "finish_reason": _finish_reason(out.finish_reason, calls)})
+                            "logprobs": chat_logprobs(self.tokenizer, done.logprobs) if self.body.logprobs else None,
+                            "finish_reason": _finish_reason(done.last.finish_reason, calls)})
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": self._usage([o.generation_tokens for o in last])}
+                "choices": choices, "usage": self._usage([d.last.generation_tokens for d in finished])}
 
     def _chunk(self, choices: list[dict], usage_: dict | None = None) -> str:
         chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
@@ -162,32 +148,27 @@ class _Reply:
             chunk["usage"] = usage_
         return sse(chunk)
 
-    async def stream(self, receive):
+    async def events(self):
+        """The chunks: a role chunk per choice, then the deltas as they come, then usage when asked for."""
         handles = self.submission.handles
         parsers = [MessageStream(h.thinking_started, self.tools if self.parse_tools else None) for h in handles]
         logprobs = [LogprobCollector() for _ in handles]
         generated = [0] * len(handles)
-        watcher = asyncio.create_task(abort_on_disconnect(receive, self.submission))
-        try:
-            for i in range(len(handles)):
-                yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None}])
-            async for i, out in self.submission.outputs():
-                if out.finish_reason == "error":
-                    yield sse(error_body(500, out.error or "generation failed"))
-                    continue
-                generated[i] = out.generation_tokens
-                delta = parsers[i].feed(out.text, final=out.finished)
-                entries = logprobs[i].add(out) if self.body.logprobs else []
-                if not (delta or entries or out.finished):
-                    continue
-                finish = _finish_reason(out.finish_reason, parsers[i].tool_calls) if out.finished else None
-                yield self._chunk([{"index": i, "delta": _delta_dict(delta),
-                                    "logprobs": chat_logprobs(self.tokenizer, entries) if entries else None,
-                                    "finish_reason": finish}])
-            if self.body.stream_options and self.body.stream_options.include_usage:
-                yield self._chunk([], self._usage(generated))
-            yield SSE_DONE
-        finally:
-            watcher.cancel()
-            self.submission.abort()
+        for i in range(len(handles)):
+            yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}])
+        async for i, out in self.submission.outputs():
+            if out.finish_reason == "error":
+                yield sse(error_body(500, out.error or "generation failed"))
+                continue
+            generated[i] = out.generation_tokens
+            delta = parsers[i].feed(out.text, final=out.finished)
+            entries = logprobs[i].add(out) if self.body.logprobs else []
+            if not (delta or entries or out.finished):
+                continue
+            finish = _finish_reason(out.finish_reason, parsers[i].tool_calls) if out.finished else None
+            yield self._chunk([{"index": i, "delta": _delta_dict(delta),
+                                "logprobs": chat_logprobs(self.tokenizer, entries) if entries else None,
+                                "finish_reason": finish}])
+        if self.body.stream_options and self.body.stream_options.include_usage:
+            yield self._chunk([], self._usage(generated))

@@ -3,17 +3,15 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
 from qwenrt.engine import Request
-from qwenrt.server.bridge import Submission, abort_on_disconnect, submit
+from qwenrt.server.bridge import Submission, collect, event_stream, submit
 from qwenrt.server.errors import APIError, error_body
 from qwenrt.server.params import check_context, choice_params
 from qwenrt.server.protocol import CompletionRequest
-from qwenrt.server.responses import LogprobCollector, SSE_DONE, completion_logprobs, new_id, now, sse, usage
+from qwenrt.server.responses import LogprobCollector, completion_logprobs, new_id, now, sse, usage
 
 
 def _prompts(body: CompletionRequest) -> list:
@@ -44,7 +42,7 @@ async def completions(body: CompletionRequest, http: HTTPRequest, state):
         raise
     reply = _Reply(request_id, name, body, submission, state.tokenizer)
     if body.stream:
-        return StreamingResponse(reply.stream(http.receive), media_type="text/event-stream")
+        return StreamingResponse(event_stream(reply.events(), submission, http.receive), media_type="text/event-stream")
     return await reply.collect(http.receive)
 
 
@@ -66,45 +64,26 @@ class _Reply:
         return completion_logprobs(self.tokenizer, entries, offset) if self.body.logprobs is not None else None
 
     async def collect(self, receive) -> dict:
-        n = len(self.submission.handles)
-        texts, last, logprobs = [""] * n, [None] * n, [LogprobCollector() for _ in range(n)]
-        watcher = asyncio.create_task(abort_on_disconnect(receive, self.submission))
-        try:
-            async for i, out in self.submission.outputs():
-                texts[i] += out.text
-                logprobs[i].add(out)
-                last[i] = out
-        finally:
-            watcher.cancel()
-            self.submission.abort()
-        for out in last:
-            if out.finish_reason in ("error", "abort"):
-                raise APIError(500 if out.finish_reason == "error" else 503, out.error or "the request was cancelled")
-        choices = [{"index": i, "text": texts[i], "logprobs": self._logprobs(logprobs[i].entries, 0),
-                    "finish_reason": out.finish_reason} for i, out in enumerate(last)]
-        return self._body(choices, [o.generation_tokens for o in last])
+        finished = await collect(self.submission, receive)
+        choices = [{"index": i, "text": done.text, "logprobs": self._logprobs(done.logprobs, 0),
+                    "finish_reason": done.last.finish_reason} for i, done in enumerate(finished)]
+        return self._body(choices, [d.last.generation_tokens for d in finished])
 
-    async def stream(self, receive):
+    async def events(self):
         n = len(self.submission.handles)
         logprobs, generated, offsets = [LogprobCollector() for _ in range(n)], [0] * n, [0] * n
-        watcher = asyncio.create_task(abort_on_disconnect(receive, self.submission))
-        try:
-            async for i, out in self.submission.outputs():
-                if out.finish_reason == "error":
-                    yield sse(error_body(500, out.error or "generation failed"))
-                    continue
-                generated[i] = out.generation_tokens
-                entries = logprobs[i].add(out)
-                if not (out.text or entries or out.finished):
-                    continue
-                lp = self._logprobs(entries, offsets[i])
-                if entries and lp is not None:
-                    offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-                yield sse(self._body([{"index": i, "text": out.text, "logprobs": lp,
-                                       "finish_reason": out.finish_reason}], None))
-            if self.body.stream_options and self.body.stream_options.include_usage:
-                yield sse(self._body([], generated))
-            yield SSE_DONE
-        finally:
-            watcher.cancel()
-            self.submission.abort()
+        async for i, out in self.submission.outputs():
+            if out.finish_reason == "error":
+                yield sse(error_body(500, out.error or "generation failed"))
+                continue
+            generated[i] = out.generation_tokens
+            entries = logprobs[i].add(out)
+            if not (out.text or entries or out.finished):
+                continue
+            lp = self._logprobs(entries, offsets[i])
+            if entries and lp is not None:
+                offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            yield sse(self._body([{"index": i, "text": out.text, "logprobs": lp,
+                                   "finish_reason": out.finish_reason}], None))
+        if self.body.stream_options and self.body.stream_options.include_usage:
+            yield sse(self._body([], generated))

@@ -22,13 +22,10 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * 1024 ** ("kmgt".index(unit) + 1 if unit else 0))
 
 
-def _size(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
-
-
 def load_engine(args):
     """Load the model and start its engine; checks that a request at the full context can ever run."""
     from qwenrt.engine import Engine
+    from qwenrt.engine.core import _size
     from qwenrt.loader import load
 
     start = time.perf_counter()
@@ -51,12 +48,14 @@ def load_engine(args):
                           f"cache, over the cache budget of {_size(engine.memory_budget)}: pass --max-model-len "
                           f"{fits} or less, or a larger --kv-cache-memory-bytes")
     engine.start()
+    running = engine.scheduler.config.max_running
+    at_once = min(running, engine.memory_budget // full)
+    note = "" if at_once == running else " (lower --max-model-len, or give max_tokens, for more)"
     print(f"loaded {args.model} ({model.dtype}{', ' + args.quantize if args.quantize else ''}) in "
-          f"{time.perf_counter() - start:.1f} s; context {engine.max_model_len} tokens, cache budget "
-          f"{_size(engine.memory_budget)}: {engine.memory_budget // full} requests at the full context run at once "
-          f"(up to --max-running {engine.scheduler.config.max_running}; a request's max_tokens bounds what it "
-          f"reserves)",
-          file=sys.stderr, flush=True)
+          f"{time.perf_counter() - start:.1f} s; context {engine.max_model_len} tokens; cache budget "
+          f"{_size(engine.memory_budget)}, {_size(full)} per request at the full context (one without max_tokens): "
+          f"{at_once} such requests run at once{note}, up to --max-running {running} in all", file=sys.stderr,
+          flush=True)
     return engine
 
 
