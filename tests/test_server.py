@@ -337,7 +337,8 @@ def test_bad_input_is_a_400_in_openai_shape(server, body):
     assert error["message"] and error["code"] == 400 and error["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("body", [b'{"prompt": ""}', b'{"prompt": [999999999]}', b'{"prompt": []}',
+@pytest.mark.parametrize("body", [b'{"prompt": ""}', b'{"prompt": [999999999]}', b'{"prompt": [-5, 3]}',
+                                  b'{"prompt": []}',
                                   b'{"prompt": "x", "echo": true}', b'{"prompt": "x", "best_of": 3}',
                                   b'{"prompt": [[1], "x"]}', b'{"prompt": "x", "logprobs": 50}'])
 def test_bad_completion_input_is_a_400(server, body):

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from qwenrt.engine.core import MAX_LOGPROBS
 
 MAX_CHOICES = 16
+TokenId = Annotated[int, Field(ge=0)]
 
 
 class _Body(BaseModel):
@@ -36,7 +37,7 @@ class SamplingFields(_Body):
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -95,9 +96,9 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] | \
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] | \
         Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | \
-        Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
+        Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the legacy endpoint's default, as OpenAI and vLLM have it
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
