@@ -23,19 +23,29 @@ def _sampling(args) -> dict:
     return {name: getattr(args, name) for name in SAMPLING_FIELDS}
 
 
+def _engine_options(args) -> dict:
+    from qwenrt.units import parse_size
+
+    options = {"prefix_cache_dir": args.prefix_cache_dir}
+    if args.prefix_cache_size is not None:
+        options["prefix_cache_size"] = parse_size(args.prefix_cache_size)
+    return options
+
+
 def _run(args) -> None:
     from qwenrt.console import run
 
     run(args.model, args.prompt, raw=args.raw, system=args.system, thinking=args.thinking, dtype=args.dtype,
         device=args.device, prefill_chunk=args.prefill_chunk, max_context=args.max_context, sampling=_sampling(args),
-        images=args.image or [], videos=args.video or [])
+        images=args.image or [], videos=args.video or [], engine_options=_engine_options(args))
 
 
 def _chat(args) -> None:
     from qwenrt.console import chat
 
     chat(args.model, system=args.system, thinking=args.thinking, dtype=args.dtype, device=args.device,
-         prefill_chunk=args.prefill_chunk, max_context=args.max_context, sampling=_sampling(args))
+         prefill_chunk=args.prefill_chunk, max_context=args.max_context, sampling=_sampling(args),
+         engine_options=_engine_options(args))
 
 
 def _quantize(args) -> None:
@@ -58,8 +68,11 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
     think.add_argument("--no-thinking", dest="thinking", action="store_false", help="answer directly")
     p.add_argument("--dtype", default="auto", help="auto (as stored), bfloat16, float16 or float32")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill step (bounds memory)")
+    p.add_argument("--prefill-chunk", type=int, help="prompt tokens per prefill step at most (bounds memory)")
     p.add_argument("--max-context", type=int, help="context limit in tokens (default: the model's)")
+    p.add_argument("--prefix-cache-size", help="memory for reusing computed prompts, e.g. 2GiB (0 = off; default: "
+                   "a tenth of RAM, at most 8GiB)")
+    p.add_argument("--prefix-cache-dir", help="also keep reusable prompt states in this folder, across runs")
     s = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json)")
     s.add_argument("--max-tokens", "-n", dest="max_tokens", type=int, default=512)
     s.add_argument("--temperature", "--temp", dest="temperature", type=float, help="0 = greedy")

@@ -15,11 +15,11 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repe
                    "frequency_penalty", "seed", "stop")
 
 
-def load_for_cli(source: str, dtype: str, device: str):
+def load_for_cli(source: str, dtype: str, device: str, engine_options: dict | None = None):
     """Load with progress and timing on stderr."""
     start = time.perf_counter()
     print(f"loading {source} …", file=sys.stderr, flush=True)
-    model, tokenizer = load(source, dtype=dtype, device=device, progress=True)
+    model, tokenizer = load(source, dtype=dtype, device=device, progress=True, **(engine_options or {}))
     c = model.config.text
     print(f"loaded {c.num_hidden_layers}-layer {'MoE ' if c.is_moe else ''}model ({model.dtype}) in "
           f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
@@ -41,7 +41,8 @@ def sampling_params(options: dict, tokenizer) -> SamplingParams:
 
 
 def stats_line(last: GenerationResponse) -> str:
-    return (f"[prompt {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tok/s | generated {last.generation_tokens} "
+    cached = f" ({last.cached_tokens} cached)" if last.cached_tokens else ""
+    return (f"[prompt {last.prompt_tokens} tokens{cached}, {last.prompt_tps:.1f} tok/s | generated {last.generation_tokens} "
             f"tokens, {last.generation_tps:.1f} tok/s | first token after {last.time_to_first_token:.2f} s | "
             f"finish: {last.finish_reason}]")
 
@@ -66,14 +67,14 @@ def user_message(text: str, images: list[str], videos: list[str]) -> dict:
 
 
 def run(source: str, prompt: str, *, raw: bool, system: str | None, thinking: bool | None, dtype: str, device: str,
-        prefill_chunk: int, max_context: int | None, sampling: dict, images: list[str] = (),
-        videos: list[str] = ()) -> None:
+        prefill_chunk: int | None, max_context: int | None, sampling: dict, images: list[str] = (),
+        videos: list[str] = (), engine_options: dict | None = None) -> None:
     """`qwenrt run`: stream one answer to stdout; load progress and a stats line go to stderr."""
     if prompt == "-":
         prompt = sys.stdin.read()
     if raw and (images or videos):
         raise QwenrtError("--image/--video need the chat template; drop --raw")
-    model, tokenizer = load_for_cli(source, dtype, device)
+    model, tokenizer = load_for_cli(source, dtype, device, engine_options)
     if tokenizer is None:
         raise QwenrtError(f"{source}: the checkpoint has no tokenizer.json; text prompts need one")
     params = sampling_params(sampling, tokenizer)
@@ -87,10 +88,10 @@ def run(source: str, prompt: str, *, raw: bool, system: str | None, thinking: bo
 CHAT_HELP = "commands: /reset (forget the conversation), /thinking on|off, /exit (or Ctrl-D); Ctrl-C stops an answer"
 
 
-def chat(source: str, *, system: str | None, thinking: bool | None, dtype: str, device: str, prefill_chunk: int,
-         max_context: int | None, sampling: dict) -> None:
-    """`qwenrt chat`: a multi-turn session on the terminal."""
-    model, tokenizer = load_for_cli(source, dtype, device)
+def chat(source: str, *, system: str | None, thinking: bool | None, dtype: str, device: str,
+         prefill_chunk: int | None, max_context: int | None, sampling: dict, engine_options: dict | None = None) -> None:
+    """`qwenrt chat`: a multi-turn session on the terminal; each turn reuses what the previous ones computed."""
+    model, tokenizer = load_for_cli(source, dtype, device, engine_options)
     if tokenizer is None:
         raise QwenrtError(f"{source}: the checkpoint has no tokenizer.json; chat needs one")
     params = sampling_params(sampling, tokenizer)

@@ -24,8 +24,9 @@ class GenerationResponse:
     prompt_tokens: int
     generation_tokens: int
     time_to_first_token: float  # seconds
-    prompt_tps: float
+    prompt_tps: float  # prompt tokens computed (not restored from the prefix cache) per second
     generation_tps: float
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Completion:
     time_to_first_token: float = 0.0
     prompt_tps: float = 0.0
     generation_tps: float = 0.0
+    cached_tokens: int = 0
 
     @property
     def generation_tokens(self) -> int:
@@ -79,7 +81,8 @@ def _rates(out: RequestOutput) -> tuple[float, float, float]:
     ttft = out.first_token_time - out.arrival_time
     prefill = out.first_token_time - (out.prefill_start_time or out.arrival_time)
     after = out.time - out.first_token_time
-    return ttft, out.prompt_tokens / max(prefill, 1e-9), max(out.generation_tokens - 1, 0) / max(after, 1e-9)
+    computed = out.prompt_tokens - out.cached_tokens
+    return ttft, computed / max(prefill, 1e-9), max(out.generation_tokens - 1, 0) / max(after, 1e-9)
 
 
 def _checked(out: RequestOutput) -> RequestOutput:
@@ -102,7 +105,7 @@ def stream_generate(model, tokenizer, prompt, *, params: SamplingParams | None =
         if not _checked(out).token_ids:  # nothing sampled (cancelled)
             continue
         yield GenerationResponse(out.text, out.token_ids[-1], out.finish_reason, out.prompt_tokens,
-                                 out.generation_tokens, *_rates(out))
+                                 out.generation_tokens, *_rates(out), out.cached_tokens)
 
 
 def batch_generate(model, tokenizer, prompts: Sequence, *, params: SamplingParams | None = None,
@@ -132,7 +135,7 @@ def batch_generate(model, tokenizer, prompts: Sequence, *, params: SamplingParam
 def _completion(stream: RequestStream, text: str, tokens: list[int], last: RequestOutput, tools) -> Completion:
     parsed = parse_completion(text, stream.thinking_started, tools)
     return Completion(text, tokens, last.finish_reason, stream.prompt_tokens, parsed.reasoning, parsed.content,
-                      parsed.tool_calls, *_rates(last))
+                      parsed.tool_calls, *_rates(last), last.cached_tokens)
 
 
 def complete(model, tokenizer, prompt, **options) -> Completion:

@@ -141,12 +141,15 @@ def load_model(path: str | Path, dtype="auto", device: str | torch.device = "cpu
 
 
 def load(path: str | Path, dtype="auto", device: str | torch.device = "cpu", revision: str | None = None,
-         progress: bool = False, quantize: str | QuantSpec | None = None):
+         progress: bool = False, quantize: str | QuantSpec | None = None, **engine_options):
     """Load a Qwen3.5 checkpoint (a directory or a hub repo id): returns (model, tokenizer).
 
     dtype: "auto" (as stored), "float32", "bfloat16", "float16" or a torch.dtype. The tokenizer is None when the
     checkpoint has no tokenizer.json. quantize: "int8" | "int4" (weight-only, CPU), see `load_model`.
+    engine_options: settings of the engine that generation on this model uses (`qwenrt.engine.Engine`: max_running,
+    max_model_len, prefix_cache_size, prefix_cache_dir, ...), checked when it is made.
     """
     path = resolve_model_path(path, revision)
     model = load_model(path, dtype=dtype, device=device, progress=progress, quantize=quantize)
+    model.engine_options = engine_options
     return model, load_tokenizer(path)

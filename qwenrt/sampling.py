@@ -204,7 +204,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, history: TokenCounts | 
     `generator`. `history` is required when params.uses_penalties; update it with the result.
     """
     logits = logits.float()
-    if not bool(torch.isfinite(logits).all()):
+    if not bool(torch.isfinite(logits.sum())):  # one reduction: a NaN or an infinity anywhere makes the sum so
         raise QwenrtError("the model produced non-finite logits (NaN or Inf); its weights or config are broken")
     if params.uses_penalties:
         if history is None:

@@ -1,6 +1,7 @@
 """The engine: requests that arrive at different steps, share decode batches and prefill in chunks give what each
 gives alone; sampling, cancellation, limits, threads."""
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -11,6 +12,7 @@ from PIL import Image
 import qwenrt
 from qwenrt import QwenrtError
 from qwenrt.engine import Engine, Request
+from qwenrt.engine.request import new_request_id
 from qwenrt.errors import QueueFullError
 from qwenrt.sampling import SamplingParams
 from tests.checkpoints import VOCAB
@@ -34,7 +36,7 @@ def tokens_of(outputs: list) -> list[int]:
 
 
 def alone(model, tok, request: Request) -> list[int]:
-    solo = Request(request.prompt, request.params, request.enable_thinking, request.tools)
+    solo = dataclasses.replace(request, request_id=new_request_id())
     return tokens_of(run(Engine(model, tok), {0: [solo]})[solo.request_id])
 
 

@@ -22,9 +22,11 @@ from pathlib import Path
 import torch
 
 from qwenrt.cache import deltanet_state_bytes, kv_bytes_per_token
+from qwenrt.engine.prefix_cache import PrefixCache, prompt_key
+from qwenrt.engine.prefix_store import PrefixStore, model_identity
 from qwenrt.engine.request import Request, RequestOutput, Sequence, Status, TokenLogprob
 from qwenrt.engine.runner import ModelRunner
-from qwenrt.engine.scheduler import Schedule, Scheduler, SchedulerConfig
+from qwenrt.engine.scheduler import Scheduler, SchedulerConfig
 from qwenrt.errors import QueueFullError, QwenrtError
 from qwenrt.prompt import prepare_prompt
 from qwenrt.sampling import TokenCounts, sample
@@ -33,18 +35,39 @@ DEFAULT_MAX_RUNNING = 8
 DEFAULT_MAX_QUEUE = 256
 DEFAULT_MAX_BATCHED_TOKENS = 256  # per step: bounds how long running streams wait while a long prompt prefills
 MAX_LOGPROBS = 20
+DEFAULT_SNAPSHOT_INTERVAL = 1024  # prompt tokens between prefix-cache snapshots inside a long prompt
+MIN_BRANCH_GAIN = 32  # a shared prefix found as KV only gets its own snapshot when it is at least this long
 _engines = weakref.WeakKeyDictionary()  # model -> its default engine (Engine.for_model)
+
+
+def _meminfo(field: str) -> int | None:
+    """A /proc/meminfo figure in bytes (MemTotal, MemAvailable), None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def default_memory_budget() -> int:
     """Half the memory available now (the weights are loaded by then), at least 1 GiB; 4 GiB where unknown."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return max(1 << 30, int(line.split()[1]) * 1024 // 2)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 4 << 30
+    available = _meminfo("MemAvailable")
+    return 4 << 30 if available is None else max(1 << 30, available // 2)
+
+
+def default_prefix_cache_size() -> int:
+    """A tenth of the machine's memory, at most 8 GiB; 1 GiB where unknown."""
+    total = _meminfo("MemTotal")
+    return 1 << 30 if total is None else min(8 << 30, total // 10)
+
+
+def _last_index(ids: list[int], token: int | None) -> int:
+    """Index of the last occurrence of token in ids (0 when absent)."""
+    if token is None:
+        return 0
+    return next((i for i in range(len(ids) - 1, 0, -1) if ids[i] == token), 0)
 
 
 def _size(n: int) -> str:
@@ -93,11 +116,16 @@ class Engine:
     QueueFullError). max_model_len: context limit of every request (default: the model's). max_batched_tokens:
     tokens per step (one per decoding sequence; the rest goes to prompt chunks). memory_budget: bytes of cache
     (KV + DeltaNet state) the running sequences may reserve together (default: half the available memory).
+    prefix_cache_size: bytes of prefix snapshots kept for later requests (default: a tenth of the machine's memory;
+    0: no prefix cache). prefix_cache_dir: also keep the snapshots in this folder (as much again on disk), so a
+    restart keeps them. snapshot_interval: prompt tokens between snapshots inside a long prompt.
     """
 
     def __init__(self, model, tokenizer=None, *, max_running: int = DEFAULT_MAX_RUNNING,
                  max_queue: int = DEFAULT_MAX_QUEUE, max_model_len: int | None = None,
-                 max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, memory_budget: int | None = None):
+                 max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, memory_budget: int | None = None,
+                 prefix_cache_size: int | None = None, prefix_cache_dir: str | None = None,
+                 snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL):
         c = model.config.text
         limit = c.max_position_embeddings
         if max_model_len is not None and _positive("max_model_len", max_model_len) > limit:
@@ -111,6 +139,13 @@ class Engine:
         self.kv_token_bytes = kv_bytes_per_token(c, model.dtype)
         self.eos_ids = set(tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_id)
         self.runner = ModelRunner(model)
+        size = default_prefix_cache_size() if prefix_cache_size is None else prefix_cache_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise QwenrtError(f"prefix_cache_size must be a number of bytes >= 0 (0 = off), got {size!r}")
+        store = PrefixStore(prefix_cache_dir, model_identity(model), size) if size and prefix_cache_dir else None
+        self.prefix_cache = PrefixCache(size, c, model.dtype, store) if size else None
+        self.snapshot_interval = _positive("snapshot_interval", snapshot_interval)
+        self._turn_token = tokenizer.token_to_id("<|im_start|>") if tokenizer is not None else None
         self.scheduler = Scheduler(SchedulerConfig(_positive("max_running", max_running),
                                                    _positive("max_batched_tokens", max_batched_tokens),
                                                    self.memory_budget), self.reservation)
@@ -124,11 +159,16 @@ class Engine:
         self._stopping = False
 
     @classmethod
-    def for_model(cls, model, tokenizer=None) -> Engine:
-        """The model's default engine (default limits), made on first use; the Python API's fronts use it."""
+    def for_model(cls, model, tokenizer=None, **options) -> Engine:
+        """The model's default engine, made on first use (or anew with `options`) with the options `qwenrt.load` was
+        given; the Python API's fronts use it."""
         engine = _engines.get(model)
-        if engine is None or engine.tokenizer is not tokenizer:
-            engine = _engines[model] = cls(model, tokenizer)
+        if engine is None or engine.tokenizer is not tokenizer or options:
+            options = {**getattr(model, "engine_options", {}), **options}
+            try:
+                engine = _engines[model] = cls(model, tokenizer, **options)
+            except TypeError as e:
+                raise QwenrtError(f"unknown engine option: {e}") from None
         return engine
 
     # ---- what callers use ----
@@ -166,6 +206,7 @@ class Engine:
         stop_ids = (set() if params.ignore_eos else self.eos_ids) | set(params.stop_token_ids)
         seq = Sequence(request, prompt, self.tokenizer, stop_ids, min(limit, len(prompt.ids) + params.max_tokens),
                        sink, self.model.device)
+        seq.key = prompt_key(prompt, self.model.config)
         need = self.reservation(seq)
         if need > self.memory_budget:
             raise QwenrtError(f"the request needs {_size(need)} of cache for {seq.limit} tokens (prompt + max_tokens);"
@@ -260,21 +301,45 @@ class Engine:
     def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         self._take_new(outputs)
-        plan = self.scheduler.schedule()
+        involved = self.scheduler.admit()
         try:
-            for seq in list(self.scheduler.running):
-                if seq.state is None:
-                    self._run(outputs, [seq], lambda s=seq: setattr(s, "state", self.runner.allocate(s)))
-            decode = [s for s in plan.decode if s.status is Status.RUNNING]
-            if decode:
-                self._run(outputs, decode, lambda: self._decode(decode, outputs))
+            for seq in list(involved):
+                self._run(outputs, [seq], lambda s=seq: self._start(s, outputs))
+            plan = self.scheduler.schedule()
+            involved += plan.decode + [s for s, _ in plan.prefill]
+            if plan.decode:
+                self._run(outputs, plan.decode, lambda: self._decode(plan.decode, outputs))
             for seq, n in plan.prefill:
                 if seq.status is Status.RUNNING:
                     self._run(outputs, [seq], lambda s=seq, k=n: self._prefill(s, k, outputs))
         except BaseException:  # e.g. Ctrl-C in the middle of a forward: these caches are half-updated
-            self._fail_all(plan, outputs, "interrupted")
+            for seq in involved:
+                if seq.status is Status.RUNNING:
+                    self._fail(seq, outputs, "interrupted")
             raise
         return outputs
+
+    def _start(self, seq: Sequence, outputs: list) -> None:
+        """Give an admitted sequence its cache, restoring the longest cached prefix of its prompt; choose where its
+        prefill takes snapshots. A prompt cached whole (with its logits) samples its first token at once."""
+        seq.state = self.runner.allocate(seq)
+        if self.prefix_cache is None:
+            return
+        hit = self.prefix_cache.match(seq.key)
+        if hit.length:
+            self.prefix_cache.restore(hit, seq.state)
+            seq.computed = seq.cached = hit.length
+        points = {seq.prompt_len, *range(self.snapshot_interval, seq.prompt_len, self.snapshot_interval)}
+        turn = _last_index(seq.prompt.ids, self._turn_token)
+        if turn:  # the next chat turn's prompt repeats everything before the generation prompt
+            points.add(turn)
+        if hit.matched - hit.length >= MIN_BRANCH_GAIN:  # a prefix others share, cached so far as KV only
+            points.add(min(hit.matched, seq.prompt_len))
+        seq.snapshots = sorted(p for p in points if p > seq.computed)
+        if hit.length == seq.prompt_len:
+            if seq.prompt.vision is not None:
+                seq.state.rope_delta = seq.prompt.vision.rope_delta
+            self._sample(seq, hit.logits[None], outputs)
 
     def _run(self, outputs: list, seqs: list[Sequence], work: Callable[[], None]) -> None:
         """Run one piece of a step; an Exception ends just the sequences it involved, with the error."""
@@ -291,11 +356,6 @@ class Engine:
         seq.finish_reason = "error"
         self._emit(seq, "", [], outputs, error=message)
 
-    def _fail_all(self, plan: Schedule, outputs: list, message: str) -> None:
-        for seq in plan.decode + [s for s, _ in plan.prefill]:
-            if seq.status is Status.RUNNING:
-                self._fail(seq, outputs, message)
-
     def _decode(self, seqs: list[Sequence], outputs: list) -> None:
         logits = self.runner.decode(seqs)  # [B, V]
         for b, seq in enumerate(seqs):
@@ -305,6 +365,8 @@ class Engine:
         if seq.prefill_start_time is None:
             seq.prefill_start_time = time.perf_counter()
         logits = self.runner.prefill(seq, n)
+        if self.prefix_cache is not None and seq.computed in seq.snapshots:
+            self.prefix_cache.insert(seq.key[:seq.computed], seq.state, logits)
         if logits is not None:
             self._sample(seq, logits, outputs)
 
@@ -331,6 +393,9 @@ class Engine:
               error: str | None = None) -> None:
         """Hand an output to its request (freeing the sequence first when it is the last)."""
         if seq.finish_reason is not None:
+            if seq.finish_reason in ("stop", "length") and self.prefix_cache is not None and seq.state is not None:
+                # the next turn of a conversation (or an agent's next call) continues from here
+                self.prefix_cache.insert((seq.key + seq.tokens)[:seq.state.length], seq.state)
             self.scheduler.finish(seq)
             seq.state = seq.history = seq.vision_embeds = None
             with self._lock:

@@ -61,6 +61,7 @@ class RequestOutput:
     time: float  # when this output was made
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when the request asked for them
     error: str | None = None  # finish_reason "error": what went wrong
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of computed
 
     @property
     def finished(self) -> bool:
@@ -84,6 +85,7 @@ class Sequence:
         self.status = Status.WAITING
         self.state: SequenceState | None = None  # allocated when admitted, dropped when finished
         self.computed = 0  # prompt tokens in the cache
+        self.cached = 0  # of which restored from the prefix cache
         self.tokens: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
@@ -95,6 +97,8 @@ class Sequence:
         self.generator = torch.Generator(device=device).manual_seed(seed)  # one per request: draws independent of the batch
         self.history: TokenCounts | None = None  # penalties' token counts, made at the first sample
         self.vision_embeds: torch.Tensor | None = None  # [1, T, D] while an image/video prompt is being prefilled
+        self.key: list[int] = prompt.ids  # the prompt as the prefix cache knows it (images by content)
+        self.snapshots: list[int] = [self.prompt_len]  # prompt lengths where a prefix snapshot is taken, ascending
         self.arrival_time = time.perf_counter()
         self.prefill_start_time: float | None = None
         self.first_token_time: float | None = None
@@ -110,6 +114,10 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         return self.computed < self.prompt_len
+
+    def next_boundary(self) -> int:
+        """Where the current prompt chunk must end at the latest: the next snapshot point (or the prompt's end)."""
+        return next((p for p in self.snapshots if p > self.computed), self.prompt_len)
 
     @property
     def last_token(self) -> int:
@@ -141,4 +149,4 @@ class Sequence:
                error: str | None = None) -> RequestOutput:
         return RequestOutput(self.request_id, text, token_ids, self.finish_reason, self.prompt_len, len(self.tokens),
                              self.arrival_time, self.first_token_time, self.prefill_start_time, time.perf_counter(),
-                             logprobs, error)
+                             logprobs, error, self.cached)

@@ -18,6 +18,11 @@ def decode_step(model, input_ids: torch.Tensor, cache: HybridCache) -> torch.Ten
     return plan(input_ids, cache) if plan is not None else model(input_ids, cache=cache)
 
 
+def _has_vision_tokens(model, ids: list[int]) -> bool:
+    c = model.config
+    return c.image_token_id in ids or c.video_token_id in ids
+
+
 class ModelRunner:
     def __init__(self, model):
         self.model = model
@@ -38,12 +43,15 @@ class ModelRunner:
         if prompt.vision is None:
             h = model.hidden_states(ids, cache, keep=1 if last else None)
         else:
-            if seq.vision_embeds is None:  # the vision tower runs once, at the first chunk
+            positions = prompt.vision.position_ids.to(model.device)[..., start:end]  # [3, 1, n]
+            if seq.vision_embeds is None and _has_vision_tokens(model, prompt.ids[start:]):
+                # the vision tower runs once, at the first chunk that needs it (a cached prefix may cover them all)
                 seq.vision_embeds = vision_embeddings(model, torch.tensor([prompt.ids], device=model.device),
                                                       prompt.vision)  # [1, T, D]
-            positions = prompt.vision.position_ids.to(model.device)[..., start:end]  # [3, 1, n]
-            h = model.hidden_states(cache=cache, inputs_embeds=seq.vision_embeds[:, start:end],
-                                    position_ids=positions, keep=1 if last else None)
+            embeds = (seq.vision_embeds[:, start:end] if seq.vision_embeds is not None
+                      else model.model.embed_tokens(ids))
+            h = model.hidden_states(cache=cache, inputs_embeds=embeds, position_ids=positions,
+                                    keep=1 if last else None)
             if last:
                 seq.state.rope_delta = prompt.vision.rope_delta
                 seq.vision_embeds = None

@@ -1,5 +1,6 @@
 """The scheduler decides, the runner runs: each step it admits waiting sequences as capacity allows, picks the decode
-batch (every running sequence past its prompt) and spends what is left of the step's token budget on prompt chunks.
+batch (every running sequence past its prompt) and spends what is left of the step's token budget on prompt chunks
+(cut at the points where the engine snapshots a prefix).
 
 Memory is reserved per sequence when it is admitted: its DeltaNet state plus KV for as many tokens as it may hold
 (prompt + max_tokens, at most its context limit), so a running sequence never runs out; a request whose reservation
@@ -46,10 +47,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def schedule(self) -> Schedule:
-        """Admit what fits (first come, first served), then: every decoding sequence one token; prompt chunks,
-        shortest remaining prompt first, within the rest of the token budget and each request's chunk limit."""
-        c = self.config
+    def admit(self) -> list[Sequence]:
+        """Move waiting sequences to running, first come first served, while the running count and the memory
+        reservations allow; returns them (the engine gives each its cache)."""
+        c, admitted = self.config, []
         while self.waiting and len(self.running) < c.max_running:
             need = self.reservation(self.waiting[0])
             if self.reserved + need > c.memory_budget:
@@ -58,13 +59,19 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.reserved += need
             self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def schedule(self) -> Schedule:
+        """Every decoding sequence one token; prompt chunks, shortest remaining prompt first, within the rest of the
+        token budget, each request's chunk limit and up to its next snapshot point."""
         plan = Schedule(decode=[s for s in self.running if not s.prefilling])
-        budget = c.max_batched_tokens - len(plan.decode)
+        budget = self.config.max_batched_tokens - len(plan.decode)
         # short prompts first: a short request's first token does not wait for a long prompt's prefill
         for seq in sorted((s for s in self.running if s.prefilling), key=lambda s: s.prompt_len - s.computed):
             if budget <= 0:
                 break
-            n = min(seq.prompt_len - seq.computed, budget, seq.request.prefill_chunk or budget)
+            n = min(seq.next_boundary() - seq.computed, budget, seq.request.prefill_chunk or budget)
             plan.prefill.append((seq, n))
             budget -= n
         return plan
