@@ -120,7 +120,19 @@ def test_chat_is_the_python_api_answer_split(server, chat_model, thinking):
     assert streamed["role"] == "assistant"
     assert (streamed["reasoning"], streamed["content"]) == (want.reasoning or "", want.content)
     assert streamed["finish"] == whole.choices[0].finish_reason
-    assert streamed["usage"].model_dump() == whole.usage.model_dump()
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [getattr(streamed["usage"], k) for k in counts] == [getattr(whole.usage, k) for k in counts]
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(server):
+    client = server.client()
+    messages = [{"role": "system", "content": "You are a careful assistant. " * 20}, *user("Summarise the above.")]
+    hits = server.metric("prefix_cache_hits_total")
+    first, again = (chat(client, messages, max_tokens=4, temperature=0) for _ in range(2))
+    assert again.choices[0].message == first.choices[0].message
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached <= again.usage.prompt_tokens and first.usage.prompt_tokens_details.cached_tokens < cached
+    assert server.metric("prefix_cache_hits_total") - hits >= cached
 
 
 def test_history_reasoning_under_either_name(server):

@@ -5,6 +5,8 @@ asyncio queue; a submission that is left before it finished cancels what it star
 from __future__ import annotations
 
 import asyncio
+import sys
+import traceback
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -41,7 +43,10 @@ class Submission:
         loop, queue = self._loop, self._queue
 
         def sink(out: RequestOutput) -> None:  # the engine thread
-            timer.observe(out)
+            try:
+                timer.observe(out)
+            except Exception:  # noqa: BLE001 (a metrics bug must not cancel the request: the engine would)
+                traceback.print_exc(file=sys.stderr)
             loop.call_soon_threadsafe(queue.put_nowait, (index, out))
         return sink
 

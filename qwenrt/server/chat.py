@@ -8,7 +8,7 @@ import json
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
-from qwenrt.engine import Request
+from qwenrt.engine import Request, RequestOutput
 from qwenrt.parsing import parse_completion, split_reasoning
 from qwenrt.server.bridge import Submission, collect, event_stream, submit
 from qwenrt.server.errors import APIError, error_body
@@ -126,8 +126,9 @@ class _Reply:
         self.created = now()
         self.prompt_tokens = submission.handles[0].prompt_tokens
 
-    def _usage(self, completion_tokens: list[int]) -> dict:
-        return usage(self.prompt_tokens, sum(completion_tokens))
+    def _usage(self, last: list[RequestOutput]) -> dict:
+        """Over the choices' latest outputs (they share one prompt)."""
+        return usage(self.prompt_tokens, sum(o.generation_tokens for o in last), max(o.cached_tokens for o in last))
 
     async def collect(self, receive) -> dict:
         finished = await collect(self.submission, receive)
@@ -139,7 +140,7 @@ class _Reply:
                             "logprobs": chat_logprobs(self.tokenizer, done.logprobs) if self.body.logprobs else None,
                             "finish_reason": _finish_reason(done.last.finish_reason, calls)})
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": self._usage([d.last.generation_tokens for d in finished])}
+                "choices": choices, "usage": self._usage([d.last for d in finished])}
 
     def _chunk(self, choices: list[dict], usage_: dict | None = None) -> str:
         chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
@@ -153,7 +154,7 @@ class _Reply:
         handles = self.submission.handles
         parsers = [MessageStream(h.thinking_started, self.tools if self.parse_tools else None) for h in handles]
         logprobs = [LogprobCollector() for _ in handles]
-        generated = [0] * len(handles)
+        latest: list[RequestOutput] = [None] * len(handles)
         for i in range(len(handles)):
             yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None}])
@@ -161,7 +162,7 @@ class _Reply:
             if out.finish_reason == "error":
                 yield sse(error_body(500, out.error or "generation failed"))
                 continue
-            generated[i] = out.generation_tokens
+            latest[i] = out
             delta = parsers[i].feed(out.text, final=out.finished)
             entries = logprobs[i].add(out) if self.body.logprobs else []
             if not (delta or entries or out.finished):
@@ -171,4 +172,4 @@ class _Reply:
                                 "logprobs": chat_logprobs(self.tokenizer, entries) if entries else None,
                                 "finish_reason": finish}])
         if self.body.stream_options and self.body.stream_options.include_usage:
-            yield self._chunk([], self._usage(generated))
+            yield self._chunk([], self._usage(latest))

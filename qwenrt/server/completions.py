@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
-from qwenrt.engine import Request
+from qwenrt.engine import Request, RequestOutput
 from qwenrt.server.bridge import Submission, collect, event_stream, submit
 from qwenrt.server.errors import APIError, error_body
 from qwenrt.server.params import check_context, choice_params
@@ -53,11 +53,13 @@ class _Reply:
         # each prompt counted once, whatever n
         self.prompt_tokens = sum(h.prompt_tokens for h in submission.handles[::body.n])
 
-    def _body(self, choices: list[dict], generated: list[int] | None) -> dict:
+    def _body(self, choices: list[dict], last: list[RequestOutput] | None) -> dict:
+        """A response body; with usage over the choices' latest outputs when `last` is given."""
         out = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                "choices": choices}
-        if generated is not None:
-            out["usage"] = usage(self.prompt_tokens, sum(generated))
+        if last is not None:  # each prompt's cached tokens counted once, whatever n
+            out["usage"] = usage(self.prompt_tokens, sum(o.generation_tokens for o in last),
+                                 sum(o.cached_tokens for o in last[::self.body.n]))
         return out
 
     def _logprobs(self, entries, offset: int) -> dict | None:
@@ -67,16 +69,16 @@ class _Reply:
         finished = await collect(self.submission, receive)
         choices = [{"index": i, "text": done.text, "logprobs": self._logprobs(done.logprobs, 0),
                     "finish_reason": done.last.finish_reason} for i, done in enumerate(finished)]
-        return self._body(choices, [d.last.generation_tokens for d in finished])
+        return self._body(choices, [d.last for d in finished])
 
     async def events(self):
         n = len(self.submission.handles)
-        logprobs, generated, offsets = [LogprobCollector() for _ in range(n)], [0] * n, [0] * n
+        logprobs, latest, offsets = [LogprobCollector() for _ in range(n)], [None] * n, [0] * n
         async for i, out in self.submission.outputs():
             if out.finish_reason == "error":
                 yield sse(error_body(500, out.error or "generation failed"))
                 continue
-            generated[i] = out.generation_tokens
+            latest[i] = out
             entries = logprobs[i].add(out)
             if not (out.text or entries or out.finished):
                 continue
@@ -86,4 +88,4 @@ class _Reply:
             yield sse(self._body([{"index": i, "text": out.text, "logprobs": lp,
                                    "finish_reason": out.finish_reason}], None))
         if self.body.stream_options and self.body.stream_options.include_usage:
-            yield sse(self._body([], generated))
+            yield sse(self._body([], latest))

@@ -3,23 +3,11 @@
 from __future__ import annotations
 
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
 from qwenrt.errors import QwenrtError
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?)?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """Bytes from "8000000000", "8G", "512MiB", ... (K/M/G/T are powers of 1024)."""
-    match = _SIZE.match(text)
-    if match is None:
-        raise QwenrtError(f"cannot read a size from {text!r} (e.g. 8G, 512M, 4000000000)")
-    unit = (match.group(2) or "").lower()[:1]
-    return int(float(match.group(1)) * 1024 ** ("kmgt".index(unit) + 1 if unit else 0))
 
 
 def load_engine(args):
@@ -27,6 +15,7 @@ def load_engine(args):
     from qwenrt.engine import Engine
     from qwenrt.engine.core import _size
     from qwenrt.loader import load
+    from qwenrt.units import parse_size
 
     start = time.perf_counter()
     model, tokenizer = load(args.model, dtype=args.dtype, quantize=args.quantize, progress=True)
@@ -39,7 +28,9 @@ def load_engine(args):
         raise QwenrtError(f"{args.tokenizer or args.model}: no tokenizer.json; the server needs one (--tokenizer)")
     limits = {"max_running": args.max_running, "max_queue": args.max_queue, "max_model_len": args.max_model_len,
               "max_batched_tokens": args.max_num_batched_tokens,
-              "memory_budget": parse_size(args.kv_cache_memory_bytes) if args.kv_cache_memory_bytes else None}
+              "memory_budget": parse_size(args.kv_cache_memory_bytes) if args.kv_cache_memory_bytes else None,
+              "prefix_cache_size": parse_size(args.prefix_cache_size) if args.prefix_cache_size else None,
+              "prefix_cache_dir": args.prefix_cache_dir}
     engine = Engine(model, tokenizer, **{k: v for k, v in limits.items() if v is not None})
     per_token, full = engine.kv_token_bytes, engine.state_bytes + engine.kv_token_bytes * engine.max_model_len
     if full > engine.memory_budget:
@@ -110,6 +101,9 @@ def add_parser(verbs) -> None:
                    help="tokens per engine step: decode tokens first, the rest for prompt chunks (default 256)")
     p.add_argument("--kv-cache-memory-bytes", help="cache budget for KV + DeltaNet state, e.g. 8G (default: half "
                                                    "the memory available after loading)")
+    p.add_argument("--prefix-cache-size", help="memory for reusing computed prompts (shared system prompts, earlier "
+                                                "turns), e.g. 2GiB; 0 = off (default: a tenth of RAM, at most 8GiB)")
+    p.add_argument("--prefix-cache-dir", help="also keep reusable prompt states in this folder, across restarts")
     p.add_argument("--allowed-local-media-path", help="let requests read local image/video files under this "
                                                       "directory (file:// URLs or paths)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))

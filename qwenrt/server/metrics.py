@@ -30,6 +30,10 @@ class ServerMetrics:
             engine_value(lambda e: e.scheduler.reserved / e.memory_budget))
         self.prompt_tokens = Counter("qwenrt:prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter("qwenrt:generation_tokens", "Tokens generated", registry=r)
+        self.prefix_queries = Counter("qwenrt:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("qwenrt:prefix_cache_hits", "Prompt tokens restored from the prefix cache",
+                                   registry=r)
         self.request_success = Counter("qwenrt:request_success", "Finished requests by finish reason",
                                        ["finished_reason"], registry=r)
         self.ttft = Histogram("qwenrt:time_to_first_token_seconds", "Time to first token (from arrival at the "
@@ -58,8 +62,11 @@ class RequestTimer:
         if out.token_ids:
             if self._last is None:
                 m.prompt_tokens.inc(out.prompt_tokens)
+                m.prefix_queries.inc(out.prompt_tokens)
+                m.prefix_hits.inc(out.cached_tokens)
                 m.ttft.observe(out.first_token_time - out.arrival_time)
-                m.queue_time.observe(out.prefill_start_time - out.arrival_time)
+                # a prompt restored whole from the prefix cache has no prefill chunk: it waited until its token
+                m.queue_time.observe((out.prefill_start_time or out.first_token_time) - out.arrival_time)
             else:
                 m.itl.observe(out.time - self._last)
             self._last = out.time
