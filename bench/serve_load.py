@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -46,7 +47,7 @@ WORDS = ("the cat sat on a mat while seven quiet rivers ran past old stone tower
 
 def start_server(checkpoint: Path, tokenizer: Path, args, log: Path) -> ServerProcess:
     options = ["--tokenizer", str(tokenizer), "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
-               "--max-running", str(args.max_running), "--served-model-name", "bench"]
+               "--max-running", str(args.max_running), "--served-model-name", "bench", *shlex.split(args.serve_args)]
     try:
         return ServerProcess(checkpoint, log, *options, env={"OMP_NUM_THREADS": str(args.threads)} if args.threads
                              else None, timeout=900)
@@ -277,7 +278,8 @@ async def run_mix(url: str, mix: list, concurrency: int) -> dict:
                 failures=failures)
 
 
-def soak_phase(server: ServerProcess, n: int, concurrency: int, rng: random.Random, max_prompt: int, max_gen: int) -> dict:
+def soak_phase(server: ServerProcess, n: int, concurrency: int, rng: random.Random, max_prompt: int,
+               max_gen: int) -> dict:
     asyncio.run(run_mix(server.url, soak_mix(max(24, n // 10), rng, max_prompt, max_gen), concurrency))  # warm-up
     server.wait_idle(120)
     rss_warm = server.rss()
@@ -370,6 +372,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--max-running", type=int, default=8)
     p.add_argument("--threads", type=int, help="OMP_NUM_THREADS of the server (default: torch's choice)")
+    p.add_argument("--serve-args", default="", help="more `qwenrt serve` options, e.g. '--prefix-cache-size 64MiB' "
+                                                    "(a soak's RSS check wants a prefix cache its warm-up fills)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write every figure to this file")
     args = p.parse_args(argv)
