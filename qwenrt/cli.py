@@ -7,6 +7,7 @@ import json
 import sys
 
 from qwenrt.errors import QwenrtError
+from qwenrt.server.main import add_parser as add_serve_parser
 
 
 def _inspect(args) -> None:
@@ -147,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
     p.add_argument("--json", help="also write the results (medians and every sample) to this file")
     p.set_defaults(run=_bench)
+
+    add_serve_parser(verbs)
     return parser
 
 

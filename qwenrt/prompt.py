@@ -42,7 +42,7 @@ def prepare_prompt(model, tokenizer, prompt, enable_thinking: bool | None = None
             ids = tokenizer.encode(text)
     elif isinstance(prompt, torch.Tensor) or (isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt)):
         ids = [int(t) for t in (prompt.reshape(-1).tolist() if isinstance(prompt, torch.Tensor) else prompt)]
-        text = tokenizer.decode(ids[-4:]) if tokenizer is not None else ""
+        text = None  # decoded once the ids are known to be in the vocabulary
     else:
         raise QwenrtError("prompt must be a string, a list of chat messages (dicts) or a list of token ids")
     if not ids:
@@ -53,5 +53,7 @@ def prepare_prompt(model, tokenizer, prompt, enable_thinking: bool | None = None
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
         raise QwenrtError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    if text is None:
+        text = tokenizer.decode(ids[-4:]) if tokenizer is not None else ""
     # the thinking generation prompt ends with an open "<think>\n": the output starts inside the reasoning
     return PreparedPrompt(ids, text.rstrip().endswith("<think>"), vision)
