@@ -16,7 +16,7 @@ from qwenrt.cache import HybridCache
 from qwenrt.config import ModelConfig, TextConfig
 from qwenrt.deltanet import GatedDeltaNet
 from qwenrt.errors import QwenrtError
-from qwenrt.kernels import cpu_kernels
+from qwenrt.kernels import cpu_kernels, inference_kernels
 from qwenrt.ops.attention import decode_attention
 from qwenrt.ops.linear import Linear, linear, project, swiglu
 from qwenrt.ops.rope import apply_rope, inv_frequencies, rope_cos_sin
@@ -31,7 +31,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = _norm_kernels(x)
+        kernels = _norm_kernels(x, self.weight)
         if kernels is not None:
             return kernels.rms_norm(x.contiguous(), None, self.weight.float(), self.eps)[1]
         h = x.float()
@@ -40,15 +40,15 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, its norm) in one pass where the native kernel is available."""
-        kernels = _norm_kernels(x)
+        kernels = _norm_kernels(x, self.weight)
         if kernels is not None:
             return tuple(kernels.rms_norm(x.contiguous(), residual.contiguous(), self.weight.float(), self.eps))
         x = x + residual
         return x, self(x)
 
 
-def _norm_kernels(x: torch.Tensor):
-    return cpu_kernels() if x.is_cpu and x.dtype in (torch.bfloat16, torch.float32) else None
+def _norm_kernels(x: torch.Tensor, weight: torch.Tensor):
+    return inference_kernels(x, weight) if x.is_cpu and x.dtype in (torch.bfloat16, torch.float32) else None
 
 
 class MLP(nn.Module):
@@ -138,7 +138,7 @@ class GatedAttention(nn.Module):
         """x [B, T, D]; cos, sin [B, T, R]; mask [B, 1, T, S] boolean or None (plain causal / all visible)."""
         B, T, _ = x.shape
         qg, k, v = project(x, [self.q_proj, self.k_proj, self.v_proj])
-        kernels = cpu_kernels() if T == 1 and cache is not None and x.is_cpu else None
+        kernels = inference_kernels(x, self.q_proj.weight) if T == 1 and cache is not None and x.is_cpu else None
         if kernels is not None and x.dtype in (torch.bfloat16, torch.float32):
             o = self.native_step(kernels, qg.view(B, -1), k.view(B, -1), v.view(B, -1), cos.reshape(B, -1),
                                  sin.reshape(B, -1), cache)
@@ -170,10 +170,11 @@ class GatedAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: TextConfig, layer_idx: int):
+    def __init__(self, c: TextConfig, layer_idx: int, layer_type: str | None = None):
+        """layer_type: c.layer_types[layer_idx] unless given (the MTP head's layer is full attention)."""
         super().__init__()
         self.layer_idx = layer_idx
-        self.is_linear = c.layer_types[layer_idx] == "linear_attention"
+        self.is_linear = (layer_type or c.layer_types[layer_idx]) == "linear_attention"
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(c, layer_idx)
         else:
@@ -251,31 +252,47 @@ class Qwen35ForCausalLM(nn.Module):
         """
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T, _ = x.shape
-        c = self.config.text
         if position_ids is None:
             position_ids = self.text_positions(B, T, cache)
-        cos, sin = rope_cos_sin(position_ids, self.inv_frequencies(x.device), c.mrope_section, c.mrope_interleaved)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        cos, sin = self.rope_tables(position_ids, x.dtype)
         mask = None
         if cache is not None:
             if cache.batch_size != B:
                 raise QwenrtError(f"cache holds {cache.batch_size} sequences but input has batch size {B}")
             cache.reserve(cache.max_length + T)
-            plan = self.decode_plan() if T == 1 and inputs_embeds is None and x.is_cpu else None
+            native = T == 1 and inputs_embeds is None and x.is_cpu and inference_kernels(x) is not None
+            plan = self.decode_plan() if native else None
             if plan is not None:  # the same step, without per-module Python work
                 logits = plan(input_ids, cache, cos[:, 0], sin[:, 0])
                 cache.advance(T)
                 return logits
             mask = cache.attention_mask(T, x.device)
+        return self.lm_head(self._final_hidden(x, cos, sin, cache, mask, logits_to_keep)).float()
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, T] of fresh sequences (no cache) -> the final-normed hidden states [B, T, D]: what lm_head
+        and the MTP head read. Training applies the head only where it has a loss."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope_tables(self.text_positions(*input_ids.shape, None), x.dtype)
+        return self._final_hidden(x, cos, sin, None, None, 0)
+
+    def _final_hidden(self, x, cos, sin, cache: HybridCache | None, mask, logits_to_keep: int) -> torch.Tensor:
+        """The decoder layers and the final norm over x [B, T, D] -> [B, T', D] (T' = logits_to_keep or T)."""
         delta = None
         for layer in self.model.layers:
             x, delta = layer(x, delta, cos, sin, cache, mask)
         if cache is not None:
-            cache.advance(T)
+            cache.advance(x.shape[1])
         if logits_to_keep:
             x, delta = x[:, -logits_to_keep:], delta[:, -logits_to_keep:]
-        _, h = self.model.norm.add_forward(x, delta)
-        return self.lm_head(h).float()
+        return self.model.norm.add_forward(x, delta)[1]
+
+    def rope_tables(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [B, T] or [3, B, T] -> cos, sin [B, T, rotary_dim] in `dtype`."""
+        c = self.config.text
+        cos, sin = rope_cos_sin(position_ids, self.inv_frequencies(position_ids.device), c.mrope_section,
+                                c.mrope_interleaved)
+        return cos.to(dtype), sin.to(dtype)
 
     def decode_plan(self):
         """The native decode step (qwenrt/decode_plan.py), or None without the native kernels or where some part of
