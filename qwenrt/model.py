@@ -16,7 +16,7 @@ from qwenrt.cache import HybridCache, SequenceState
 from qwenrt.config import ModelConfig, TextConfig
 from qwenrt.deltanet import GatedDeltaNet
 from qwenrt.errors import QwenrtError
-from qwenrt.kernels import cpu_kernels
+from qwenrt.kernels import inference_kernels
 from qwenrt.mlp import MLP, SparseMoeBlock
 from qwenrt.ops.attention import decode_attention
 from qwenrt.ops.linear import Linear, project
@@ -32,7 +32,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = _norm_kernels(x)
+        kernels = _norm_kernels(x, self.weight)
         if kernels is not None:
             return kernels.rms_norm(x.contiguous(), None, self.weight.float(), self.eps)[1]
         h = x.float()
@@ -41,15 +41,15 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, its norm) in one pass where the native kernel is available."""
-        kernels = _norm_kernels(x)
+        kernels = _norm_kernels(x, self.weight)
         if kernels is not None:
             return tuple(kernels.rms_norm(x.contiguous(), residual.contiguous(), self.weight.float(), self.eps))
         x = x + residual
         return x, self(x)
 
 
-def _norm_kernels(x: torch.Tensor):
-    return cpu_kernels() if x.is_cpu and x.dtype in (torch.bfloat16, torch.float32) else None
+def _norm_kernels(x: torch.Tensor, weight: torch.Tensor):
+    return inference_kernels(x, weight) if x.is_cpu and x.dtype in (torch.bfloat16, torch.float32) else None
 
 
 class GatedAttention(nn.Module):
@@ -72,7 +72,7 @@ class GatedAttention(nn.Module):
         each row also attends to its sequence's cached tokens (rows may hold different lengths)."""
         B, T, _ = x.shape
         qg, k, v = project(x, [self.q_proj, self.k_proj, self.v_proj])
-        kernels = cpu_kernels() if T == 1 and cache is not None and x.is_cpu else None
+        kernels = inference_kernels(x, self.q_proj.weight) if T == 1 and cache is not None and x.is_cpu else None
         if kernels is not None and x.dtype in (torch.bfloat16, torch.float32):
             o = self.native_step(kernels, qg.view(B, -1), k.view(B, -1), v.view(B, -1), cos.reshape(B, -1),
                                  sin.reshape(B, -1), cache.sequences)
@@ -117,10 +117,11 @@ class GatedAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: TextConfig, layer_idx: int):
+    def __init__(self, c: TextConfig, layer_idx: int, layer_type: str | None = None):
+        """layer_type: c.layer_types[layer_idx] unless given (the MTP head's layer is full attention)."""
         super().__init__()
         self.layer_idx = layer_idx
-        self.is_linear = c.layer_types[layer_idx] == "linear_attention"
+        self.is_linear = (layer_type or c.layer_types[layer_idx]) == "linear_attention"
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(c, layer_idx)
         else:

@@ -3,6 +3,7 @@
 Decode reads every weight once per token, so its speed is memory bandwidth; torch's bf16 matrix-vector product
 reaches about half of it on these CPUs (shared/baselines.md), these kernels most of it. Where the CPU lacks the
 instructions, no compiler is found, or QWENRT_KERNELS=0, `cpu_kernels()` returns None and callers use torch ops.
+The kernels have no backward: callers ask `inference_kernels(...)`, which withholds them while autograd records.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import os
 import sys
 import threading
 from pathlib import Path
+
+import torch
 
 SOURCES = [Path(__file__).with_name(n) for n in ("bindings.cpp", "cpu_gemv.cpp", "cpu_gdn.cpp", "cpu_norm.cpp",
                                                  "cpu_attention.cpp")]
@@ -56,3 +59,11 @@ def cpu_kernels():
         print(f"qwenrt: native CPU kernels unavailable ({str(e).splitlines()[0][:200]}); using torch ops",
               file=sys.stderr)
         return None
+
+
+def inference_kernels(*tensors: torch.Tensor):
+    """`cpu_kernels()`, or None when autograd must see through the op (grad enabled and one of `tensors` requires
+    grad): the native kernels have no backward, so training always takes the torch ops."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    return cpu_kernels()
