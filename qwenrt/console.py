@@ -7,6 +7,7 @@ import time
 
 from qwenrt.errors import QwenrtError
 from qwenrt.generate import GenerationResponse, stream_generate
+from qwenrt.kernels import kernel_path
 from qwenrt.loader import load
 from qwenrt.parsing import parse_completion
 from qwenrt.sampling import SamplingParams
@@ -21,8 +22,9 @@ def load_for_cli(source: str, dtype: str, device: str):
     print(f"loading {source} …", file=sys.stderr, flush=True)
     model, tokenizer = load(source, dtype=dtype, device=device, progress=True)
     c = model.config.text
+    kernels = f", CPU kernels: {kernel_path()}" if model.device.type == "cpu" else ""
     print(f"loaded {c.num_hidden_layers}-layer {'MoE ' if c.is_moe else ''}model ({model.dtype}) in "
-          f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+          f"{time.perf_counter() - start:.1f} s{kernels}", file=sys.stderr, flush=True)
     return model, tokenizer
 
 
