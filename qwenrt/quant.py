@@ -5,8 +5,8 @@ Stored format (what checkpoints hold, the same on every machine), for a weight W
     int4  qweight uint8 [*E, N, K/2]; scales, zeros bf16 [*E, N, K/G]     W ≈ (q - 8)·s + z  (min-max, per G columns)
           byte j of a group holds column j (low nibble) and column j + G/2 (high nibble), as GGUF's Q4_0.
 In memory both stay as stored, used in place by the native kernels (qwenrt/kernels/cpu_gemv.cpp) at decode and
-dequantized per matrix for prefill's GEMM; without the native kernels int4 is repacked into torch's CPU layout
-for `_weight_int4pack_mm_for_cpu`.
+dequantized per matrix for prefill's GEMM (to fp32, a slice at a time, where bf16 products are emulated); without
+the native kernels int4 is repacked into torch's CPU layout for `_weight_int4pack_mm_for_cpu`.
 Norms, A_log, dt_bias, conv1d, the embedding lookup, the MoE router and the shared-expert gate stay in full precision.
 """
 

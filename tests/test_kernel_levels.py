@@ -53,8 +53,8 @@ def test_bf16_products_go_through_fp32_where_the_cpu_emulates_them(monkeypatch):
     w = torch.randn(700, 256, generator=g).bfloat16()
     x = torch.randn(2, 40, 256, generator=g).bfloat16()
     ref = x.double() @ w.double().t()
-    monkeypatch.setattr(qwenrt.ops.linear, "SLICE", 256 * 300)  # three slices, the last partial
-    for native in (True, False):
+    for native, slice_rows in ((True, 300), (False, 300), (False, 700)):  # 3 slices of the weight, the last partial; 1
+        monkeypatch.setattr(qwenrt.ops.linear, "SLICE", 256 * slice_rows)
         monkeypatch.setattr(qwenrt.ops.linear, "native_bf16_matmul", lambda: native)
         assert qwenrt.ops.linear.emulated_bf16(x) is not native
         y = qwenrt.ops.linear.gemm(x, w)

@@ -64,7 +64,7 @@ inline Bf16Input bf16_input(const at::Tensor& x) {
 template <int M>
 void bf16_rows(const Bf16Input& in, const Segment& s, int64_t K, int64_t n0, int64_t n1) {
   const int64_t row_bytes = 2 * K, full = K / kBf16Step * kBf16Step;
-  over_rows<block_rows(M, 2, 1, 2)>(n0, n1, [&](auto rows, int64_t n) {
+  over_rows<block_rows(M, 2, 1, 4)>(n0, n1, [&](auto rows, int64_t n) {
     constexpr int R = decltype(rows)::value;
     F acc[M][R];
     for (int m = 0; m < M; ++m)
@@ -102,7 +102,7 @@ constexpr int64_t kQ8Step = 2 * kLanes;  // int8 columns per widened vector
 template <int M>
 void q8_rows(const FixedPoint& in, const Segment& s, int64_t K, int64_t n0, int64_t n1) {
   const int64_t blocks = in.Kp / kQ8Block, full = K / kQ8Step * kQ8Step;
-  over_rows<block_rows(M, 1, 2, 2)>(n0, n1, [&](auto rows, int64_t n) {
+  over_rows<block_rows(M, 1, 2, 4)>(n0, n1, [&](auto rows, int64_t n) {
     constexpr int R = decltype(rows)::value;
     const uint8_t* block = s.w + n * K;
     F acc[M][R];
@@ -143,9 +143,11 @@ struct Q4Input {
   std::vector<float> lane_scale;    // [M, periods, kLanes] the fixed-point scale of each product lane's group
   std::vector<float> sums;          // [M, groups (+ kLanes)] Σ x per group, of the fixed-point values
   FixedPoint fp;                    // x in fixed point per group, in column order (for a row's partial last unit)
-  int64_t units, periods, units_per_period, groups;
+  int64_t units, periods, groups;
   std::array<int32_t, kLanes> lane_group;  // group of product lane j, relative to its period's first
 };
+
+constexpr int64_t q4_units_per_period(int64_t G) { return G > kQ4Unit ? G / kQ4Unit : 1; }
 
 // Product lane j of a unit sums bytes 4j..4j+3 of its kQ4UnitBytes: with G/2 bytes per group, group 8j/G of the
 // unit when a unit spans groups (G < kQ4Unit); otherwise one group per period of G / kQ4Unit units.
@@ -155,24 +157,23 @@ inline Q4Input q4_input(const at::Tensor& x, int64_t G) {
   in.fp = to_fixed_point(x, G);
   const FixedPoint& fp = in.fp;
   in.units = (row_bytes + kQ4UnitBytes - 1) / kQ4UnitBytes;
-  in.units_per_period = std::max<int64_t>(1, G / kQ4Unit);
-  in.periods = (in.units + in.units_per_period - 1) / in.units_per_period;
+  in.periods = (in.units + q4_units_per_period(G) - 1) / q4_units_per_period(G);
   in.groups = groups;
   for (int j = 0; j < kLanes; ++j) in.lane_group[j] = G < kQ4Unit ? static_cast<int32_t>(8 * j / G) : 0;
   const int64_t groups_per_period = G < kQ4Unit ? kQ4Unit / G : 1;
+  const int half_shift = __builtin_ctzll(G / 2);  // G is a power of two
   in.x.assign(M * in.units * 4 * 2 * kLanes, 0);
   in.lane_scale.assign(M * in.periods * kLanes, 0.f);
   in.sums.assign(M * groups + kLanes, 0.f);
   for (int64_t m = 0; m < M; ++m) {
     const int16_t* q = fp.q.data() + m * fp.Kp;
-    for (int64_t u = 0; u < in.units; ++u)
-      for (int e = 0; e < 4; ++e)  // e: low nibble of even bytes, high of even, low of odd, high of odd
-        for (int64_t i = 0; i < 2 * kLanes; ++i) {
-          const int64_t byte = kQ4UnitBytes * u + 2 * i + e / 2;
-          if (byte >= row_bytes) continue;
-          const int64_t g = byte / (G / 2), column = g * G + (e % 2 ? G / 2 : 0) + byte % (G / 2);
-          in.x[((m * in.units + u) * 4 + e) * 2 * kLanes + i] = q[column];
-        }
+    int16_t* xm = in.x.data() + m * in.units * 8 * kLanes;
+    for (int64_t byte = 0; byte < row_bytes; ++byte) {  // its low nibble is column `low`, its high one low + G/2
+      const int64_t u = byte / kQ4UnitBytes, i = byte % kQ4UnitBytes / 2, e = byte % 2 * 2;  // e: low nibble's vector
+      const int64_t low = ((byte >> half_shift) << (half_shift + 1)) + (byte & (G / 2 - 1));
+      xm[(u * 4 + e) * 2 * kLanes + i] = q[low];
+      xm[(u * 4 + e + 1) * 2 * kLanes + i] = q[low + G / 2];
+    }
     for (int64_t p = 0; p < in.periods; ++p)
       for (int j = 0; j < kLanes; ++j) {
         const int64_t g = std::min(groups - 1, p * groups_per_period + in.lane_group[j]);
@@ -187,40 +188,41 @@ inline Q4Input q4_input(const at::Tensor& x, int64_t G) {
   return in;
 }
 
-// The codes·x of row n's bytes from unit `from` on (a partial last unit), scaled per group.
+// The codes·x of row n's bytes [from, K/2) (a partial last period), scaled per group.
 [[gnu::noinline]] inline float q4_tail(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64_t from,
                                        int64_t n, int m) {
   const uint8_t* row = s.w + n * (K / 2);
   const int16_t* q = in.fp.q.data() + m * in.fp.Kp;
   float total = 0.f;
-  for (int64_t g = kQ4UnitBytes * from / (G / 2); g < in.groups; ++g) {
+  for (int64_t g = from / (G / 2); g < in.groups; ++g) {
     int64_t sum = 0;
-    for (int64_t b = std::max(g * G / 2, kQ4UnitBytes * from); b < (g + 1) * G / 2; ++b)
+    for (int64_t b = std::max(g * G / 2, from); b < (g + 1) * G / 2; ++b)
       sum += int64_t{row[b] & 15} * q[g * G + b % (G / 2)] + int64_t{row[b] >> 4} * q[g * G + G / 2 + b % (G / 2)];
     total += static_cast<float>(sum) * in.fp.scale[m * in.groups + g] * bf16_to_float(s.scales[n * in.groups + g]);
   }
   return total;
 }
 
-template <int M>
-void q4_rows(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64_t n0, int64_t n1) {
+// U units per period (the units of one group when G > kQ4Unit): each period's integer sums are complete in
+// registers, scaled, and added to fp32 accumulators, so nothing but those is carried from period to period.
+template <int M, int U>
+void q4_periods(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64_t n0, int64_t n1) {
   const int64_t groups = in.groups, row_bytes = K / 2, groups_per_period = G < kQ4Unit ? kQ4Unit / G : 1;
-  const int64_t full_units = row_bytes / kQ4UnitBytes;
+  const int64_t full_periods = row_bytes / (U * kQ4UnitBytes), tail = full_periods * U * kQ4UnitBytes;
   I lane_group;
   std::memcpy(&lane_group, in.lane_group.data(), sizeof lane_group);
   const I low4 = set1_i16(0x000F);
-  constexpr int kRows = block_rows(M, 4, 2, 6);
-  std::vector<float> sc(kRows * groups + kLanes, 0.f);  // fp32 scales of the block
+  constexpr int kRows = block_rows(M, 4 * U, 1, 10);
+  std::vector<float> sc(kRows * groups + kLanes, 0.f);  // fp32 scales of the block's rows
   over_rows<kRows>(n0, n1, [&](auto rows, int64_t n) {
     constexpr int R = decltype(rows)::value;
-    F acc[M][R];
     float offset[M][R];  // Σ_g (z - 8·s)·Σx: each weight enters the integer sums as its code q = w/s - z/s + 8
     for (int r = 0; r < R; ++r) {
       const uint16_t* sr = s.scales + (n + r) * groups;
       const uint16_t* zr = s.zeros + (n + r) * groups;
       float* scr = sc.data() + r * groups;
       F off[M];
-      for (int m = 0; m < M; ++m) off[m] = zero(), acc[m][r] = zero();
+      for (int m = 0; m < M; ++m) off[m] = zero();
       int64_t g = 0;
       for (; g + kLanes <= groups; g += kLanes) {
         const F sv = load_bf16(sr + g), coef = fnmadd(sv, set1(8.f), load_bf16(zr + g));
@@ -233,26 +235,25 @@ void q4_rows(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64_t 
         for (int m = 0; m < M; ++m) offset[m][r] += (bf16_to_float(zr[g]) - 8.f * scr[g]) * in.sums[m * groups + g];
       }
     }
+    F acc[M][R];  // initialised apart from the loops above, so that the compiler keeps it in registers
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) acc[m][r] = zero();
     const uint8_t* block = s.w + n * row_bytes;
-    for (int64_t p = 0; p < in.periods; ++p) {
+    for (int64_t p = 0; p < full_periods; ++p) {
+      prefetch_ahead(block + p * U * kQ4UnitBytes * R, U * kQ4UnitBytes * R);
       I isum[M][R];
-      for (int m = 0; m < M; ++m)
-        for (int r = 0; r < R; ++r) isum[m][r] = zero_i();
-      const int64_t u1 = std::min(full_units, (p + 1) * in.units_per_period);
-      for (int64_t u = p * in.units_per_period; u < u1; ++u) {
-        prefetch_ahead(block + u * kQ4UnitBytes * R, kQ4UnitBytes * R);
-        for (int r = 0; r < R; ++r) {
-          const I v = load_i(block + r * row_bytes + kQ4UnitBytes * u);
+      for (int r = 0; r < R; ++r)
+        for (int u = 0; u < U; ++u) {
+          const I v = load_i(block + r * row_bytes + (p * U + u) * kQ4UnitBytes);
           const I e0 = and_i(v, low4), e1 = and_i(srli_i16<4>(v), low4), e2 = and_i(srli_i16<8>(v), low4);
           const I e3 = srli_i16<12>(v);
           for (int m = 0; m < M; ++m) {
-            const int16_t* xu = in.x.data() + (m * in.units + u) * 8 * kLanes;
+            const int16_t* xu = in.x.data() + (m * in.units + p * U + u) * 8 * kLanes;
             const I s01 = add_i32(madd_i16(e0, load_i(xu)), madd_i16(e1, load_i(xu + 2 * kLanes)));
             const I s23 = add_i32(madd_i16(e2, load_i(xu + 4 * kLanes)), madd_i16(e3, load_i(xu + 6 * kLanes)));
-            isum[m][r] = add_i32(isum[m][r], add_i32(s01, s23));
+            isum[m][r] = u == 0 ? add_i32(s01, s23) : add_i32(isum[m][r], add_i32(s01, s23));
           }
         }
-      }
       for (int r = 0; r < R; ++r) {
         const F sl = permute(load(sc.data() + r * groups + p * groups_per_period), lane_group);
         for (int m = 0; m < M; ++m)
@@ -261,10 +262,21 @@ void q4_rows(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64_t 
       }
     }
     for (int m = 0; m < M; ++m)
-      for (int r = 0; r < R; ++r)
-        s.out[m * s.N + n + r] = reduce_add(acc[m][r]) + offset[m][r] +
-                                 (full_units < in.units ? q4_tail(in, s, K, G, full_units, n + r, m) : 0.f);
+      for (int r = 0; r < R; ++r) s.out[m * s.N + n + r] = reduce_add(acc[m][r]) + offset[m][r];
+    if (tail < row_bytes)
+      for (int m = 0; m < M; ++m)
+        for (int r = 0; r < R; ++r) s.out[m * s.N + n + r] += q4_tail(in, s, K, G, tail, n + r, m);
   });
+}
+
+template <int M>
+void q4_rows(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64_t n0, int64_t n1) {
+  static_assert(128 / kQ4Unit <= 2, "groups of up to 128 columns span at most 2 units");
+  if (q4_units_per_period(G) == 2) {
+    q4_periods<M, 2>(in, s, K, G, n0, n1);
+  } else {
+    q4_periods<M, 1>(in, s, K, G, n0, n1);
+  }
 }
 
 }  // namespace qwenrt::gemv

@@ -14,7 +14,7 @@ from torch import nn
 from qwenrt.kernels import cpu_kernels, native_bf16_matmul
 
 MAX_KERNEL_ROWS = 8  # the kernels stream each weight once for up to this many activation rows
-SLICE = 1 << 22  # weight elements converted to fp32 at a time: bounded temporaries for the 248K-row head
+SLICE = 1 << 24  # weight elements converted to fp32 at a time: bounded temporaries (64 MB) for the biggest
 
 
 def decode_kernels(x: torch.Tensor):
@@ -91,11 +91,13 @@ def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def fp32_gemm(x: torch.Tensor, N: int, weight_fp32) -> torch.Tensor:
     """x [..., K] · W [N, K]ᵀ -> [..., N] in x's dtype, computed in fp32 from `weight_fp32(n0, n1)` -> W[n0:n1]
     fp32, a slice of rows at a time. The sums are torch's fp32 GEMM's, rounded once: as a bf16 GEMM rounds, at the
-    FMA rate of the CPU's fp32 units rather than of emulated bf16 (a 512-token prefill on AVX2: 19 -> ~100 tok/s)."""
+    FMA rate of the CPU's fp32 units rather than of emulated bf16 (bench/README.md: ~5x the prefill on AVX2)."""
     K = x.shape[-1]
     x32 = x.reshape(-1, K).float()  # [M, K]
-    out = torch.empty(x32.shape[0], N, dtype=x.dtype)
     step = max(1, SLICE // K)
+    if N <= step:
+        return (x32 @ weight_fp32(0, N).t()).to(x.dtype).view(*x.shape[:-1], N)
+    out = torch.empty(x32.shape[0], N, dtype=x.dtype)
     for n0 in range(0, N, step):
         n1 = min(N, n0 + step)
         out[:, n0:n1] = x32 @ weight_fp32(n0, n1).t()
