@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -79,7 +80,7 @@ void check_x(const at::Tensor& x, int64_t K) {
 //   "fp32": the sums; "bf16": each rounded to bf16 once; "swiglu": two weights (gate, up) -> silu(gate)·up [M, N]
 //   rounded as torch's bf16 ops round (gate, up, silu(gate) and the product each to bf16).
 struct Outputs {
-  std::vector<float> sums;
+  std::unique_ptr<float[]> sums;  // every product is written once: no zero fill
   std::vector<Segment> segs;
   Outputs(const at::Tensor& x, const std::vector<at::Tensor>& ws, const std::string& mode) {
     TORCH_CHECK(mode == "fp32" || mode == "bf16" || mode == "swiglu", "gemv: output mode fp32, bf16 or swiglu");
@@ -90,26 +91,30 @@ struct Outputs {
       TORCH_CHECK(w.is_contiguous() && w.dim() == 2, "gemv: weights must be contiguous 2-D");
       total += x.size(0) * w.size(0);
     }
-    sums.resize(total);
+    sums.reset(new float[total]);
     int64_t offset = 0;
     for (const auto& w : ws) {
-      segs.push_back({static_cast<const uint8_t*>(w.data_ptr()), nullptr, nullptr, w.size(0), sums.data() + offset});
+      segs.push_back({static_cast<const uint8_t*>(w.data_ptr()), nullptr, nullptr, w.size(0), sums.get() + offset});
       offset += x.size(0) * w.size(0);
     }
   }
   std::vector<at::Tensor> finish(const at::Tensor& x, const std::string& mode) const {
     const int64_t M = x.size(0);
+    constexpr int64_t kGrain = 16384;  // elements per thread task: a batch of 8 through the head is 2M of them
     std::vector<at::Tensor> out;
     if (mode == "swiglu") {
       const int64_t N = segs[0].N;
       auto y = at::empty({M, N}, x.options().dtype(at::kBFloat16));
       at::BFloat16* Y = y.data_ptr<at::BFloat16>();
-      for (int64_t i = 0; i < M * N; ++i) {
-        const float g = static_cast<float>(static_cast<at::BFloat16>(segs[0].out[i]));
-        const float u = static_cast<float>(static_cast<at::BFloat16>(segs[1].out[i]));
-        const float act = static_cast<float>(static_cast<at::BFloat16>(g / (1.0f + std::exp(-g))));
-        Y[i] = static_cast<at::BFloat16>(act * u);
-      }
+      const float *G = segs[0].out, *U = segs[1].out;
+      at::parallel_for(0, M * N, kGrain, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+          const float g = static_cast<float>(static_cast<at::BFloat16>(G[i]));
+          const float u = static_cast<float>(static_cast<at::BFloat16>(U[i]));
+          const float act = static_cast<float>(static_cast<at::BFloat16>(g / (1.0f + std::exp(-g))));
+          Y[i] = static_cast<at::BFloat16>(act * u);
+        }
+      });
       return {y};
     }
     for (const auto& s : segs) {
@@ -118,7 +123,9 @@ struct Outputs {
         std::memcpy(y.data_ptr<float>(), s.out, M * s.N * sizeof(float));
       } else {
         at::BFloat16* Y = y.data_ptr<at::BFloat16>();
-        for (int64_t i = 0; i < M * s.N; ++i) Y[i] = static_cast<at::BFloat16>(s.out[i]);
+        at::parallel_for(0, M * s.N, kGrain, [&](int64_t i0, int64_t i1) {
+          for (int64_t i = i0; i < i1; ++i) Y[i] = static_cast<at::BFloat16>(s.out[i]);
+        });
       }
       out.push_back(y);
     }
