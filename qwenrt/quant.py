@@ -236,7 +236,7 @@ class QuantLinear(nn.Module):
     def _fp32_rows(self, kernels, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None):
         """(n0, n1) -> the dequantized rows W[n0:n1] fp32, exactly `dequantize_weight`'s."""
         if self.spec.bits == 8:
-            return lambda n0, n1: w[n0:n1].float() * s[n0:n1].float()[:, None]
+            return lambda n0, n1: w[n0:n1] * s[n0:n1].float()[:, None]  # int8 · fp32 -> fp32, exact, one pass
         return lambda n0, n1: kernels.dequantize_q4(w[n0:n1], s[n0:n1], z[n0:n1], self.spec.group_size, torch.float32)
 
     def _native(self, kernels, x2: torch.Tensor, weights: list[tuple], mode: str) -> list[torch.Tensor] | None:
