@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwenrt.config import TextConfig
-from qwenrt.kernels import cpu_kernels
+from qwenrt.kernels import inference_kernels
 from qwenrt.ops.linear import Linear, project
 from qwenrt.ops.conv import causal_conv1d_silu
 from qwenrt.ops.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
@@ -59,7 +59,7 @@ class GatedDeltaNet(nn.Module):
         """
         B, T, _ = x.shape
         if T == 1 and recurrent_state is not None and x.is_cpu:
-            kernels = cpu_kernels()
+            kernels = inference_kernels(x, *self.in_proj_qkv.parameters())
             if kernels is not None:
                 return self.fused_decode_step(kernels, x, conv_state, recurrent_state)
         mixed, conv_state = self.conv_silu(self.in_proj_qkv(x), conv_state)  # [B, T, C]
@@ -92,7 +92,8 @@ class GatedDeltaNet(nn.Module):
         Returns (out [B, T, C], the state after these tokens). The native kernel works token-major and updates the
         state in place; torch's conv1d needs channel-major copies.
         """
-        kernels = cpu_kernels() if mixed.is_cpu and mixed.dtype in (torch.bfloat16, torch.float32) else None
+        native = mixed.is_cpu and mixed.dtype in (torch.bfloat16, torch.float32)
+        kernels = inference_kernels(mixed, self.conv1d.weight) if native else None
         if kernels is None:
             out, conv_state = causal_conv1d_silu(mixed.transpose(1, 2), self.conv1d.weight[:, 0], conv_state)
             return out.transpose(1, 2), conv_state

@@ -9,14 +9,16 @@ import torch
 import torch.nn.functional as F
 
 import qwenrt
+import qwenrt.decode_plan
 import qwenrt.deltanet
 import qwenrt.model
 import qwenrt.ops.linear
 import qwenrt.quant
 from qwenrt.config import TextConfig
 from qwenrt.decode_plan import DecodePlan
-from qwenrt.kernels import cpu_kernels, cpu_level
+from qwenrt.kernels import cpu_kernels, cpu_level, inference_kernels
 from qwenrt.ops.attention import decode_attention
+from qwenrt.ops.linear import MAX_KERNEL_ROWS
 from qwenrt.ops.rope import apply_rope
 from qwenrt.quant import QuantSpec, dequantize_weight, quantize_weight
 from tests.checkpoints import VOCAB
@@ -35,8 +37,10 @@ def test_kernels_are_the_build_of_this_level():
 
 def torch_paths_only(monkeypatch):
     """Make every caller see no native kernels, as on a CPU without them."""
-    for module in (qwenrt.model, qwenrt.deltanet, qwenrt.ops.linear, qwenrt.quant):
-        monkeypatch.setattr(module, "cpu_kernels", lambda: None)
+    for module in (qwenrt.model, qwenrt.deltanet, qwenrt.ops.linear, qwenrt.quant, qwenrt.decode_plan):
+        for name in ("cpu_kernels", "inference_kernels"):  # each module imports one of the two
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, lambda *tensors: None)
 
 
 @needs_kernels
@@ -176,7 +180,7 @@ def test_native_deltanet_steps_match_torch_ops(Dk, Dv, dtype, bound, monkeypatch
     C = layer.in_proj_qkv.out_features
 
     def run(native: bool):
-        monkeypatch.setattr(qwenrt.deltanet, "cpu_kernels", cpu_kernels if native else lambda: None)
+        monkeypatch.setattr(qwenrt.deltanet, "inference_kernels", inference_kernels if native else lambda *t: None)
         conv, rec = torch.zeros(2, C, 3), torch.zeros(2, 4, Dk, Dv)
         out, conv, rec = layer(x[:, :6], conv, rec)
         outs = [out]
@@ -218,34 +222,39 @@ def test_native_decode_matches_torch_paths(kind, dtype, quantize, bound, request
     assert err < bound, err
 
 
-def without_plan(monkeypatch):
-    monkeypatch.setattr(DecodePlan, "for_model", classmethod(lambda cls, model, kernels: None))
-
-
 @needs_kernels
 @pytest.mark.parametrize("kind, quantize", [("dense_ckpt", None), ("moe_ckpt", None), ("dense_ckpt", "int8")])
-def test_decode_plan_equals_the_modules_native_path(kind, quantize, request, monkeypatch):
+def test_decode_plan_equals_the_modules_native_path(kind, quantize, request):
     """The bound plan runs the same kernels on the same inputs as the modules: identical logits."""
     ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(4))
     model, _ = qwenrt.load(request.getfixturevalue(kind)[0], dtype="bfloat16", quantize=quantize)
     planned = teacher_forced_logits(model, ids, 16)
-    assert model.decode_plan() is not None
-    without_plan(monkeypatch)
-    assert torch.equal(planned, teacher_forced_logits(model, ids, 16))
+    assert DecodePlan.for_model(model) is not None
+    assert torch.equal(planned, teacher_forced_logits(model, ids, 16, modules=True))
 
 
 @needs_kernels
-def test_decode_plan_follows_module_swaps(dense_ckpt, monkeypatch):
+def test_decode_plan_takes_batches_beyond_the_kernel_rows(dense_ckpt):
+    """A batch larger than one kernel call takes (MAX_KERNEL_ROWS) goes through in groups: each sequence's logits
+    as in a batch of its own."""
+    ids = torch.randint(0, VOCAB, (MAX_KERNEL_ROWS + 2, 16), generator=torch.Generator().manual_seed(8))
+    model, _ = qwenrt.load(dense_ckpt[0], dtype="bfloat16")
+    whole = teacher_forced_logits(model, ids, 8)
+    parts = torch.cat([teacher_forced_logits(model, ids[i:i + 5], 8) for i in range(0, len(ids), 5)])
+    assert rel_err(whole, parts) < 1e-2
+
+
+@needs_kernels
+def test_decode_plan_follows_module_swaps(dense_ckpt):
     """A plan built before the model's modules are swapped (here: quantized in place) is rebuilt."""
     ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(4))
     model, _ = qwenrt.load(dense_ckpt[0], dtype="bfloat16")
     full = teacher_forced_logits(model, ids, 16)
-    plan = model.decode_plan()
+    plan = DecodePlan.for_model(model)
     qwenrt.quant.quantize_model(model, 8)
-    assert model.decode_plan() is not plan
+    assert DecodePlan.for_model(model) is not plan
     quantized = teacher_forced_logits(model, ids, 16)
-    without_plan(monkeypatch)
-    assert torch.equal(quantized, teacher_forced_logits(model, ids, 16))
+    assert torch.equal(quantized, teacher_forced_logits(model, ids, 16, modules=True))
     assert not torch.equal(full, quantized)
 
 

@@ -9,6 +9,7 @@ own extension name, so a cache shared between machines never loads code a CPU ca
 
 QWENRT_ISA=<level> caps the level (a higher machine runs and tests the lower paths); QWENRT_KERNELS=0 turns the
 kernels off, and then, or where no compiler works, `cpu_kernels()` returns None and callers use torch ops.
+The kernels have no backward: callers ask `inference_kernels(...)`, which withholds them while autograd records.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import platform
 import sys
 import threading
 from pathlib import Path
+
+import torch
 
 from qwenrt.errors import QwenrtError
 
@@ -100,3 +103,11 @@ def kernel_path() -> str:
     if os.environ.get("QWENRT_KERNELS", "1") == "0":
         return "torch ops (QWENRT_KERNELS=0)"
     return cpu_level() if cpu_kernels() is not None else "torch ops (the native kernels failed to build)"
+
+
+def inference_kernels(*tensors: torch.Tensor):
+    """`cpu_kernels()`, or None when autograd must see through the op (grad enabled and one of `tensors` requires
+    grad): the native kernels have no backward, so training always takes the torch ops."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    return cpu_kernels()

@@ -57,8 +57,11 @@ def chunk_gated_delta_rule(q, k, v, *, g, beta, state=None, chunk_size: int = 64
     # T comes from one triangular solve against I (C columns, not Dv + Dk), then two batched GEMMs.
     kT = k.transpose(-1, -2).contiguous()  # [B, H, N, Dk, C]
     A = (k_beta @ kT) * decay
-    eye = torch.eye(C, dtype=q.dtype, device=q.device).expand_as(A)
-    inverse = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)  # [B, H, N, C, C]
+    if torch.is_grad_enabled() and A.requires_grad:  # training: plain batched products, whose backward is cheap
+        inverse = unit_lower_inverse(A)  # [B, H, N, C, C]
+    else:
+        eye = torch.eye(C, dtype=q.dtype, device=q.device).expand_as(A)
+        inverse = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
     u = inverse @ (v * beta[..., None])  # [B, H, N, C, Dv]
     w = inverse @ (k_beta * c.exp()[..., None])  # [B, H, N, C, Dk]
     intra = (q @ kT) * decay  # [B, H, N, C, C]
@@ -79,3 +82,19 @@ def chunk_gated_delta_rule(q, k, v, *, g, beta, state=None, chunk_size: int = 64
     out = out.reshape(B, H, N * C, Dv)[:, :, :T].transpose(1, 2)  # [B, T, H, Dv]
     S = S.reshape(B, H, Dk, Dv)
     return out, S
+
+
+def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
+    """(I + strict_lower(A))⁻¹ for A [..., C, C], C a power of two: blocked forward substitution, the inverses of
+    the diagonal blocks doubled from 1×1 up, [[P, 0], [L, Q]]⁻¹ = [[P⁻¹, 0], [-Q⁻¹·L·P⁻¹, Q⁻¹]]."""
+    *batch, C, _ = A.shape
+    inverse = A.new_ones(*batch, C, 1, 1)  # the C diagonal 1×1 blocks
+    b = 1
+    while b < C:
+        n = C // (2 * b)  # diagonal blocks of size 2b
+        blocks = torch.diagonal(A.reshape(*batch, n, 2 * b, n, 2 * b), dim1=-4, dim2=-2).movedim(-1, -3)
+        P, Q = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]  # [..., n, b, b]
+        lower = -(Q @ blocks[..., b:, :b] @ P)
+        inverse = torch.cat([torch.cat([P, torch.zeros_like(P)], -1), torch.cat([lower, Q], -1)], -2)
+        b *= 2
+    return inverse.reshape(*batch, C, C)

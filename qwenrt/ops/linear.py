@@ -11,22 +11,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qwenrt.kernels import cpu_kernels, native_bf16_matmul
+from qwenrt.kernels import inference_kernels, native_bf16_matmul
 
 MAX_KERNEL_ROWS = 8  # the kernels stream each weight once for up to this many activation rows
 SLICE = 1 << 24  # weight elements converted to fp32 at a time: bounded temporaries (64 MB) for the biggest
 
 
-def decode_kernels(x: torch.Tensor):
-    """The native kernels when x [..., K] is a decode-sized CPU input (at most MAX_KERNEL_ROWS rows), else None."""
+def decode_kernels(x: torch.Tensor, *weights: torch.Tensor):
+    """The native kernels when x [..., K] is a decode-sized CPU input (at most MAX_KERNEL_ROWS rows) and autograd
+    need not see through x or `weights`, else None."""
     if x.is_cpu and x.numel() <= MAX_KERNEL_ROWS * x.shape[-1]:
-        return cpu_kernels()
+        return inference_kernels(x, *weights)
     return None
 
 
 def _native(x: torch.Tensor, modules: list[nn.Module], mode: str) -> list[torch.Tensor] | None:
     """The modules' native decode call on x [..., K] (outputs [..., N_i]), or None where there is none."""
-    kernels = decode_kernels(x)
+    kernels = decode_kernels(x, *(p for m in modules for p in m.parameters(recurse=False)))
     first = modules[0]
     if kernels is None or x.dtype != torch.bfloat16 or any(type(m) is not type(first) for m in modules):
         return None
@@ -67,7 +68,7 @@ class Linear(nn.Linear):
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] · weight [N, K]ᵀ -> [..., N] without a module (MoE experts' weight slices)."""
-    kernels = decode_kernels(x)
+    kernels = decode_kernels(x, weight)
     if kernels is not None and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
         y = kernels.gemv_bf16(x.reshape(-1, x.shape[-1]).contiguous(), [weight], "bf16")[0]
         return y.view(*x.shape[:-1], weight.shape[0])
