@@ -77,11 +77,26 @@ def _build(level: str):
     notice = threading.Timer(3.0, lambda: print(f"qwenrt: compiling the native CPU kernels for {level} (once per "
                                                 "qwenrt version, about a minute)...", file=sys.stderr, flush=True))
     notice.start()  # a cached build loads in well under a second and says nothing
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join(filter(None, [_ninja_dir(), path]))
     try:
         return load(f"qwenrt_cpu_kernels_{level}_{digest}", [str(s) for s in SOURCES], verbose=False,
                     extra_cflags=["-O3", *LEVELS[level][1], "-fopenmp"])
     finally:
+        os.environ["PATH"] = path
         notice.cancel()
+
+
+def _ninja_dir() -> str | None:
+    """The folder of the ninja qwenrt depends on. Always that one: ninja versions keep their build logs in
+    different formats, and one that reads another's log rebuilds everything (a venv used with and without
+    activation would compile the kernels again at every switch)."""
+    try:
+        import ninja
+
+        return ninja.BIN_DIR
+    except (ImportError, AttributeError):
+        return None
 
 
 @functools.cache
