@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qwenrt.errors import QwenrtError
+from qwenrt.kernels import kernel_path
 
 GIB = 1 << 30
 
@@ -166,6 +167,7 @@ def run(args) -> str:
                                               gen_len=args.gen_len, seed=args.seed)))
     results = {c: _summary(s) for c, s in samples.items()}
     title = (f"{args.shape or path}: prompt {args.prompt_len}, {args.gen_len} greedy tokens, {args.threads} threads, "
+             f"CPU kernels: {kernel_path()}, "
              f"median of {args.repeats} interleaved runs")
     table = f"{title}\n\n{format_table(results, reference)}"
     print(table)

@@ -11,6 +11,7 @@ from qwenrt.errors import QwenrtError
 from qwenrt.generate import GenerationResponse, stream_generate
 from qwenrt.config import load_config
 from qwenrt.hub import resolve_model_path
+from qwenrt.kernels import kernel_path
 from qwenrt.loader import load, resolve_device, resolve_dtype
 from qwenrt.parsing import parse_completion
 from qwenrt.sampling import SamplingParams
@@ -28,8 +29,9 @@ def load_for_cli(source: str, dtype: str, device: str, check_finite: bool = True
     model, tokenizer = load(source, dtype=dtype, device=device, progress=True, check_finite=check_finite,
                             **(engine_options or {}))
     c = model.config.text
+    kernels = f", CPU kernels: {kernel_path()}" if model.device.type == "cpu" else ""
     print(f"loaded {c.num_hidden_layers}-layer {'MoE ' if c.is_moe else ''}model ({model.dtype}) in "
-          f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+          f"{time.perf_counter() - start:.1f} s{kernels}", file=sys.stderr, flush=True)
     return model, tokenizer
 
 

@@ -37,18 +37,30 @@ for _hook in (nn.modules.module.register_module_module_registration_hook,
 
 
 def _bind(kernels, modules: list[nn.Module]):
-    """The projections' native call, (x [M, K], mode) -> [M, N_i] per module, or None where they have none."""
+    """The projections' native call, (x [B, K], mode) -> [B, N_i] per module, or None where they have none."""
     first = modules[0]
     if all(type(m) is Linear and m.weight.dtype == torch.bfloat16 for m in modules):
-        return functools.partial(kernels.gemv_bf16, ws=[m.weight for m in modules])
+        return _batched(functools.partial(kernels.gemv_bf16, ws=[m.weight for m in modules]))
     if not all(type(m) is QuantLinear and m.spec == first.spec and m.qweight.dim() == 2 for m in modules):
         return None
     pieces = {"qs": [m.qweight for m in modules], "scales": [m.scales for m in modules]}
     if first.spec.bits == 8:
-        return functools.partial(kernels.gemv_q8, **pieces)
+        return _batched(functools.partial(kernels.gemv_q8, **pieces))
     if first.torch_int4:
         return None
-    return functools.partial(kernels.gemv_q4, **pieces, zeros=[m.zeros for m in modules], G=first.spec.group_size)
+    return _batched(functools.partial(kernels.gemv_q4, **pieces, zeros=[m.zeros for m in modules],
+                                      G=first.spec.group_size))
+
+
+def _batched(call):
+    """`call` for any batch: the kernels take up to MAX_KERNEL_ROWS rows, a larger batch goes in groups of them."""
+    def run(x: torch.Tensor, mode: str) -> list[torch.Tensor]:
+        if x.shape[0] <= MAX_KERNEL_ROWS:
+            return call(x, mode=mode)
+        groups = [call(x[i:i + MAX_KERNEL_ROWS], mode=mode) for i in range(0, x.shape[0], MAX_KERNEL_ROWS)]
+        return [torch.cat(outs) for outs in zip(*groups)]
+
+    return run
 
 
 class _Layer(NamedTuple):
@@ -117,7 +129,7 @@ class DecodePlan:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states h [N, D] -> logits [N, V] fp32."""
-        return _by_rows(self.head, h, "bf16")[0].float()
+        return self.head(h, mode="bf16")[0].float()
 
     def hidden(self, input_ids: torch.Tensor, sequences: list[SequenceState], counts: list[int],
                saved: list[list] | None = None) -> torch.Tensor:
@@ -143,7 +155,7 @@ class DecodePlan:
             x, h = k.rms_norm(x, delta, layer.input_norm, eps)
             i = layer.index
             if layer.linear:
-                mixed, z, b, a = _by_rows(layer.project, h, "bf16")
+                mixed, z, b, a = layer.project(h, mode="bf16")
                 out = []
                 for r, (seq, s, t) in enumerate(rows):
                     out.append(layer.mixer.native_step(k, mixed[r:r + 1], z[r:r + 1], b[r:r + 1], a[r:r + 1],
@@ -152,19 +164,12 @@ class DecodePlan:
                         saved[seq][t][i] = (s.conv[i].clone(), s.recurrent[i].clone())
                 o = out[0] if len(out) == 1 else torch.cat(out)
             else:
-                o = layer.mixer.native_step(k, *_by_rows(layer.project, h, "bf16"), cos, sin,
+                o = layer.mixer.native_step(k, *layer.project(h, mode="bf16"), cos, sin,
                                             [s for _, s, _ in rows], lengths)
-            x, h = k.rms_norm(x, _by_rows(layer.out, o, "bf16")[0], layer.post_norm, eps)
+            x, h = k.rms_norm(x, layer.out(o, mode="bf16")[0], layer.post_norm, eps)
             if layer.gate_up is not None:
-                delta = _by_rows(layer.down, _by_rows(layer.gate_up, h, "swiglu")[0], "bf16")[0]
+                delta = layer.down(layer.gate_up(h, mode="swiglu")[0], mode="bf16")[0]
             else:
                 delta = layer.mlp(h[:, None])[:, 0]
         return k.rms_norm(x, delta, self.final_norm, eps)[1]
 
-
-def _by_rows(call, x: torch.Tensor, mode: str) -> list[torch.Tensor]:
-    """A bound native call over x [N, K] in slices of at most MAX_KERNEL_ROWS rows (one weight read per slice)."""
-    if x.shape[0] <= MAX_KERNEL_ROWS:
-        return call(x, mode=mode)
-    parts = [call(x[i:i + MAX_KERNEL_ROWS].contiguous(), mode=mode) for i in range(0, x.shape[0], MAX_KERNEL_ROWS)]
-    return [torch.cat(p) for p in zip(*parts)]

@@ -72,7 +72,8 @@ class GatedAttention(nn.Module):
         each row also attends to its sequence's cached tokens (rows may hold different lengths)."""
         B, T, _ = x.shape
         qg, k, v = project(x, [self.q_proj, self.k_proj, self.v_proj])
-        kernels = inference_kernels(x, self.q_norm.weight) if T == 1 and cache is not None and x.is_cpu else None
+        decoding = T == 1 and cache is not None and x.is_cpu
+        kernels = inference_kernels(x, *self.q_proj.parameters()) if decoding else None
         if kernels is not None and x.dtype in (torch.bfloat16, torch.float32):
             o = self.native_step(kernels, qg.view(B, -1), k.view(B, -1), v.view(B, -1), cos.reshape(B, -1),
                                  sin.reshape(B, -1), cache.sequences)
