@@ -65,9 +65,10 @@ def sampling_params(options: dict, tokenizer) -> SamplingParams:
 
 def stats_line(last: GenerationResponse) -> str:
     cached = f" ({last.cached_tokens} cached)" if last.cached_tokens else ""
+    drafts = last.drafts.summary() if last.drafts is not None else ""
     return (f"[prompt {last.prompt_tokens} tokens{cached}, {last.prompt_tps:.1f} tok/s | generated {last.generation_tokens} "
             f"tokens, {last.generation_tps:.1f} tok/s | first token after {last.time_to_first_token:.2f} s | "
-            f"finish: {last.finish_reason}]")
+            + (f"{drafts} | " if drafts else "") + f"finish: {last.finish_reason}]")
 
 
 def _stream(model, tokenizer, prompt, params, thinking, prefill_chunk, max_context, out: list[str]):
