@@ -97,10 +97,10 @@ def test_bf16_decode_state_stays_fp32(dense_ckpt):
     assert cache.sequences[0].keys[model.config.text.full_attention_layers[0]].dtype == torch.bfloat16
 
 
-def test_published_layout_keeps_mtp_and_vision_aside(published_ckpt):
+def test_published_layout_loads_mtp_and_keeps_vision_aside(published_ckpt):
     path, _ = published_ckpt
     model, _ = qwenrt.load(path)  # auto dtype: stored bf16
     assert model.dtype == torch.bfloat16
-    assert "mtp.fc.weight" in model.extra_tensors
+    assert model.mtp.fc.weight.dtype == torch.bfloat16 and not any(n.startswith("mtp.") for n in model.extra_tensors)
     assert any(n.startswith("model.visual.") for n in model.extra_tensors)
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (8, 64, 64)
