@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
+from qwenrt.default_model import resolve_model
 from qwenrt.errors import QwenrtError
 from qwenrt.generate import GenerationResponse, stream_generate
 from qwenrt.loader import load
@@ -15,10 +16,11 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repe
                    "frequency_penalty", "seed", "stop")
 
 
-def load_for_cli(source: str, dtype: str, device: str):
-    """Load with progress and timing on stderr."""
+def load_for_cli(source: str | None, dtype: str, device: str):
+    """Load with progress and timing on stderr; no source: the built-in model, and the CLI says so."""
     start = time.perf_counter()
-    print(f"loading {source} …", file=sys.stderr, flush=True)
+    source, name = resolve_model(source)
+    print(f"loading {name} …", file=sys.stderr, flush=True)
     model, tokenizer = load(source, dtype=dtype, device=device, progress=True)
     c = model.config.text
     print(f"loaded {c.num_hidden_layers}-layer {'MoE ' if c.is_moe else ''}model ({model.dtype}) in "
@@ -65,8 +67,8 @@ def user_message(text: str, images: list[str], videos: list[str]) -> dict:
     return {"role": "user", "content": parts + [{"type": "text", "text": text}]}
 
 
-def run(source: str, prompt: str, *, raw: bool, system: str | None, thinking: bool | None, dtype: str, device: str,
-        prefill_chunk: int, max_context: int | None, sampling: dict, images: list[str] = (),
+def run(source: str | None, prompt: str, *, raw: bool, system: str | None, thinking: bool | None, dtype: str,
+        device: str, prefill_chunk: int, max_context: int | None, sampling: dict, images: list[str] = (),
         videos: list[str] = ()) -> None:
     """`qwenrt run`: stream one answer to stdout; load progress and a stats line go to stderr."""
     if prompt == "-":
@@ -87,7 +89,7 @@ def run(source: str, prompt: str, *, raw: bool, system: str | None, thinking: bo
 CHAT_HELP = "commands: /reset (forget the conversation), /thinking on|off, /exit (or Ctrl-D); Ctrl-C stops an answer"
 
 
-def chat(source: str, *, system: str | None, thinking: bool | None, dtype: str, device: str, prefill_chunk: int,
+def chat(source: str | None, *, system: str | None, thinking: bool | None, dtype: str, device: str, prefill_chunk: int,
          max_context: int | None, sampling: dict) -> None:
     """`qwenrt chat`: a multi-turn session on the terminal."""
     model, tokenizer = load_for_cli(source, dtype, device)
