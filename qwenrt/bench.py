@@ -105,8 +105,15 @@ def format_table(results: dict[Config, dict], reference: Config | None) -> str:
 
 def run(args) -> str:
     """Measure every configuration `args.repeats` times, interleaved; returns the table (also printed)."""
-    if (args.model is None) == (args.shape is None):
+    if args.model is None and args.shape is None:
+        raise QwenrtError("nothing to measure: give a checkpoint (MODEL, a directory or hub repo id) or "
+                          "--shape 0.8b|2b|4b|9b|27b|35b-a3b")
+    if args.model is not None and args.shape is not None:
         raise QwenrtError("give a checkpoint (MODEL) or --shape, not both")
+    from qwenrt.shapes import SHAPES
+
+    if args.shape is not None and args.shape not in SHAPES:
+        raise QwenrtError(f"unknown --shape {args.shape!r} (known: {', '.join(SHAPES)})")
     if args.threads is None:
         import torch
 

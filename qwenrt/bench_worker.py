@@ -23,7 +23,7 @@ PREFILL_CHUNK = 512
 def decode_bytes(model: nn.Module, top_k: int = 0, experts: int = 0) -> int:
     """Weight bytes one decode step reads: every weight once (a tied head once), the embedding table not at all
     (one row is looked up) unless it is the head, and of the MoE experts only top_k of `experts`."""
-    embed = model.model.embed_tokens.weight
+    embed = getattr(model.model.embed_tokens, "weight", None)  # None: looked up in the quantized head
     head = getattr(model.lm_head, "weight", None)
     seen, total = set(), 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
@@ -47,14 +47,13 @@ def _load(job: dict):
 
 
 def _qwenrt_steps(model, ids: torch.Tensor, steps: int):
-    """Yield once after prefill (first token chosen) and once per decode step."""
-    cache = model.new_cache(1, capacity=ids.shape[1] + steps + 1)
-    for start in range(0, ids.shape[1], PREFILL_CHUNK):  # as qwenrt.generate.prefill does
-        logits = model(ids[:, start:start + PREFILL_CHUNK], cache=cache, logits_to_keep=1)
-    token = logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
-    yield
-    for _ in range(steps):
-        token = model(token, cache=cache)[:, -1].argmax(-1, keepdim=True)
+    """Yield once after prefill (first token chosen) and once per decode step, through the engine."""
+    from qwenrt.engine import Engine, Request
+    from qwenrt.sampling import SamplingParams
+
+    engine = Engine(model, max_batched_tokens=PREFILL_CHUNK)
+    request = Request(ids[0].tolist(), SamplingParams(max_tokens=steps + 1, ignore_eos=True))
+    for _ in engine.submit(request):
         yield
 
 

@@ -1,8 +1,9 @@
-"""HybridCache: the per-sequence decoding state of a Qwen3.5 decoder.
+"""Decoding state of a Qwen3.5 decoder: one `SequenceState` per sequence, a `HybridCache` batch of them per call.
 
-Full-attention layers keep keys/values [B, Hkv, S, Dh] (S grows by doubling); DeltaNet layers keep the last K-1
-conv inputs [B, C, K-1] and the recurrent state [B, Hv, Dk, Dv], both fp32, fixed size whatever the context length.
-Sequences in a batch may hold different lengths (`lengths`, kept on the host so no step needs a device sync).
+Full-attention layers keep keys/values [1, Hkv, capacity, Dh] per sequence (grown by doubling, up to the sequence's
+limit); DeltaNet layers keep the last K-1 conv inputs [1, C, K-1] and the recurrent state [1, Hv, Dk, Dv], both fp32,
+fixed size whatever the context length. Each sequence owns its tensors, so sequences of different lengths join and
+leave a batch without copying anyone else's state.
 """
 
 from __future__ import annotations
@@ -12,29 +13,49 @@ import torch
 from qwenrt.config import TextConfig
 
 
-class HybridCache:
-    def __init__(self, config: TextConfig, batch_size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 capacity: int = 256):
-        self.config = config
-        self.batch_size = batch_size
-        self.lengths = [0] * batch_size  # tokens held per sequence
-        self.rope_deltas = [0] * batch_size  # M-RoPE position offset after vision tokens
+def kv_bytes_per_token(config: TextConfig, dtype: torch.dtype) -> int:
+    """Bytes of keys + values one token adds to a sequence (full-attention layers only)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * len(config.full_attention_layers) * config.num_key_value_heads * config.head_dim * itemsize
+
+
+def deltanet_state_bytes(config: TextConfig) -> int:
+    """Bytes of one sequence's DeltaNet conv + recurrent state (fp32), whatever its length."""
+    c = config
+    per_layer = c.conv_dim * (c.linear_conv_kernel_dim - 1) + (
+        c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim)
+    return 4 * per_layer * len(c.linear_attention_layers)
+
+
+class SequenceState:
+    """The cache of one sequence: `length` tokens seen, M-RoPE offset `rope_delta`, per-layer stores.
+
+    `limit` caps the KV capacity (the most tokens this sequence may hold); None grows without bound.
+    """
+
+    def __init__(self, config: TextConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 capacity: int = 256, limit: int | None = None):
+        self.config, self.limit = config, limit
+        self.length = 0  # tokens held
+        self.rope_delta = 0  # decode position = length + rope_delta (non-zero after vision tokens)
         c = config
         n = c.num_hidden_layers
         self.keys: list[torch.Tensor | None] = [None] * n
         self.values: list[torch.Tensor | None] = [None] * n
         self.conv: list[torch.Tensor | None] = [None] * n
         self.recurrent: list[torch.Tensor | None] = [None] * n
+        capacity = max(1, min(capacity, limit) if limit else capacity)
         for i in c.full_attention_layers:
-            shape = (batch_size, c.num_key_value_heads, capacity, c.head_dim)
+            shape = (1, c.num_key_value_heads, capacity, c.head_dim)
             self.keys[i] = torch.zeros(shape, dtype=dtype, device=device)
             self.values[i] = torch.zeros(shape, dtype=dtype, device=device)
         for i in c.linear_attention_layers:
             # conv inputs are rounded to the compute dtype already; fp32 storage lets the fused kernel update in place
-            self.conv[i] = torch.zeros(batch_size, c.conv_dim, c.linear_conv_kernel_dim - 1, dtype=torch.float32,
-                                       device=device)
-            self.recurrent[i] = torch.zeros(batch_size, c.linear_num_value_heads, c.linear_key_head_dim,
+            self.conv[i] = torch.zeros(1, c.conv_dim, c.linear_conv_kernel_dim - 1, dtype=torch.float32, device=device)
+            self.recurrent[i] = torch.zeros(1, c.linear_num_value_heads, c.linear_key_head_dim,
                                             c.linear_value_head_dim, dtype=torch.float32, device=device)
+        self._length_tensor = torch.zeros(1, dtype=torch.int64, device=device)
+        self._length_filled = 0  # the value in _length_tensor
 
     @property
     def capacity(self) -> int:
@@ -42,88 +63,90 @@ class HybridCache:
         return self.keys[first[0]].shape[2] if first else 1 << 62
 
     @property
-    def max_length(self) -> int:
-        return max(self.lengths)
+    def nbytes(self) -> int:
+        """Bytes held now (KV at its current capacity + DeltaNet state)."""
+        return sum(t.numel() * t.element_size() for s in self._stores() for t in s if t is not None)
 
     def reserve(self, length: int) -> None:
-        """Make room for `length` tokens per sequence (doubling, so growth costs amortised O(1) per token)."""
+        """Make room for `length` tokens (doubling, so growth costs amortised O(1) per token; at most `limit`)."""
         if length <= self.capacity:
             return
+        if self.limit is not None and length > self.limit:
+            raise ValueError(f"sequence limit of {self.limit} tokens exceeded ({length})")  # an engine bug, not input
         new = self.capacity
         while new < length:
             new *= 2
+        if self.limit is not None:
+            new = min(new, self.limit)
         for i in self.config.full_attention_layers:
             for store in (self.keys, self.values):
                 old = store[i]
-                grown = old.new_zeros(old.shape[0], old.shape[1], new, old.shape[3])
-                grown[:, :, : old.shape[2]] = old
+                grown = old.new_zeros(1, old.shape[1], new, old.shape[3])
+                grown[:, :, : self.length] = old[:, :, : self.length]
                 store[i] = grown
 
-    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Append k, v [B, Hkv, T, Dh] after each sequence's tokens; return the stores' used prefix [B, Hkv, S, Dh].
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [1, Hkv, T, Dh] after this sequence's tokens; return its keys and values up to and including
+        them, [1, Hkv, length + T, Dh] views (the caller has reserved room and advances `length` after the forward)."""
+        end = self.length + k.shape[2]
+        self.keys[layer][:, :, self.length:end] = k
+        self.values[layer][:, :, self.length:end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
-        The caller has already called `reserve` for this step and advances `lengths` after the forward.
-        """
-        T = k.shape[2]
-        keys, values = self.keys[layer], self.values[layer]
-        if len(set(self.lengths)) == 1:
-            start = self.lengths[0]
-            keys[:, :, start:start + T] = k
-            values[:, :, start:start + T] = v
-        else:
-            for b, start in enumerate(self.lengths):  # ragged batch: one slice per sequence
-                keys[b, :, start:start + T] = k[b]
-                values[b, :, start:start + T] = v[b]
-        end = self.max_length + T
-        return keys[:, :, :end], values[:, :, :end]
-
-    def lengths_tensor(self, device) -> torch.Tensor:
-        """`lengths` as an int64 tensor [B] on `device`, rebuilt only when they change (once per step)."""
-        key = (tuple(self.lengths), str(device))
-        if getattr(self, "_lengths_key", None) != key:
-            self._lengths_tensor = torch.tensor(self.lengths, dtype=torch.int64, device=device)
-            self._lengths_key = key
-        return self._lengths_tensor
-
-    def attention_mask(self, T: int, device) -> torch.Tensor | None:
-        """Boolean [B, 1, T, S] (True = attend) for T new tokens per sequence, or None when no mask is needed."""
-        S = self.max_length + T
-        if len(set(self.lengths)) == 1 and T == 1:
-            return None
-        starts = torch.tensor(self.lengths, device=device)[:, None, None]  # [B, 1, 1]
-        query = torch.arange(T, device=device)[None, :, None]  # [1, T, 1]
-        key = torch.arange(S, device=device)[None, None, :]  # [1, 1, S]
-        # a sequence's own new tokens sit at [start, start+T); anything past them in a ragged batch is stale
-        return (key <= starts + query)[:, None]
-
-    def advance(self, T: int) -> None:
-        self.lengths = [n + T for n in self.lengths]
+    def length_tensor(self) -> torch.Tensor:
+        """`length` as an int64 tensor [1] for the native attention step (one reused tensor)."""
+        if self._length_filled != self.length:
+            self._length_tensor.fill_(self.length)
+            self._length_filled = self.length
+        return self._length_tensor
 
     def _stores(self):
         return (self.keys, self.values, self.conv, self.recurrent)
 
-    def set_row(self, b: int, other: HybridCache) -> None:
-        """Copy the single sequence held by `other` (batch 1, e.g. prefilled alone) into row b."""
-        n = other.lengths[0]
-        self.reserve(n)
-        for mine, theirs in zip(self._stores(), other._stores()):
-            for i, t in enumerate(theirs):
-                if t is None:
-                    continue
-                if mine is self.keys or mine is self.values:  # KV: only the filled prefix
-                    mine[i][b, :, :n] = t[0, :, :n]
-                else:
-                    mine[i][b] = t[0]
-        self.lengths[b] = n
-        self.rope_deltas[b] = other.rope_deltas[0]
 
-    def select_rows(self, rows: list[int]) -> None:
-        """Keep only the sequences in `rows` (in that order), e.g. to drop finished ones from a batch."""
-        index = torch.tensor(rows, device=next(t for s in self._stores() for t in s if t is not None).device)
-        for store in self._stores():
-            for i, t in enumerate(store):
-                if t is not None:
-                    store[i] = t.index_select(0, index)
-        self.lengths = [self.lengths[r] for r in rows]
-        self.rope_deltas = [self.rope_deltas[r] for r in rows]
-        self.batch_size = len(rows)
+class HybridCache:
+    """The B sequences one forward call continues, row b = sequences[b]."""
+
+    def __init__(self, sequences: list[SequenceState]):
+        self.sequences = sequences
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [s.length for s in self.sequences]
+
+    def positions(self, T: int, device) -> torch.Tensor:
+        """[B, T] text positions continuing each sequence (plus its M-RoPE offset after vision tokens)."""
+        starts = torch.tensor([s.length + s.rope_delta for s in self.sequences], device=device)
+        return starts[:, None] + torch.arange(T, device=device)
+
+    def reserve(self, T: int) -> None:
+        """Room for T more tokens in every sequence."""
+        for s in self.sequences:
+            s.reserve(s.length + T)
+
+    def advance(self, T: int) -> None:
+        for s in self.sequences:
+            s.length += T
+
+    def deltanet_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv [B, C, K-1], recurrent [B, Hv, Dk, Dv]) of a DeltaNet layer: the sequence's own tensors when B = 1
+        (updated in place by the native step), stacked copies otherwise (see set_deltanet_state)."""
+        if len(self.sequences) == 1:
+            s = self.sequences[0]
+            return s.conv[layer], s.recurrent[layer]
+        return (torch.cat([s.conv[layer] for s in self.sequences]),
+                torch.cat([s.recurrent[layer] for s in self.sequences]))
+
+    def set_deltanet_state(self, layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Keep a layer's new state (conv [B, C, K-1], recurrent [B, Hv, Dk, Dv])."""
+        if len(self.sequences) == 1:
+            s = self.sequences[0]
+            s.conv[layer], s.recurrent[layer] = conv, recurrent
+            return
+        for b, s in enumerate(self.sequences):
+            s.conv[layer].copy_(conv[b:b + 1])
+            s.recurrent[layer].copy_(recurrent[b:b + 1])

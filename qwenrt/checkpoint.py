@@ -12,6 +12,8 @@ layout (mlp.experts.gate_up_proj [E, 2I, D], mlp.experts.down_proj [E, D, I]).
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +22,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from qwenrt.errors import QwenrtError
+from qwenrt.fields import Fields
+from qwenrt.files import CheckpointDir, open_regular
 
 INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
+               "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+MAX_RANK = 8
 
 
 @dataclass
@@ -38,12 +47,12 @@ class Checkpoint:
     def get(self, name: str) -> torch.Tensor:
         """The tensor `name` (memory-mapped, not copied, where the file allows)."""
         file = self.location[name]
-        if file not in self._handles:
-            self._handles[file] = safe_open(file, framework="pt")
         try:
+            if file not in self._handles:
+                self._handles[file] = safe_open(file, framework="pt")
             return self._handles[file].get_tensor(name)
-        except (SafetensorError, OSError) as e:
-            raise QwenrtError(f"{file}: cannot read tensor '{name}' ({e})") from None
+        except (SafetensorError, OSError, RuntimeError, TypeError) as e:
+            raise QwenrtError(f"{file}: cannot read tensor '{name}' ({' '.join(str(e).split())})") from None
 
     def names(self, prefix: str = "") -> list[str]:
         return [n for n in self.location if n.startswith(prefix)]
@@ -53,59 +62,111 @@ class Checkpoint:
         return sum(f.stat().st_size for f in set(self.location.values()))
 
 
-def shard_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint directory (from its index when there is one)."""
-    index = path / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise QwenrtError(f"{index}: not a valid safetensors index ({e})") from None
-        files = sorted({path / f for f in weight_map.values()})
-        missing = [f.name for f in files if not f.is_file()]
+def shard_files(where: CheckpointDir) -> list[Path]:
+    """The safetensors files of a checkpoint: model.safetensors when present (as transformers), else its index's
+    shards, else every *.safetensors file. Every name is confined to the directory."""
+    if where.exists(SINGLE_FILE):
+        return [where.file(SINGLE_FILE, "weight file")]
+    if where.exists(INDEX_FILE):
+        index = where.file(INDEX_FILE)
+        weight_map = Fields(where.read_json(INDEX_FILE), str(index)).obj("weight_map").d
+        if not all(isinstance(v, str) for v in weight_map.values()):
+            raise QwenrtError(f"{index}: weight_map values must be file names")
+        files = sorted({where.file(f, "shard") for f in weight_map.values()})
+        missing = [f.name for f in files if not f.exists()]
         if missing:
             raise QwenrtError(f"{index}: shard file(s) missing: {', '.join(missing)}")
         return files
-    files = sorted(path.glob("*.safetensors"))
+    files = [where.file(name, "weight file") for name in where.glob("*.safetensors")]
     if not files:
-        raise QwenrtError(f"{path}: no *.safetensors weight files")
+        raise QwenrtError(f"{where.path}: no *.safetensors weight files")
     return files
 
 
-def _read_header(file: Path) -> dict:
-    """Validate a shard's header and its size (catches truncated and corrupt files before any weight is used)."""
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-        head = f.read(8)
+def _unique_keys(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
+    return dict(pairs)
+
+
+def _tensor_entry(file: Path, name, info) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype, shape, begin, end) of one header entry, every field checked."""
+    bad = f"{file}: corrupt safetensors header: tensor {name!r}"
+    if not isinstance(name, str) or not name or not isinstance(info, dict):
+        raise QwenrtError(f"{bad} is not a name with an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        raise QwenrtError(f"{bad} has unknown dtype {dtype!r}")
+    if (not isinstance(shape, list) or len(shape) > MAX_RANK
+            or not all(type(n) is int and 0 <= n < 1 << 48 for n in shape)):
+        raise QwenrtError(f"{bad} has an invalid shape {shape!r}")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(type(n) is int and 0 <= n < 1 << 62 for n in offsets) or offsets[0] > offsets[1]):
+        raise QwenrtError(f"{bad} has invalid data_offsets {offsets!r}")
+    nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
+    if offsets[1] - offsets[0] != nbytes:
+        raise QwenrtError(f"{bad}: shape {shape} {dtype} needs {nbytes} bytes but its data_offsets span "
+                          f"{offsets[1] - offsets[0]}")
+    return dtype, tuple(shape), offsets[0], offsets[1]
+
+
+def read_header(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """A shard's tensors, name -> (dtype, shape), after checking everything the safetensors format requires: the
+    header's size and JSON, each entry's dtype, shape and byte range, and that the ranges tile the data exactly
+    (no overlaps, gaps or truncation). `inspect` and `load` both rely on it."""
+    fd = open_regular(file, "weight file")
+    try:
+        size = os.fstat(fd).st_size
+        head = os.read(fd, 8)
         if len(head) < 8:
             raise QwenrtError(f"{file}: truncated safetensors file ({size} bytes)")
         n = int.from_bytes(head, "little")
-        if n > size - 8:
+        if n > min(size - 8, MAX_HEADER_BYTES):
             raise QwenrtError(f"{file}: corrupt or truncated safetensors header (header length {n}, file {size} bytes)")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise QwenrtError(f"{file}: corrupt safetensors header (not JSON)") from None
-    header.pop("__metadata__", None)
-    end = max((t["data_offsets"][1] for t in header.values()), default=0)
-    if 8 + n + end > size:
-        raise QwenrtError(f"{file}: truncated: tensors need {8 + n + end} bytes, file has {size}")
-    return header
+        raw = b""
+        while len(raw) < n and (chunk := os.read(fd, n - len(raw))):
+            raw += chunk
+    except OSError as e:
+        raise QwenrtError(f"cannot read weight file {file}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys,
+                            parse_constant=_invalid)
+    except (ValueError, RecursionError) as e:
+        raise QwenrtError(f"{file}: corrupt safetensors header (not JSON: {' '.join(str(e).split())[:80]})") from None
+    if not isinstance(header, dict):
+        raise QwenrtError(f"{file}: corrupt safetensors header (not a JSON object)")
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise QwenrtError(f"{file}: corrupt safetensors header (__metadata__ must map strings to strings)")
+    entries = {name: _tensor_entry(file, name, info) for name, info in header.items()}
+    end = 0
+    for name, (_, _, begin, stop) in sorted(entries.items(), key=lambda kv: (kv[1][2], kv[1][3])):
+        if begin != end:
+            what = "overlaps the previous tensor" if begin < end else f"leaves a gap at byte {end}"
+            raise QwenrtError(f"{file}: corrupt safetensors header: tensor '{name}' {what}")
+        end = stop
+    if 8 + n + end != size:
+        problem = "truncated" if 8 + n + end > size else "corrupt (trailing bytes)"
+        raise QwenrtError(f"{file}: {problem}: tensors need {8 + n + end} bytes, file has {size}")
+    return {name: (dtype, shape) for name, (dtype, shape, _, _) in entries.items()}
+
+
+def _invalid(constant: str):
+    raise ValueError(f"{constant} is not JSON")
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
-    path = Path(path)
+    where = CheckpointDir(path)
     location, shapes, dtypes = {}, {}, {}
-    for file in shard_files(path):
-        try:
-            header = _read_header(file)
-        except (KeyError, TypeError, IndexError, AttributeError):
-            raise QwenrtError(f"{file}: corrupt safetensors header (malformed tensor entries)") from None
-        for name, info in header.items():
+    for file in shard_files(where):
+        for name, (dtype, shape) in read_header(file).items():
             if name in location:
                 raise QwenrtError(f"{file}: tensor '{name}' also appears in {location[name].name}")
-            location[name], shapes[name], dtypes[name] = file, tuple(info["shape"]), info["dtype"]
-    return Checkpoint(path, location, shapes, dtypes)
+            location[name], shapes[name], dtypes[name] = file, shape, dtype
+    return Checkpoint(where.path, location, shapes, dtypes)
 
 
 def canonical_name(name: str) -> str | None:

@@ -7,6 +7,7 @@ import json
 import sys
 
 from qwenrt.errors import QwenrtError
+from qwenrt.server.main import add_parser as add_serve_parser
 
 
 def _inspect(args) -> None:
@@ -22,19 +23,44 @@ def _sampling(args) -> dict:
     return {name: getattr(args, name) for name in SAMPLING_FIELDS}
 
 
+def _engine_options(args) -> dict:
+    from qwenrt.units import parse_size
+
+    options = {"prefix_cache_dir": args.prefix_cache_dir}
+    if args.prefix_cache_size is not None:
+        options["prefix_cache_size"] = parse_size(args.prefix_cache_size)
+    return options
+
+
 def _run(args) -> None:
     from qwenrt.console import run
 
     run(args.model, args.prompt, raw=args.raw, system=args.system, thinking=args.thinking, dtype=args.dtype,
         device=args.device, prefill_chunk=args.prefill_chunk, max_context=args.max_context, sampling=_sampling(args),
-        images=args.image or [], videos=args.video or [])
+        images=args.image or [], videos=args.video or [], check_finite=args.finite_check,
+        engine_options=_engine_options(args))
 
 
 def _chat(args) -> None:
     from qwenrt.console import chat
 
     chat(args.model, system=args.system, thinking=args.thinking, dtype=args.dtype, device=args.device,
-         prefill_chunk=args.prefill_chunk, max_context=args.max_context, sampling=_sampling(args))
+         prefill_chunk=args.prefill_chunk, max_context=args.max_context, sampling=_sampling(args),
+         check_finite=args.finite_check, engine_options=_engine_options(args))
+
+
+
+def _at_least(low: int):
+    """An argparse type: an integer >= low (refused while parsing, before anything loads)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
 
 
 def _quantize(args) -> None:
@@ -64,9 +90,14 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
     think.add_argument("--thinking", dest="thinking", action="store_true", default=None, help="think before answering")
     think.add_argument("--no-thinking", dest="thinking", action="store_false", help="answer directly")
     p.add_argument("--dtype", default="auto", help="auto (as stored), bfloat16, float16 or float32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill step (bounds memory)")
-    p.add_argument("--max-context", type=int, help="context limit in tokens (default: the model's)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or mps")
+    p.add_argument("--prefill-chunk", type=_at_least(1), help="prompt tokens per prefill step at most (bounds memory)")
+    p.add_argument("--max-context", type=_at_least(2), help="context limit in tokens (default and most: the model's)")
+    p.add_argument("--no-finite-check", dest="finite_check", action="store_false",
+                   help="skip the NaN/Inf scan of the weights at load")
+    p.add_argument("--prefix-cache-size", help="memory for reusing computed prompts, e.g. 2GiB (0 = off; default: "
+                   "a tenth of RAM, at most 8GiB)")
+    p.add_argument("--prefix-cache-dir", help="also keep reusable prompt states in this folder, across runs")
     s = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json)")
     s.add_argument("--max-tokens", "-n", dest="max_tokens", type=int, default=512)
     s.add_argument("--temperature", "--temp", dest="temperature", type=float, help="0 = greedy")
@@ -81,7 +112,10 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from qwenrt import __version__
+
     parser = argparse.ArgumentParser(prog="qwenrt", description="Exact, fast inference for Qwen3.5 models.")
+    parser.add_argument("--version", action="version", version=f"qwenrt {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True)
 
     p = verbs.add_parser("inspect", help="describe a checkpoint and check it against its config")
@@ -102,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_chat)
 
     p = verbs.add_parser("quantize", help="write a weight-only int8 / int4 copy of a checkpoint")
-    p.add_argument("src", help="checkpoint directory")
+    p.add_argument("src", help="checkpoint directory or hub repo id")
     p.add_argument("dst", help="new directory for the quantized checkpoint (must not exist)")
     p.add_argument("--bits", type=int, required=True, help="8 (per output channel) or 4 (group-wise)")
     p.add_argument("--group-size", type=int, help="int4 group size: 32, 64 (default) or 128")
@@ -147,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
     p.add_argument("--json", help="also write the results (medians and every sample) to this file")
     p.set_defaults(run=_bench)
+
+    add_serve_parser(verbs)
     return parser
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from qwenrt.errors import QwenrtError
+from qwenrt.fields import Fields
+from qwenrt.files import CheckpointDir
+from qwenrt.vision.config import VisionConfig
 
 TEXT_MODEL_TYPES = {"qwen3_5_text": False, "qwen3_5_moe_text": True}  # model_type -> is MoE
 VLM_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}  # outer -> text sub-config type
@@ -85,79 +87,74 @@ class ModelConfig:
         return self.vision is not None
 
 
-def _require(d: dict, key: str, where: str):
-    if d.get(key) is None:
-        raise QwenrtError(f"{where}: missing required field '{key}'")
-    return d[key]
+# Bounds well past every published Qwen3.5 shape: a config beyond them is refused before anything is built.
+MAX_LAYERS = 1024
+MAX_DIM = 1 << 16  # hidden size, intermediate sizes, head dims
+MAX_HEADS = 1024
+MAX_VOCAB = 1 << 22
+MAX_EXPERTS = 4096
+MAX_POSITIONS = 1 << 24
 
 
-def _positive_int(d: dict, key: str, where: str, default: int | None = None) -> int:
-    value = d.get(key)
-    if value is None:
-        value = _require(d, key, where) if default is None else default
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise QwenrtError(f"{where}: '{key}' must be a positive integer, got {value!r}")
-    return value
-
-
-def _rope_fields(d: dict, where: str) -> dict:
+def _rope_fields(f: Fields) -> dict:
     """rope_parameters (transformers 5) or the older flat rope_theta / partial_rotary_factor / rope_scaling keys."""
-    params = dict(d.get("rope_scaling") or {})
-    params.update(d.get("rope_parameters") or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    flat = {k: f.d[k] for k in ("rope_theta", "partial_rotary_factor", "mrope_section") if k in f.d}
+    params = Fields({**flat, **f.obj("rope_scaling", {}).d, **f.obj("rope_parameters", {}).d},
+                    f"{f.where} rope_parameters")
+    rope_type = params.d.get("rope_type", params.d.get("type", "default"))
     if rope_type not in ("default", "mrope"):
-        raise QwenrtError(f"{where}: rope_type '{rope_type}' is not supported (supported: default)")
-    theta = params.get("rope_theta", d.get("rope_theta", 10_000_000.0))
-    factor = params.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
-    if not isinstance(factor, (int, float)) or not 0 < factor <= 1:
-        raise QwenrtError(f"{where}: partial_rotary_factor must be in (0, 1], got {factor!r}")
-    section = params.get("mrope_section", d.get("mrope_section"))
+        raise QwenrtError(f"{f.where}: rope_type {rope_type!r} is not supported (supported: default)")
     return {
-        "rope_theta": float(theta),
-        "partial_rotary_factor": float(factor),
-        "mrope_section": tuple(section) if section is not None else None,
-        "mrope_interleaved": bool(params.get("mrope_interleaved", True)),
+        "rope_theta": params.float("rope_theta", 10_000_000.0, lo=0.0, open_low=True),
+        "partial_rotary_factor": params.float("partial_rotary_factor", 0.25, lo=0.0, hi=1.0, open_low=True),
+        "mrope_section": params.ints("mrope_section", None, lo=0, hi=MAX_DIM, max_len=8),
+        "mrope_interleaved": params.bool("mrope_interleaved", True),
     }
 
 
 def parse_text_config(d: dict, tie_word_embeddings: bool | None = None, where: str = "config.json") -> TextConfig:
     """Build and validate a TextConfig from a text config dict (flat or a VLM's text_config)."""
+    f = Fields(d, where)
     model_type = d.get("model_type")
     if model_type not in TEXT_MODEL_TYPES:
         raise QwenrtError(f"{where}: unsupported text model_type {model_type!r} (supported: {', '.join(TEXT_MODEL_TYPES)})")
     is_moe = TEXT_MODEL_TYPES[model_type]
     if d.get("hidden_act", "silu") != "silu":
         raise QwenrtError(f"{where}: hidden_act must be 'silu', got {d['hidden_act']!r}")
-    n_layers = _positive_int(d, "num_hidden_layers", where)
-    heads = _positive_int(d, "num_attention_heads", where)
-    kv_heads = _positive_int(d, "num_key_value_heads", where)
-    hidden = _positive_int(d, "hidden_size", where)
+    n_layers = f.int("num_hidden_layers", hi=MAX_LAYERS)
     fields = {
         "model_type": model_type,
-        "vocab_size": _positive_int(d, "vocab_size", where),
-        "hidden_size": hidden,
+        "vocab_size": f.int("vocab_size", hi=MAX_VOCAB),
+        "hidden_size": f.int("hidden_size", hi=MAX_DIM),
         "num_hidden_layers": n_layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": _positive_int(d, "head_dim", where, default=256),
-        "rms_norm_eps": float(d.get("rms_norm_eps", 1e-6)),
-        "max_position_embeddings": _positive_int(d, "max_position_embeddings", where, default=262144),
-        "tie_word_embeddings": bool(d.get("tie_word_embeddings", False) if tie_word_embeddings is None else tie_word_embeddings),
+        "num_attention_heads": f.int("num_attention_heads", hi=MAX_HEADS),
+        "num_key_value_heads": f.int("num_key_value_heads", hi=MAX_HEADS),
+        "head_dim": f.int("head_dim", 256, hi=MAX_DIM),
+        # eps is added to a mean of squares: outside (0, 1) the norm is meaningless or divides by ~0
+        "rms_norm_eps": f.float("rms_norm_eps", 1e-6, lo=0.0, hi=1.0, open_low=True),
+        "max_position_embeddings": f.int("max_position_embeddings", 262144, hi=MAX_POSITIONS),
+        "tie_word_embeddings": f.bool("tie_word_embeddings", False) if tie_word_embeddings is None else tie_word_embeddings,
     }
-    for key, default in (("linear_conv_kernel_dim", 4), ("linear_key_head_dim", 128), ("linear_value_head_dim", 128),
-                         ("linear_num_key_heads", 16), ("linear_num_value_heads", 32)):
-        fields[key] = _positive_int(d, key, where, default=default)
+    for key, default in (("linear_key_head_dim", 128), ("linear_value_head_dim", 128)):
+        fields[key] = f.int(key, default, hi=MAX_DIM)
+    for key, default in (("linear_num_key_heads", 16), ("linear_num_value_heads", 32)):
+        fields[key] = f.int(key, default, hi=MAX_HEADS)
+    fields["linear_conv_kernel_dim"] = f.int("linear_conv_kernel_dim", 4, hi=64)
     if is_moe:
-        for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"):
-            fields[key] = _positive_int(d, key, where)
+        fields["num_experts"] = f.int("num_experts", hi=MAX_EXPERTS)
+        fields["num_experts_per_tok"] = f.int("num_experts_per_tok", hi=MAX_EXPERTS)
+        for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            fields[key] = f.int(key, hi=MAX_DIM)
     else:
-        fields["intermediate_size"] = _positive_int(d, "intermediate_size", where)
+        fields["intermediate_size"] = f.int("intermediate_size", hi=MAX_DIM)
 
-    layer_types = d.get("layer_types")
+    layer_types = f.list("layer_types", None, max_len=MAX_LAYERS)
     if layer_types is None:
-        interval = _positive_int(d, "full_attention_interval", where, default=4)
+        interval = f.int("full_attention_interval", 4, hi=MAX_LAYERS)
         layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
-    rope = _rope_fields(d, where)
+    if not all(isinstance(t, str) for t in layer_types):
+        raise QwenrtError(f"{where}: layer_types must be a list of strings")
+    rope = _rope_fields(f)
     fields["layer_types"] = tuple(layer_types)
     fields.update({k: v for k, v in rope.items() if v is not None})
     cfg = TextConfig(**fields)
@@ -191,40 +188,38 @@ def _check_contracts(c: TextConfig, section_given: bool, where: str) -> None:
 
 def parse_config(d: dict, where: str = "config.json") -> ModelConfig:
     """A checkpoint's config dict -> ModelConfig. VLM configs nest the decoder in text_config."""
-    if not isinstance(d, dict):
-        raise QwenrtError(f"{where}: expected a JSON object, got {type(d).__name__}")
+    f = Fields(d, where)
     model_type = d.get("model_type")
-    if model_type in VLM_MODEL_TYPES:
-        text = dict(_require(d, "text_config", where))
-        text.setdefault("model_type", VLM_MODEL_TYPES[model_type])
-        # transformers ties the VLM's lm_head by the outer flag
-        tie = d.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-        text_cfg = parse_text_config(text, tie_word_embeddings=tie, where=f"{where} text_config")
-        ids = {k: d[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id") if k in d}
-        vision = d.get("vision_config")
-        if vision is not None and not isinstance(vision, dict):
-            raise QwenrtError(f"{where}: vision_config must be an object")
-        eos = text.get("eos_token_id", d.get("eos_token_id"))
-        return ModelConfig(model_type, text_cfg, vision=vision, eos_token_id=_eos_tuple(eos), raw=d, **ids)
-    if model_type in TEXT_MODEL_TYPES:
-        return ModelConfig(model_type, parse_text_config(d, where=where), eos_token_id=_eos_tuple(d.get("eos_token_id")), raw=d)
     supported = ", ".join([*VLM_MODEL_TYPES, *TEXT_MODEL_TYPES])
-    raise QwenrtError(f"{where}: unsupported model_type {model_type!r} (supported: {supported})")
+    if not isinstance(model_type, str) or model_type not in {**VLM_MODEL_TYPES, **TEXT_MODEL_TYPES}:
+        raise QwenrtError(f"{where}: unsupported model_type {model_type!r} (supported: {supported})")
+    if model_type in TEXT_MODEL_TYPES:
+        text_cfg = parse_text_config(d, where=where)
+        return ModelConfig(model_type, text_cfg, eos_token_id=_token_ids(f, "eos_token_id"), raw=d)
+    text = dict(f.obj("text_config").d)
+    text.setdefault("model_type", VLM_MODEL_TYPES[model_type])
+    # transformers ties the VLM's lm_head by the outer flag
+    tie = f.bool("tie_word_embeddings", Fields(text, where).bool("tie_word_embeddings", False))
+    text_cfg = parse_text_config(text, tie_word_embeddings=tie, where=f"{where} text_config")
+    ids = {k: f.int(k, lo=0) for k in ("image_token_id", "video_token_id",
+                                                                     "vision_start_token_id", "vision_end_token_id")
+           if k in d}
+    vision = f.obj("vision_config", None)
+    if vision is not None:
+        VisionConfig.from_dict(vision.d)  # refused now, not at the first image
+    eos = Fields(text, where) if "eos_token_id" in text else f
+    return ModelConfig(model_type, text_cfg, vision=vision and vision.d, eos_token_id=_token_ids(eos, "eos_token_id"),
+                       raw=d, **ids)
 
 
-def _eos_tuple(eos) -> tuple[int, ...]:
-    if eos is None:
-        return ()
-    return (eos,) if isinstance(eos, int) else tuple(eos)
+def _token_ids(f: Fields, key: str) -> tuple[int, ...]:
+    return f.ints(key, (), lo=0)
 
 
 def load_config(path: str | Path) -> ModelConfig:
     """Read and validate `config.json` in a checkpoint directory."""
-    file = Path(path) / "config.json"
-    if not file.is_file():
+    where = CheckpointDir(path)
+    if not where.exists("config.json"):
         raise QwenrtError(f"{path}: no config.json (not a checkpoint directory)")
-    try:
-        d = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise QwenrtError(f"{file}: not valid JSON ({e})") from None
-    return parse_config(d, where=str(file))
+    file = where.file("config.json")
+    return parse_config(where.read_json("config.json"), where=str(file))

@@ -5,27 +5,50 @@ from __future__ import annotations
 import sys
 import time
 
+from tqdm import tqdm
+
 from qwenrt.default_model import resolve_model
 from qwenrt.errors import QwenrtError
 from qwenrt.generate import GenerationResponse, stream_generate
-from qwenrt.loader import load
+from qwenrt.config import load_config
+from qwenrt.hub import resolve_model_path
+from qwenrt.loader import load, resolve_device, resolve_dtype
 from qwenrt.parsing import parse_completion
 from qwenrt.sampling import SamplingParams
+from qwenrt.validation import check_max_context, check_text
+from qwenrt.vision.media import DEFAULT_POLICY, preflight_media
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "seed", "stop")
 
 
-def load_for_cli(source: str | None, dtype: str, device: str):
-    """Load with progress and timing on stderr; no source: the built-in model, and the CLI says so."""
+def load_for_cli(source: str | None, path, dtype: str, device: str, check_finite: bool = True,
+                 engine_options: dict | None = None):
+    """Load `path` (what `check_options` resolved `source` to) with progress and timing on stderr, naming the
+    built-in model when no source was given."""
     start = time.perf_counter()
-    source, name = resolve_model(source)
-    print(f"loading {name} …", file=sys.stderr, flush=True)
-    model, tokenizer = load(source, dtype=dtype, device=device, progress=True)
+    print(f"loading {resolve_model(source)[1]} …", file=sys.stderr, flush=True)
+    model, tokenizer = load(path, dtype=dtype, device=device, progress=True, check_finite=check_finite,
+                            **(engine_options or {}))
     c = model.config.text
     print(f"loaded {c.num_hidden_layers}-layer {'MoE ' if c.is_moe else ''}model ({model.dtype}) in "
           f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return model, tokenizer
+
+
+def check_options(source: str | None, sampling: dict, device: str, dtype: str, max_context: int | None,
+                  media: list[tuple[str, str]] = ()):
+    """What can be refused before the weights load: sampling values, the device, the dtype, local media files, the
+    context limit against the checkpoint's config. Returns the checkpoint directory (a hub id resolved; no source: the
+    built-in model's)."""
+    SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
+    resolve_device(device)
+    resolve_dtype(dtype, None)
+    for kind, item in media:  # ("image" | "video", source)
+        preflight_media(item, DEFAULT_POLICY, kind)
+    path = resolve_model_path(resolve_model(source)[0])
+    check_max_context(max_context, load_config(path).text.max_position_embeddings)
+    return path
 
 
 def sampling_params(options: dict, tokenizer) -> SamplingParams:
@@ -43,19 +66,36 @@ def sampling_params(options: dict, tokenizer) -> SamplingParams:
 
 
 def stats_line(last: GenerationResponse) -> str:
-    return (f"[prompt {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tok/s | generated {last.generation_tokens} "
+    cached = f" ({last.cached_tokens} cached)" if last.cached_tokens else ""
+    return (f"[prompt {last.prompt_tokens} tokens{cached}, {last.prompt_tps:.1f} tok/s | generated {last.generation_tokens} "
             f"tokens, {last.generation_tps:.1f} tok/s | first token after {last.time_to_first_token:.2f} s | "
             f"finish: {last.finish_reason}]")
 
 
 def _stream(model, tokenizer, prompt, params, thinking, prefill_chunk, max_context, out: list[str]):
-    """Write the answer to stdout as it streams, collecting the deltas in `out`; returns the last response."""
-    last = None
-    for last in stream_generate(model, tokenizer, prompt, params=params, enable_thinking=thinking,
-                                prefill_chunk=prefill_chunk, max_context=max_context):
-        out.append(last.text)
-        sys.stdout.write(last.text)
-        sys.stdout.flush()
+    """Write the answer to stdout as it streams, collecting the deltas in `out`; returns the last response. A prompt
+    that takes more than a second to read gets a progress bar on stderr."""
+    last, bar = None, None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, initial=done, desc="reading the prompt", unit="tok", delay=1.0, leave=False,
+                       file=sys.stderr)
+        bar.update(done - bar.n)
+
+    try:
+        for last in stream_generate(model, tokenizer, prompt, params=params, enable_thinking=thinking,
+                                    prefill_chunk=prefill_chunk, max_context=max_context, on_prefill=progress):
+            if bar is not None:
+                bar.close()
+                bar = None
+            out.append(last.text)
+            sys.stdout.write(last.text)
+            sys.stdout.flush()
+    finally:
+        if bar is not None:
+            bar.close()
     return last
 
 
@@ -68,14 +108,20 @@ def user_message(text: str, images: list[str], videos: list[str]) -> dict:
 
 
 def run(source: str | None, prompt: str, *, raw: bool, system: str | None, thinking: bool | None, dtype: str,
-        device: str, prefill_chunk: int, max_context: int | None, sampling: dict, images: list[str] = (),
-        videos: list[str] = ()) -> None:
+        device: str, prefill_chunk: int | None, max_context: int | None, sampling: dict, images: list[str] = (),
+        videos: list[str] = (), check_finite: bool = True, engine_options: dict | None = None) -> None:
     """`qwenrt run`: stream one answer to stdout; load progress and a stats line go to stderr."""
     if prompt == "-":
-        prompt = sys.stdin.read()
+        try:
+            prompt = sys.stdin.read()
+        except UnicodeDecodeError as e:
+            raise QwenrtError(f"the prompt on stdin is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    check_text(prompt, "the prompt")
     if raw and (images or videos):
         raise QwenrtError("--image/--video need the chat template; drop --raw")
-    model, tokenizer = load_for_cli(source, dtype, device)
+    path = check_options(source, sampling, device, dtype, max_context,
+                         [("image", i) for i in images] + [("video", v) for v in videos])
+    model, tokenizer = load_for_cli(source, path, dtype, device, check_finite, engine_options)
     if tokenizer is None:
         raise QwenrtError(f"{source}: the checkpoint has no tokenizer.json; text prompts need one")
     params = sampling_params(sampling, tokenizer)
@@ -89,15 +135,19 @@ def run(source: str | None, prompt: str, *, raw: bool, system: str | None, think
 CHAT_HELP = "commands: /reset (forget the conversation), /thinking on|off, /exit (or Ctrl-D); Ctrl-C stops an answer"
 
 
-def chat(source: str | None, *, system: str | None, thinking: bool | None, dtype: str, device: str, prefill_chunk: int,
-         max_context: int | None, sampling: dict) -> None:
-    """`qwenrt chat`: a multi-turn session on the terminal."""
-    model, tokenizer = load_for_cli(source, dtype, device)
+def chat(source: str | None, *, system: str | None, thinking: bool | None, dtype: str, device: str,
+         prefill_chunk: int | None, max_context: int | None, sampling: dict, check_finite: bool = True,
+         engine_options: dict | None = None) -> None:
+    """`qwenrt chat`: a multi-turn session on the terminal; each turn reuses what the previous ones computed."""
+    path = check_options(source, sampling, device, dtype, max_context)
+    model, tokenizer = load_for_cli(source, path, dtype, device, check_finite, engine_options)
     if tokenizer is None:
         raise QwenrtError(f"{source}: the checkpoint has no tokenizer.json; chat needs one")
     params = sampling_params(sampling, tokenizer)
     start = [{"role": "system", "content": system}] if system else []
     history = list(start)
+    if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is refused as a turn, not fatal to the session
+        sys.stdin.reconfigure(errors="surrogateescape")
     print(CHAT_HELP, file=sys.stderr)
     while True:
         try:

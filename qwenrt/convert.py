@@ -17,8 +17,10 @@ import torch
 
 from qwenrt.checkpoint import INDEX_FILE, materialize
 from qwenrt.errors import QwenrtError
+from qwenrt.files import CheckpointDir
+from qwenrt.hub import ALLOW_PATTERNS, resolve_model_path
 from qwenrt.loader import STORED_DTYPES, verify_checkpoint
-from qwenrt.quant import QuantSpec, plan_units, quantize_weight, shared_sources, storage_entries, stored_spec
+from qwenrt.quant import QuantSpec, plan_units, quantize_weight, storage_entries, stored_spec
 from qwenrt.writer import Entry, aligned_order, write_safetensors
 
 
@@ -28,19 +30,54 @@ def _stored_dtype(ckpt, name: str) -> torch.dtype:
     return STORED_DTYPES[ckpt.dtypes[name]]
 
 
+def _partial_dir(dst: Path) -> Path:
+    """A hidden working directory beside `dst`; those of earlier runs that were killed are removed first."""
+    for stale in dst.parent.glob(f".{dst.name}.partial-*"):
+        pid = stale.name.rpartition("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise QwenrtError(f"cannot create {dst}: {e.strerror or e}") from None
+    return tmp
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _side_files(src: Path) -> list[Path]:
+    """The non-weight files a quantized copy keeps (tokenizer, templates, generation and preprocessor configs):
+    what the hub download fetches, never a pickle; each confined to the checkpoint and a regular file."""
+    where = CheckpointDir(src)
+    names = [n for pattern in ALLOW_PATTERNS if pattern != "*.safetensors" for n in where.glob(pattern)]
+    files = [where.file(n) for n in sorted(set(names)) if n not in (INDEX_FILE, "config.json")]
+    return [f for f in files if f.is_file()]
+
+
 def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int, group_size: int | None = None,
                         progress: bool = False) -> Path:
-    """Write `src` quantized to int8 / int4 into the new directory `dst` (complete or absent). Returns dst."""
-    src, dst = Path(src), Path(dst)
+    """Write `src` (a directory or a hub repo id) quantized to int8 / int4 into the new directory `dst` (complete
+    or absent). Returns dst."""
     spec = QuantSpec.parse(bits, group_size)
-    if dst.exists():
+    dst = Path(dst).expanduser()
+    if dst.exists() or dst.is_symlink():
         raise QwenrtError(f"{dst}: already exists")
+    src = resolve_model_path(src)
     config, ckpt, plan, aside, model = verify_checkpoint(src)
     if stored_spec(config.raw):
         raise QwenrtError(f"{src}: already quantized")
     units, kept = plan_units(model, spec)
     sources = {path: src_name for weights in units.values() for path, (src_name, _) in weights.items()}
-    replaced = set(sources.values()) - shared_sources(model, units)  # a tied head's embedding stays, for the lookup
+    replaced = set(sources.values())  # a tied embedding included: its lookup reads the quantized head
 
     def first_name(name):
         source = plan[name]
@@ -71,16 +108,17 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int, group_size:
             del pending[path]
         return piece
 
-    tmp = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
-    tmp.mkdir(parents=True)
+    tmp = _partial_dir(dst)
     try:
         write_safetensors(tmp, entries, produce, progress=progress, desc=f"quantizing to {spec}")
-        for file in src.iterdir():
-            if file.is_file() and file.suffix != ".safetensors" and file.name not in (INDEX_FILE, "config.json"):
-                shutil.copy2(file, tmp / file.name)
+        for file in _side_files(src):
+            shutil.copyfile(file, tmp / file.name)
         raw = dict(config.raw, quantization_config=spec.config(kept))
         (tmp / "config.json").write_text(json.dumps(raw, indent=2))
         tmp.rename(dst)
+    except OSError as e:  # a full disk, a read-only place, a destination that appeared meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise QwenrtError(f"cannot write {dst}: {e.strerror or e}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

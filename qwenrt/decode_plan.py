@@ -2,8 +2,9 @@
 
 It computes what the modules compute on their native paths (tests/test_kernels.py holds the two together) without
 the per-module Python work (module calls, attribute lookups, format checks): ~2 ms of a 17-45 ms step on a 0.8B
-model. Built at the first decode step and rebuilt after any module, parameter or buffer is registered anywhere in
-the process (quantization swaps modules in, load_state_dict(assign=True) replaces parameters) or the dtype changes.
+model. The weight reads are shared by the batch; the token mixers run one native call per sequence on its own state.
+Built at the first decode step and rebuilt after any module, parameter or buffer is registered anywhere in the
+process (quantization swaps modules in, load_state_dict(assign=True) replaces parameters) or the dtype changes.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import torch
 from torch import nn
 
 from qwenrt.cache import HybridCache
+from qwenrt.kernels import cpu_kernels
 from qwenrt.ops.linear import Linear
+from qwenrt.ops.rope import rope_cos_sin
 from qwenrt.quant import QuantLinear
 
 _generation = [0]  # bumped by every module / parameter / buffer registration
@@ -63,9 +66,10 @@ class _Layer(NamedTuple):
 
 class DecodePlan:
     def __init__(self, model: nn.Module, kernels, layers: list[_Layer], head):
-        text = model.model
+        text, c = model.model, model.config.text
         self.kernels, self.layers, self.head = kernels, layers, head
-        self.embed, self.final_norm, self.eps = text.embed_tokens.weight, text.norm.weight, text.norm.eps
+        self.embed, self.final_norm, self.eps = text.embed_tokens, text.norm.weight, text.norm.eps
+        self.inv_freq, self.mrope = model.inv_frequencies(model.device), (c.mrope_section, c.mrope_interleaved)
 
     @classmethod
     def build(cls, model: nn.Module, kernels) -> DecodePlan | None:
@@ -92,33 +96,41 @@ class DecodePlan:
         return None if head is None else cls(model, kernels, layers, head)
 
     @classmethod
-    def for_model(cls, model: nn.Module, kernels) -> DecodePlan | None:
-        """The model's plan, built at its first decode step and kept until a registration or a dtype change."""
+    def for_model(cls, model: nn.Module) -> DecodePlan | None:
+        """The model's plan, built at its first decode step and kept until a registration or a dtype change; None
+        without the native kernels or where some part of the model has no native decode path."""
+        kernels = cpu_kernels()
+        if kernels is None:
+            return None
         key = (_generation[0], model.dtype)
         cached = _plans.get(model)
         if cached is None or cached[0] != key:
             cached = _plans[model] = (key, cls.build(model, kernels))
         return cached[1]
 
-    def __call__(self, input_ids: torch.Tensor, cache: HybridCache, cos: torch.Tensor, sin: torch.Tensor):
-        """input_ids [B, 1]; cos, sin [B, R] in the compute dtype -> logits [B, 1, V] fp32.
-
-        The caller reserves room in the cache and advances it afterwards, as for the modules' forward.
-        """
-        k, eps = self.kernels, self.eps
-        x = self.embed.index_select(0, input_ids.reshape(-1))  # [B, D]
+    def __call__(self, input_ids: torch.Tensor, cache: HybridCache) -> torch.Tensor:
+        """input_ids [B, 1] continuing the B sequences of `cache` -> logits [B, 1, V] fp32; the cache advances."""
+        k, eps, sequences = self.kernels, self.eps, cache.sequences
+        cache.reserve(1)
+        cos, sin = rope_cos_sin(cache.positions(1, input_ids.device), self.inv_freq, *self.mrope)
+        cos, sin = cos[:, 0].to(torch.bfloat16), sin[:, 0].to(torch.bfloat16)  # [B, R]
+        x = self.embed(input_ids.reshape(-1))  # [B, D] (an nn.Embedding or a quantized lookup)
         delta = None  # the previous layer's MLP output, added in the next norm
         for layer in self.layers:
             x, h = k.rms_norm(x, delta, layer.input_norm, eps)
             i = layer.index
             if layer.linear:
-                o = layer.mixer.native_step(k, *layer.project(h, mode="bf16"), cache.conv[i], cache.recurrent[i])
+                mixed, z, b, a = layer.project(h, mode="bf16")
+                rows = [layer.mixer.native_step(k, mixed[r:r + 1], z[r:r + 1], b[r:r + 1], a[r:r + 1], s.conv[i],
+                                                s.recurrent[i]) for r, s in enumerate(sequences)]
+                o = rows[0] if len(rows) == 1 else torch.cat(rows)
             else:
-                o = layer.mixer.native_step(k, *layer.project(h, mode="bf16"), cos, sin, cache)
+                o = layer.mixer.native_step(k, *layer.project(h, mode="bf16"), cos, sin, sequences)
             x, h = k.rms_norm(x, layer.out(o, mode="bf16")[0], layer.post_norm, eps)
             if layer.gate_up is not None:
                 delta = layer.down(layer.gate_up(h, mode="swiglu")[0], mode="bf16")[0]
             else:
                 delta = layer.mlp(h[:, None])[:, 0]
         _, h = k.rms_norm(x, delta, self.final_norm, eps)
+        cache.advance(1)
         return self.head(h, mode="bf16")[0].float()[:, None]  # [B, 1, V]

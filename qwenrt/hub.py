@@ -16,7 +16,11 @@ ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.t
 def resolve_model_path(source: str | Path, revision: str | None = None) -> Path:
     """A local directory as is; otherwise a hub repo id, fetched with huggingface_hub (HF_HUB_OFFLINE respected)."""
     path = Path(source).expanduser()
-    if path.exists():
+    try:
+        exists = path.exists()
+    except OSError as e:  # e.g. a path through an unreadable directory
+        raise QwenrtError(f"{path}: {e.strerror or e}") from None
+    if exists:
         if not path.is_dir():
             raise QwenrtError(f"{path}: not a directory")
         return path
@@ -33,6 +37,8 @@ def resolve_model_path(source: str | Path, revision: str | None = None) -> Path:
         raise QwenrtError(f"{name}: no such repository on the hub (or it is private: log in with `hf auth login`)") from None
     except LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached (no network?)"
-        raise QwenrtError(f"{name}: not in the local cache and {why}") from None
+        raise QwenrtError(f"{name}: not in the local cache and {why}; download it where there is network "
+                          f"(`hf download {name}`) and pass its directory, or try a tiny random checkpoint "
+                          "(README: `python -m tests.make_checkpoint`)") from None
     except (HfHubHTTPError, OSError) as e:
         raise QwenrtError(f"{name}: download failed ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None

@@ -8,11 +8,9 @@ from pathlib import Path
 import torch
 
 from qwenrt.hub import resolve_model_path
-from qwenrt.loader import verify_checkpoint
+from qwenrt.checkpoint import DTYPE_BYTES
+from qwenrt.loader import stored_float_dtype, verify_checkpoint
 from qwenrt.model import Qwen35ForCausalLM
-
-BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I8": 1, "U8": 1}
-
 
 def _count(shapes) -> int:
     return sum(math.prod(s) for s in shapes)
@@ -32,7 +30,7 @@ def inspect_checkpoint(path: str | Path) -> dict:
         per_expert = 3 * c.hidden_size * c.moe_intermediate_size
         active -= c.num_hidden_layers * (c.num_experts - c.num_experts_per_tok) * per_expert
     stored = sorted({ckpt.dtypes[n] for n in ckpt.location})
-    compute_bytes = BYTES.get(ckpt.dtypes[plan["model.embed_tokens.weight"].names[0]], 2)
+    compute_bytes = DTYPE_BYTES[stored_float_dtype(ckpt, plan)]
     quantization = config.raw.get("quantization_config")
     n_full, n_linear = len(c.full_attention_layers), len(c.linear_attention_layers)
     kv_per_token = n_full * 2 * c.num_key_value_heads * c.head_dim * compute_bytes
@@ -59,13 +57,20 @@ def inspect_checkpoint(path: str | Path) -> dict:
         "params_vision": _count(ckpt.shapes[n] for n in aside if n.startswith("model.visual.")),
         "params_mtp": _count(ckpt.shapes[n] for n in aside if n.startswith("mtp.")),
         "stored_dtypes": stored,
-        "quantization": f"int{quantization['bits']}" + (f" g{quantization['group_size']}" if quantization.get(
-            "group_size") else "") if quantization else None,
+        "quantization": _quantization(quantization),
         "file_bytes": ckpt.total_bytes,
         "kv_bytes_per_token": kv_per_token,
         "deltanet_state_bytes_per_sequence": state_per_seq,
         "verdict": f"OK: config consistent, all {len(plan)} decoder tensors present with the expected shapes",
     }
+
+
+def _quantization(q: dict | None) -> str | None:
+    if not q:
+        return None
+    kept = len(q.get("modules_not_converted", []))
+    return f"int{q['bits']}" + (f" g{q['group_size']}" if q.get("group_size") else "") + (
+        f", {kept} modules kept in full precision" if kept else "")
 
 
 def _human(n: int, unit: str = "") -> str:

@@ -18,11 +18,13 @@ from qwenrt.kernels import cpu_kernels
 from qwenrt.model import Qwen35ForCausalLM
 from qwenrt.quant import LoadQuantizer, QuantSpec, install_placeholders, stored_spec
 from qwenrt.tokenizer import load_tokenizer
+from qwenrt.writer import DTYPE_NAMES
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 STORED_DTYPES = {**SAFETENSORS_DTYPES, "I8": torch.int8, "U8": torch.uint8}
+VISUAL_PREFIX = "model.visual."
 
 
 def resolve_dtype(dtype, stored: str | None) -> torch.dtype:
@@ -34,6 +36,12 @@ def resolve_dtype(dtype, stored: str | None) -> torch.dtype:
     if isinstance(dtype, str) and dtype in DTYPES:
         return DTYPES[dtype]
     raise QwenrtError(f"unsupported dtype {dtype!r} (use one of: auto, {', '.join(DTYPES)})")
+
+
+def stored_float_dtype(ckpt, plan) -> str:
+    """The dtype the checkpoint stores its full-precision weights in (a quantized one may not store the embedding)."""
+    name = "model.embed_tokens.weight" if "model.embed_tokens.weight" in plan else "model.norm.weight"
+    return ckpt.dtypes[plan[name].names[0]]
 
 
 def _name_list(names, limit: int = 6) -> str:
@@ -61,15 +69,45 @@ def check_tensors(where, what: str, expected: dict[str, tuple], found: dict[str,
         raise QwenrtError(f"{where}: {len(wrong)} tensor(s) with the wrong shape: {shown}")
 
 
+FLOAT_DTYPES = ("F32", "BF16", "F16")
+
+
+def check_dtypes(where, ckpt, plan: dict, buffers: dict[str, torch.Tensor]) -> None:
+    """Every planned tensor stored in a float dtype, or, for a stored quantized piece, exactly its buffer's dtype."""
+    for name, source in plan.items():
+        names = [n for parts in source.names for n in parts] if source.stacked else list(source.names)
+        stored = {ckpt.dtypes[n] for n in names}
+        allowed = (DTYPE_NAMES[buffers[name].dtype],) if name in buffers else FLOAT_DTYPES
+        if not stored <= set(allowed):
+            found = ", ".join(sorted(stored - set(allowed)))
+            hint = " (FP8 checkpoints are not supported)" if found.startswith("F8") else ""
+            raise QwenrtError(f"{where}: tensor '{names[0]}' is stored as {found}; expected "
+                              f"{' or '.join(allowed)}{hint}")
+
+
+def _check_vision(path: Path, config, ckpt) -> None:
+    """A VLM's vision tensors, when it has any, match its vision_config (the tower itself loads on first use)."""
+    from qwenrt.checkpoint import Source
+    from qwenrt.vision import VisionConfig, VisionTower
+
+    stored = {n[len(VISUAL_PREFIX):]: n for n in ckpt.names(VISUAL_PREFIX)}
+    if not config.is_vlm or not stored:
+        return
+    with torch.device("meta"):
+        tower = VisionTower(VisionConfig.from_dict(config.vision))
+    check_tensors(path, "vision tower tensors do not match vision_config",
+                  {name: tuple(p.shape) for name, p in tower.named_parameters()},
+                  {n: ckpt.shapes[name] for n, name in stored.items()})
+    check_dtypes(path, ckpt, {n: Source((name,), ckpt.shapes[name]) for n, name in stored.items()}, {})
+
+
 def verify_checkpoint(path: str | Path):
     """Config plus strict tensor accounting from the headers alone, nothing read.
 
-    Returns (config, checkpoint, plan, names set aside, the model on `meta`). Raises QwenrtError listing what is missing, unexpected
-    or wrongly shaped.
+    Returns (config, checkpoint, plan, names set aside, the model on `meta`). Raises QwenrtError listing what is
+    missing, unexpected, wrongly shaped or stored in the wrong dtype.
     """
     path = Path(path)
-    if not path.is_dir():
-        raise QwenrtError(f"{path}: not a directory")
     config = load_config(path)
     ckpt = open_checkpoint(path)
     plan, aside = plan_text_tensors(ckpt)
@@ -81,7 +119,37 @@ def verify_checkpoint(path: str | Path):
     if config.text.tie_word_embeddings:
         plan.pop("lm_head.weight", None)  # some exports store the tied head too; the reference ignores it
     check_tensors(path, "checkpoint does not match its config", expected, {n: src.shape for n, src in plan.items()})
+    check_dtypes(path, ckpt, plan, dict(model.named_buffers()))
+    _check_vision(path, config, ckpt)
     return config, ckpt, plan, aside, model
+
+
+def scan_finite(where, name: str, tensor: torch.Tensor) -> None:
+    """Refuse a weight holding NaN or ±Inf: it would silently poison every output. One pass: NaN and ±Inf show in
+    the minimum or the maximum (aminmax propagates NaN), the fastest exact reduction torch has on the CPU."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return
+    if all(bool(torch.isfinite(v)) for v in torch.aminmax(tensor)):
+        return
+    bad = int((~torch.isfinite(tensor)).sum())
+    raise QwenrtError(f"{where}: tensor '{name}' holds {bad} NaN/Inf value(s) in {tensor.dtype} "
+                      "(load with check_finite=False / --no-finite-check to skip this scan)")
+
+
+def resolve_device(device) -> torch.device:
+    """A torch.device this build can use, or one QwenrtError."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise QwenrtError(f"unknown device {device!r} (use cpu, cuda, cuda:N or mps)") from None
+    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if resolved.type not in available:
+        raise QwenrtError(f"device {device!r} is not supported (use cpu, cuda, cuda:N or mps)")
+    if not available[resolved.type]:
+        raise QwenrtError(f"device {device!r}: this torch build or machine has no {resolved.type.upper()} support")
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise QwenrtError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return resolved
 
 
 def _quantizer(model, config, quantize, dtype, device) -> LoadQuantizer | None:
@@ -104,14 +172,16 @@ def prepare_kernels(progress: bool) -> None:
 
 
 def load_model(path: str | Path, dtype="auto", device: str | torch.device = "cpu", progress: bool = False,
-               quantize: str | QuantSpec | None = None) -> Qwen35ForCausalLM:
+               quantize: str | QuantSpec | None = None, check_finite: bool = True) -> Qwen35ForCausalLM:
     """Load the text decoder of a Qwen3.5 checkpoint directory. Raises QwenrtError on any inconsistency.
 
     quantize: "int8" | "int4" | a QuantSpec: weight-only quantization while loading (see qwenrt.quant).
-    A checkpoint written by `qwenrt quantize` loads quantized without it.
+    A checkpoint written by `qwenrt quantize` loads quantized without it. check_finite: refuse weights holding
+    NaN/Inf (one pass over the weights; False skips it).
     """
+    device = resolve_device(device)
     config, ckpt, plan, aside, model = verify_checkpoint(path)
-    dtype = resolve_dtype(dtype, ckpt.dtypes[plan["model.embed_tokens.weight"].names[0]])
+    dtype = resolve_dtype(dtype, stored_float_dtype(ckpt, plan))
     keep_fp32 = _fp32_parameters(model)
     quantizer = _quantizer(model, config, quantize, dtype, device)
     state = {}
@@ -122,11 +192,14 @@ def load_model(path: str | Path, dtype="auto", device: str | torch.device = "cpu
             # quantized from the stored values, as `qwenrt quantize` does, whatever the compute dtype
             first = source.names[0][0] if source.stacked else source.names[0]
             tensor = materialize(ckpt, source, STORED_DTYPES.get(ckpt.dtypes[first], torch.float32))
-            if not quantizer.add(name, tensor):
-                continue
-        else:
-            tensor = materialize(ckpt, source, target)
-        state[name] = tensor.to(device=device, dtype=target)
+            if check_finite:
+                scan_finite(path, name, tensor)
+            quantizer.add(name, tensor)
+            continue
+        tensor = materialize(ckpt, source, target).to(device=device, dtype=target)
+        if check_finite:  # after the cast: float16 can overflow to Inf
+            scan_finite(path, name, tensor)
+        state[name] = tensor
     model.load_state_dict(state, strict=False, assign=True)
     if quantizer is not None:
         quantizer.finish(model)
@@ -142,12 +215,18 @@ def load_model(path: str | Path, dtype="auto", device: str | torch.device = "cpu
 
 
 def load(path: str | Path | None = None, dtype="auto", device: str | torch.device = "cpu", revision: str | None = None,
-         progress: bool = False, quantize: str | QuantSpec | None = None):
+         progress: bool = False, quantize: str | QuantSpec | None = None, check_finite: bool = True,
+         **engine_options):
     """Load a Qwen3.5 checkpoint (a directory or a hub repo id; None: the built-in model): returns (model, tokenizer).
 
     dtype: "auto" (as stored), "float32", "bfloat16", "float16" or a torch.dtype. The tokenizer is None when the
     checkpoint has no tokenizer.json. quantize: "int8" | "int4" (weight-only, CPU), see `load_model`.
+    check_finite=False skips the NaN/Inf scan of the weights. engine_options: settings of the engine that generation
+    on this model uses (`qwenrt.engine.Engine`: max_running, max_model_len, prefix_cache_size, prefix_cache_dir,
+    ...), checked when it is made.
     """
     path = resolve_model_path(resolve_model(path)[0], revision)
-    model = load_model(path, dtype=dtype, device=device, progress=progress, quantize=quantize)
+    model = load_model(path, dtype=dtype, device=device, progress=progress, quantize=quantize,
+                       check_finite=check_finite)
+    model.engine_options = engine_options
     return model, load_tokenizer(path)

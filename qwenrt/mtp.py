@@ -45,7 +45,7 @@ def mtp_hidden(model, mtp: MTPHead, input_ids: torch.Tensor, hidden: torch.Tenso
     if hidden is None:
         hidden = model.hidden_states(input_ids)
     B, T = input_ids.shape
-    cos, sin = model.rope_tables(model.text_positions(B, T - 1, None), hidden.dtype)
+    cos, sin = model.rotary(torch.arange(T - 1, device=hidden.device)[None].expand(B, T - 1), hidden.dtype)
     return mtp(hidden[:, :-1], model.model.embed_tokens(input_ids[:, 1:]), cos, sin)
 
 

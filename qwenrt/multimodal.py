@@ -12,6 +12,7 @@ import torch
 from qwenrt.checkpoint import open_checkpoint
 from qwenrt.errors import QwenrtError
 from qwenrt.loader import check_tensors
+from qwenrt.vision.media import DEFAULT_POLICY, MediaPolicy
 
 VISUAL_PREFIX = "model.visual."
 IMAGE_PART_TYPES = ("image", "image_url")
@@ -94,19 +95,20 @@ def vision_encoder(model) -> VisionEncoder:
     return encoder
 
 
-def prepare_vision_prompt(model, tokenizer, text: str, images: list, videos: list, max_context: int
-                          ) -> tuple[list[int], VisionPrompt]:
+def prepare_vision_prompt(model, tokenizer, text: str, images: list, videos: list, max_context: int,
+                          policy: MediaPolicy = DEFAULT_POLICY) -> tuple[list[int], VisionPrompt]:
     """Expand the placeholders in a rendered prompt and compute its positions; the tower runs later, in prefill.
 
-    Checks the context budget before any vision compute.
+    Media are read under `policy` (a server passes a strict one). Checks the context budget before any vision
+    compute.
     """
     from qwenrt.vision import expand_prompt, preprocess_images, preprocess_videos, rope_index
 
     encoder = vision_encoder(model)
     config = model.config
     merge = encoder.image_cfg.merge_size
-    image_batch = preprocess_images(images, encoder.image_cfg) if images else None
-    video_batch = preprocess_videos(videos, encoder.video_cfg) if videos else None
+    image_batch = preprocess_images(images, encoder.image_cfg, policy) if images else None
+    video_batch = preprocess_videos(videos, encoder.video_cfg, policy=policy) if videos else None
     expanded = expand_prompt(text, image_grid_thw=image_batch.grid_thw if image_batch else None,
                              video_grid_thw=video_batch.grid_thw if video_batch else None,
                              video_timestamps=video_batch.timestamps if video_batch else None, merge_size=merge)

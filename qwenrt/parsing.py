@@ -74,7 +74,7 @@ def parse_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = None
     a parameter without a declared type is JSON-decoded when it parses, else kept as a string.
     Whitespace touching a removed block is dropped and the remaining pieces are joined with "\\n".
     """
-    schemas = _parameter_schemas(tools)
+    schemas = parameter_schemas(tools)
     pieces: list[str] = []
     calls: list[ToolCall] = []
     pos = search = 0
@@ -100,63 +100,106 @@ def _skip_ws(text: str, i: int) -> int:
     return i
 
 
-def _read_name(text: str, i: int) -> tuple[str, int] | None:
+class _More(Exception):
+    """The text ends before the call's structure is decided (streaming only: more text may complete it)."""
+
+
+def _tag(text: str, i: int, tags: tuple[str, ...], final: bool) -> str | None:
+    """The tag among `tags` that text has at i; None when none does. Raises _More when the text ends inside one."""
+    for tag in tags:
+        if text.startswith(tag, i):
+            return tag
+    if not final and any(tag.startswith(text[i:]) for tag in tags):
+        raise _More
+    return None
+
+
+def _read_name(text: str, i: int, final: bool = True) -> tuple[str, int] | None:
     """Name of a `<function=NAME>` / `<parameter=NAME>` tag whose NAME starts at i, and the index after `>`."""
     end = text.find(">", i)
-    name = text[i:end]
-    if end == -1 or not name or any(c in _BAD_NAME_CHARS for c in name):
+    name = text[i:end] if end != -1 else text[i:]
+    if any(c in _BAD_NAME_CHARS for c in name):
         return None
-    return name, end + 1
+    if end == -1 and not final:
+        raise _More
+    return (name, end + 1) if end != -1 and name else None
 
 
-def _param_end(text: str, i: int) -> int:
+def _param_end(text: str, i: int, final: bool = True) -> int:
     """Index of the `</parameter>` closing a value that starts at i, or -1.
 
     A close only counts when the next tag is another parameter or `</function>`, so values may
     contain a literal `</parameter>` (code, XML).
     """
     while (j := text.find(PARAM_END, i)) != -1:
-        k = _skip_ws(text, j + len(PARAM_END))
-        if text.startswith(PARAM_START, k) or text.startswith(FUNC_END, k):
+        if _tag(text, _skip_ws(text, j + len(PARAM_END)), (PARAM_START, FUNC_END), final) is not None:
             return j
         i = j + len(PARAM_END)
+    if not final:
+        raise _More
     return -1
+
+
+@dataclass
+class CallScan:
+    """How far a `<tool_call>` body has been read: the function name once its tag is complete, the parameters
+    whose values are complete (typed), and `end` (the index after `</tool_call>`) once the call is."""
+
+    name: str | None = None
+    arguments: dict[str, Any] = field(default_factory=dict)
+    end: int | None = None
+    malformed: bool = False  # the text cannot be a call, whatever follows
+
+
+def scan_call(text: str, i: int, schemas: dict[str, dict], final: bool = True) -> CallScan:
+    """Read the body of a `<tool_call>` starting at i. `final`: the text is complete (otherwise a prefix of a
+    longer output: anything it ends inside of is left undecided rather than malformed)."""
+    scan = CallScan()
+    try:
+        i = _skip_ws(text, i)
+        if not _tag(text, i, (FUNC_START,), final) or (head := _read_name(text, i + len(FUNC_START), final)) is None:
+            scan.malformed = True
+            return scan
+        scan.name, i = head
+        properties = schemas.get(scan.name, {})
+        while _tag(text, i := _skip_ws(text, i), (FUNC_END, PARAM_START), final) == PARAM_START:
+            if (head := _read_name(text, i + len(PARAM_START), final)) is None:
+                break
+            param, start = head
+            if (end := _param_end(text, start, final)) == -1:
+                break
+            value = text[start:end]
+            value = value[1:] if value.startswith("\n") else value  # the template's own newlines
+            value = value[:-1] if value.endswith("\n") else value
+            scan.arguments[param] = _convert(value, properties.get(param))
+            i = end + len(PARAM_END)
+        else:
+            if text.startswith(FUNC_END, i):
+                i = _skip_ws(text, i + len(FUNC_END))
+                if _tag(text, i, (CALL_END,), final):
+                    scan.end = i + len(CALL_END)
+                    return scan
+        scan.malformed = True
+    except _More:
+        pass
+    return scan
 
 
 def _parse_call(text: str, i: int, schemas: dict[str, dict]) -> tuple[ToolCall, int] | None:
     """Parse the body of a `<tool_call>` starting at i; returns the call and the index after
     `</tool_call>`, or None when the block is malformed or unterminated."""
-    i = _skip_ws(text, i)
-    if not text.startswith(FUNC_START, i) or (head := _read_name(text, i + len(FUNC_START))) is None:
-        return None
-    name, i = head
-    properties = schemas.get(name, {})
-    arguments: dict[str, Any] = {}
-    while not text.startswith(FUNC_END, i := _skip_ws(text, i)):
-        if not text.startswith(PARAM_START, i) or (head := _read_name(text, i + len(PARAM_START))) is None:
-            return None
-        param, start = head
-        end = _param_end(text, start)
-        if end == -1:
-            return None
-        value = text[start:end]
-        value = value[1:] if value.startswith("\n") else value  # the template's own newlines
-        value = value[:-1] if value.endswith("\n") else value
-        arguments[param] = _convert(value, properties.get(param))
-        i = end + len(PARAM_END)
-    i = _skip_ws(text, i + len(FUNC_END))
-    if not text.startswith(CALL_END, i):
-        return None
-    return ToolCall(name, arguments), i + len(CALL_END)
+    scan = scan_call(text, i, schemas)
+    return (ToolCall(scan.name, scan.arguments), scan.end) if scan.end is not None else None
 
 
-def _parameter_schemas(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, dict]:
+def parameter_schemas(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, dict]:
     """Function name -> JSON-schema `properties`, from OpenAI-style (or bare function) tool dicts."""
     schemas: dict[str, dict] = {}
     for tool in tools or ():
         fn = tool.get("function", tool) if isinstance(tool, Mapping) else None
         if isinstance(fn, Mapping) and isinstance(fn.get("name"), str):
-            props = (fn.get("parameters") or {}).get("properties") or {}
+            params = fn.get("parameters")
+            props = (params.get("properties") if isinstance(params, Mapping) else None) or {}
             schemas[fn["name"]] = props if isinstance(props, Mapping) else {}
     return schemas
 

@@ -7,7 +7,8 @@ Stored format (what checkpoints hold, the same on every machine), for a weight W
 In memory both stay as stored, used in place by the native kernels (qwenrt/kernels/cpu_gemv.cpp) at decode and
 dequantized per matrix for prefill's GEMM; without the native kernels int4 is repacked into torch's CPU layout
 for `_weight_int4pack_mm_for_cpu`.
-Norms, A_log, dt_bias, conv1d, the embedding lookup, the MoE router and the shared-expert gate stay in full precision.
+Norms, A_log, dt_bias, conv1d, the MoE router and the shared-expert gate stay in full precision, and so does the
+embedding lookup of an untied model (a tied one reads the quantized head's rows, see `QuantEmbedding`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 
 from qwenrt.errors import QwenrtError
 from qwenrt.kernels import cpu_kernels
-from qwenrt.model import Experts, dispatch_experts
+from qwenrt.mlp import Experts, dispatch_experts
 from qwenrt.ops.linear import MAX_KERNEL_ROWS
 
 BITS = (8, 4)
@@ -44,7 +45,7 @@ class QuantSpec:
     group_size: int | None = None
 
     def __post_init__(self):
-        if self.bits not in BITS:
+        if type(self.bits) is not int or self.bits not in BITS:
             raise QwenrtError(f"quantization bits must be 8 or 4, got {self.bits!r}")
         if self.bits == 4 and self.group_size not in GROUP_SIZES:
             sizes = ", ".join(map(str, GROUP_SIZES))
@@ -85,7 +86,10 @@ def stored_spec(raw_config: dict) -> tuple[QuantSpec, list[str]] | None:
     if not isinstance(q, dict) or q.get("quant_method") != QUANT_METHOD:
         method = q.get("quant_method") if isinstance(q, dict) else q
         raise QwenrtError(f"quantization method {method!r} is not supported (qwenrt reads its own: '{QUANT_METHOD}')")
-    return QuantSpec(q.get("bits"), q.get("group_size")), list(q.get("modules_not_converted", []))
+    kept = q.get("modules_not_converted", [])
+    if not isinstance(kept, list) or not all(isinstance(m, str) for m in kept):
+        raise QwenrtError(f"quantization_config.modules_not_converted must be a list of module names, got {kept!r:.60}")
+    return QuantSpec(q.get("bits"), q.get("group_size")), kept
 
 
 # ---- the stored format ------------------------------------------------------------------------------------------
@@ -270,6 +274,24 @@ class QuantExperts(nn.Module):
         return dispatch_experts(self.expert, x, index, weight)
 
 
+class QuantEmbedding(nn.Module):
+    """The token lookup of a tied embedding, served from the quantized head's table: only the looked-up rows are
+    dequantized, so the full-precision table is not kept beside it. `stored` holds the head's tensors in the stored
+    layout (the same tensors where the head uses that layout), as a plain attribute: the head owns them."""
+
+    def __init__(self, stored: dict[str, torch.Tensor], spec: QuantSpec, dtype: torch.dtype):
+        super().__init__()
+        self.stored, self.spec, self.dtype = stored, spec, dtype  # stored: qweight [V, D or D/2], scales(, zeros)
+
+    @property
+    def device(self) -> torch.device:
+        return self.stored["qweight"].device
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [*] -> rows [*, D] in the compute dtype."""
+        return dequantize_weight({key: t[ids] for key, t in self.stored.items()}, self.spec).to(self.dtype)
+
+
 # ---- which weights, and the swap --------------------------------------------------------------------------------
 
 def default_predicate(path: str, module: nn.Module) -> bool:
@@ -287,33 +309,30 @@ def _weights(path: str, module: nn.Module) -> dict[str, nn.Parameter]:
 def plan_units(model: nn.Module, spec: QuantSpec, predicate: Callable[[str, nn.Module], bool] = default_predicate):
     """Which weights to quantize: ({module path: {weight path: (source parameter name, shape)}}, modules kept precise).
 
-    int4 needs N % 16 == 0 (torch's packed layout); other weights stay in full precision and are listed.
-    A tied LM head is a unit of its own whose source is the embedding (which stays, for the lookup).
+    A weight stays in full precision (and is listed) where the format cannot hold it: int4 needs N % 16 == 0
+    (torch's packed layout) and K divisible by the group size. A tied LM head is a unit of its own whose source is
+    the embedding, which is then looked up in the quantized table (see `QuantEmbedding`).
     """
     names = {id(p): n for n, p in model.named_parameters()}
-    units, kept = {}, ["model.embed_tokens"]
+    units, kept = {}, []
     for path, module in model.named_modules():
         if not isinstance(module, (nn.Linear, Experts)):
             continue
         weights = _weights(path, module)
-        fits = spec.bits == 8 or all(w.shape[-2] % 16 == 0 for w in weights.values())
+        fits = spec.bits == 8 or all(w.shape[-2] % 16 == 0 and w.shape[-1] % spec.group_size == 0
+                                     for w in weights.values())
         if not (fits and predicate(path, module)):
             kept.append(path)
             continue
-        for p, w in weights.items():
-            if spec.bits == 4 and w.shape[-1] % spec.group_size:
-                raise QwenrtError(f"int4 group size {spec.group_size} does not divide the {w.shape[-1]} input "
-                                  f"features of {p}")
         units[path] = {p: (names[id(w)], tuple(w.shape)) for p, w in weights.items()}
+    if not tied_head(model, units):
+        kept.insert(0, "model.embed_tokens")
     return units, kept
 
 
-def shared_sources(model: nn.Module, units: dict) -> set[str]:
-    """Source weights of `units` that a module left unquantized uses too (the tied head's embedding): kept."""
-    unit_modules = {model.get_submodule(p) for p in units}
-    used = {id(p) for m in model.modules() if m not in unit_modules for p in m.parameters(recurse=False)}
-    params = dict(model.named_parameters())
-    return {src for weights in units.values() for src, _ in weights.values() if id(params[src]) in used}
+def tied_head(model: nn.Module, units: dict) -> bool:
+    """The LM head is quantized and tied to the embedding, whose lookup then reads the quantized table."""
+    return "lm_head" in units and model.config.text.tie_word_embeddings
 
 
 def install(model: nn.Module, path: str, weights: dict[str, QuantLinear]) -> None:
@@ -327,13 +346,21 @@ def install(model: nn.Module, path: str, weights: dict[str, QuantLinear]) -> Non
 
 
 def install_placeholders(model: nn.Module, spec: QuantSpec, not_converted: list[str]) -> dict[str, tuple[int, ...]]:
-    """Swap in meta placeholders for a checkpoint stored quantized; returns its stored names -> shapes."""
+    """Swap in meta placeholders for a checkpoint stored quantized; returns its stored names -> shapes.
+
+    A tied embedding is looked up in the quantized head unless the checkpoint keeps it (older files list it as
+    not converted)."""
     units, _ = plan_units(model, spec, lambda path, _: path not in not_converted)
     stored = {}
     for path, weights in units.items():
         install(model, path, {p: QuantLinear.placeholder(shape, spec) for p, (_, shape) in weights.items()})
         stored.update({f"{p}.{key}": shape for p, (_, w_shape) in weights.items()
                        for key, (shape, _) in storage_entries(w_shape, spec).items()})
+    if tied_head(model, units) and "model.embed_tokens" not in not_converted:
+        head = model.lm_head  # its meta buffers stand for the table until the loader builds the real lookup
+        model.model.embed_tokens = QuantEmbedding({"qweight": head.qweight, "scales": head.scales, "zeros": head.zeros}
+                                                  if spec.bits == 4 else {"qweight": head.qweight, "scales": head.scales},
+                                                  spec, model.dtype)
     return stored
 
 
@@ -345,10 +372,12 @@ def quantize_model(model: nn.Module, bits: int | str = 8, group_size: int | None
     if model.device.type != "cpu":
         raise QwenrtError(f"weight-only quantization runs on the CPU; the model is on {model.device}")
     units, kept = plan_units(model, spec, predicate)
-    params = dict(model.named_parameters())
+    params, dtype = dict(model.named_parameters()), model.dtype
+    stored = {p: quantize_weight(params[src], spec, p) for weights in units.values() for p, (src, _) in weights.items()}
     for path, weights in units.items():
-        install(model, path, {p: QuantLinear.from_stored(quantize_weight(params[src], spec, p), spec, model.dtype)
-                              for p, (src, _) in weights.items()})
+        install(model, path, {p: QuantLinear.from_stored(stored[p], spec, dtype) for p in weights})
+    if tied_head(model, units):
+        model.model.embed_tokens = QuantEmbedding(stored["lm_head"], spec, dtype)
     return kept
 
 
@@ -356,7 +385,8 @@ class LoadQuantizer:
     """The loader's side: builds QuantLinears while a checkpoint is read, from stored pieces or by quantizing.
 
     stored: the model holds placeholders (see `install_placeholders`) and the checkpoint their pieces;
-    otherwise each unit's full-precision source weight is quantized as it is read.
+    otherwise each unit's full-precision source weight is quantized as it is read. Every claimed tensor is
+    consumed here (a tied embedding included: its lookup reads the quantized head).
     """
 
     def __init__(self, model: nn.Module, spec: QuantSpec, stored: bool, dtype: torch.dtype):
@@ -365,34 +395,42 @@ class LoadQuantizer:
             paths = [path for path, m in model.named_modules() if isinstance(m, QuantLinear)]
             self.units = {path: {path: None} for path in paths}
             self.claimed = {f"{path}.{key}": path for path in paths for key in spec.pieces}
+            self.lookup = isinstance(model.model.embed_tokens, QuantEmbedding)
         else:
             self.units, _ = plan_units(model, spec)
             self.claimed = {}
             for weights in self.units.values():
                 for path, (src, _) in weights.items():
                     self.claimed.setdefault(src, []).append(path)
-            self.shared = shared_sources(model, self.units)
+            self.lookup = tied_head(model, self.units)
         self.pieces: dict[str, dict[str, torch.Tensor]] = {}
         self.ready: dict[str, QuantLinear] = {}
+        self.head: dict[str, torch.Tensor] | None = None  # the head's stored tensors, for a quantized lookup
 
     def claims(self, name: str) -> bool:
         return name in self.claimed
 
     @torch.no_grad()
-    def add(self, name: str, tensor: torch.Tensor) -> bool:
-        """Take a claimed tensor (read as stored). Returns True when the model's state needs it as well."""
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Take a claimed tensor (read as stored)."""
         if self.stored:
             path = self.claimed[name]
             pieces = self.pieces.setdefault(path, {})
             pieces[name[len(path) + 1:]] = tensor
             if len(pieces) == len(self.spec.pieces):
-                self.ready[path] = QuantLinear.from_stored(self.pieces.pop(path), self.spec, self.dtype)
-            return False
+                self._build(path, self.pieces.pop(path))
+            return
         for path in self.claimed[name]:
-            self.ready[path] = QuantLinear.from_stored(quantize_weight(tensor, self.spec, path), self.spec, self.dtype)
-        return name in self.shared
+            self._build(path, quantize_weight(tensor, self.spec, path))
+
+    def _build(self, path: str, stored: dict[str, torch.Tensor]) -> None:
+        self.ready[path] = QuantLinear.from_stored(stored, self.spec, self.dtype)
+        if path == "lm_head" and self.lookup:
+            self.head = stored
 
     def finish(self, model: nn.Module) -> None:
         """Swap every built QuantLinear in (all pieces have been read: the loader's accounting made sure)."""
         for path, weights in self.units.items():
             install(model, path, {p: self.ready.pop(p) for p in weights})
+        if self.lookup:
+            model.model.embed_tokens = QuantEmbedding(self.head, self.spec, self.dtype)

@@ -4,21 +4,18 @@ sandbox exactly as transformers renders it, and an incremental detokenizer for s
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Iterable, Mapping
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
 import numpy as np
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _BackendTokenizer
 
 from qwenrt.errors import QwenrtError
+from qwenrt.files import TOKENIZER_LIMIT, CheckpointDir, read_text
+from qwenrt.template import SOURCE_LIMIT, TemplateEnvironment, TemplateLimits, compile_template, render_template
+from qwenrt.validation import check_messages, check_text, check_token_ids, check_tools
 
 # generation_config.json keys exposed as `Tokenizer.generation_defaults`.
 SAMPLING_KEYS = (
@@ -39,6 +36,7 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+TEMPLATE_FILE = "chat_template.jinja"
 _ADDED_TOKEN_FLAGS = ("normalized", "lstrip", "rstrip", "single_word")
 
 # Names a message's reasoning may arrive under; transformers copies it to `reasoning_content` and `thinking`.
@@ -53,20 +51,21 @@ class Tokenizer:
     ChatML fallback).
     """
 
-    def __init__(self, path: str | Path):
-        path = Path(path)
-        tok_file = path / "tokenizer.json"
-        if not tok_file.is_file():
+    def __init__(self, path: str | Path, template_limits: TemplateLimits = TemplateLimits()):
+        files = CheckpointDir(path)
+        path = files.path
+        if not files.exists("tokenizer.json"):
             raise QwenrtError(f"no tokenizer.json in {path}")
+        tok_file = files.file("tokenizer.json")
         try:
-            self._tok = _BackendTokenizer.from_file(str(tok_file))
+            self._tok = _BackendTokenizer.from_str(read_text(tok_file, TOKENIZER_LIMIT, "tokenizer.json"))
         except Exception as e:  # tokenizers raises a bare Exception for every parse failure
             raise QwenrtError(f"cannot load {tok_file}: {_one_line(e)}") from None
 
-        cfg_file = path / "tokenizer_config.json"
-        config = _read_json(cfg_file) if cfg_file.is_file() else {}
-        gen_file = path / "generation_config.json"
-        gen = _read_json(gen_file) if gen_file.is_file() else {}
+        cfg_file, gen_file, template_file = (path / n for n in ("tokenizer_config.json", "generation_config.json",
+                                                                 TEMPLATE_FILE))
+        config = files.optional_json(cfg_file.name) or {}
+        gen = files.optional_json(gen_file.name) or {}
 
         self._add_declared_tokens(config.get("added_tokens_decoder", {}), cfg_file)
         self._special_tokens = {
@@ -79,15 +78,15 @@ class Tokenizer:
             gen.get("pad_token_id"), gen_file, "pad_token_id")
         self.generation_defaults = {key: gen[key] for key in SAMPLING_KEYS if key in gen}
 
-        self._env = _sandbox()
-        template_file = path / "chat_template.jinja"
-        if template_file.is_file():
-            source, where = _read_text(template_file), template_file
+        self.template_limits = template_limits
+        env = TemplateEnvironment()
+        if files.exists(TEMPLATE_FILE):
+            source, where = read_text(files.file(TEMPLATE_FILE), 4 * SOURCE_LIMIT, TEMPLATE_FILE), template_file
         else:
             source, where = config.get("chat_template"), cfg_file
         self.chat_template = source
         named = {"default": CHATML_TEMPLATE} if source is None else _named_templates(source, where)
-        self._templates = {name: self._compile(text, where) for name, text in named.items()}
+        self._templates = {name: compile_template(env, text, where) for name, text in named.items()}
 
     # ---- vocabulary ----
 
@@ -106,11 +105,12 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; special-token strings inside it become their ids, as in transformers."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._tok.encode(check_text(text, "text to encode"), add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        """Text of `ids`; invalid UTF-8 becomes U+FFFD."""
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """Text of `ids`; invalid UTF-8 becomes U+FFFD, ids the vocabulary lacks decode to nothing."""
+        return self._tok.decode(check_token_ids(list(ids), what="token ids to decode"),
+                                skip_special_tokens=skip_special_tokens)
 
     # ---- chat template ----
 
@@ -125,15 +125,9 @@ class Tokenizer:
         """Render `messages` to the prompt string, identical to transformers'
         `apply_chat_template(..., tokenize=False)`. `enable_thinking=None` leaves the template's default; `tools` are
         OpenAI-style dicts passed through as given; `extra` become template variables."""
-        if not messages:
-            raise QwenrtError("apply_chat_template needs at least one message")
-        for message in messages:
-            if not isinstance(message, Mapping):
-                raise QwenrtError(f"chat messages must be dicts, got {message!r}")
+        check_messages(messages)
+        check_tools(tools)
         if tools is not None:
-            for tool in tools:
-                if not isinstance(tool, Mapping):
-                    raise QwenrtError(f"tools must be JSON-schema dicts, got {tool!r}")
             tools = _plain(list(tools))
         # Like transformers: drop None-valued keys (OpenAI's content=None), copy into plain data, alias reasoning.
         chat = _alias_reasoning(_plain([{k: v for k, v in m.items() if v is not None} for m in messages]))
@@ -144,21 +138,11 @@ class Tokenizer:
         template = self._templates.get(name)
         if template is None:
             raise QwenrtError(f"no default chat template among {sorted(self._templates)}")
-        try:
-            return template.render(
-                messages=chat, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
-                **_plain(variables),
-            )
-        except (jinja2.TemplateError, TypeError, ValueError) as e:
-            raise QwenrtError(f"chat template: {_one_line(e)}") from None
+        return render_template(template, self.template_limits, dict(
+            messages=chat, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
+            **_plain(variables)))
 
     # ---- loading helpers ----
-
-    def _compile(self, source: str, where: Path) -> jinja2.Template:
-        try:
-            return self._env.from_string(source)
-        except jinja2.TemplateSyntaxError as e:
-            raise QwenrtError(f"{where}: chat template syntax error on line {e.lineno}: {e.message}") from None
 
     def _id_of(self, content: str, where: Path, key: str) -> int:
         token_id = self._tok.token_to_id(content)
@@ -191,12 +175,11 @@ class Tokenizer:
         return list(dict.fromkeys(ids))
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer | None:
+def load_tokenizer(path: str | Path, template_limits: TemplateLimits = TemplateLimits()) -> Tokenizer | None:
     """The tokenizer of checkpoint directory `path`, or None when it has no tokenizer.json."""
-    path = Path(path)
-    if not path.is_dir():
+    if not Path(path).is_dir():
         raise QwenrtError(f"checkpoint directory not found: {path}")
-    return Tokenizer(path) if (path / "tokenizer.json").is_file() else None
+    return Tokenizer(path, template_limits) if CheckpointDir(path).exists("tokenizer.json") else None
 
 
 class IncrementalDetokenizer:
@@ -234,80 +217,6 @@ class IncrementalDetokenizer:
         self._prefix_len = len(self._ids)
         self._prefix_text = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip)
         return delta
-
-
-# ---- jinja2 sandbox matching transformers' chat-template environment ----
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; it renders its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Any) -> str:
-        return caller()
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """`namespace()` that refuses underscore attributes, which could reach interpreter internals."""
-
-    def __init__(*args: Any, **kwargs: Any):
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"chat templates cannot set namespace attribute {name!r}")
-
-
-class _TemplateDict:
-    """`dict()` for templates, without exposing the dict type itself."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
-        return dict.fromkeys(*args, **kwargs)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    # Not jinja's tojson: that one HTML-escapes `<`, `>`, `&` and `'`.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _sandbox() -> ImmutableSandboxedEnvironment:
-    # Templates come with downloaded checkpoints: untrusted, so sandboxed and immutable.
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _TemplateNamespace
-    return env
 
 
 def _plain(value: Any) -> Any:
@@ -350,23 +259,6 @@ def _alias_reasoning(chat: list[dict]) -> list[dict]:
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise QwenrtError(f"cannot read {path}: {_one_line(e)}") from None
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(_read_text(path))
-    except json.JSONDecodeError as e:
-        raise QwenrtError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise QwenrtError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
 
 
 def _token_content(value: Any, where: Path, key: str) -> str | None:

@@ -82,10 +82,18 @@ def test_corrupt_header(ckpt):
 
 def test_missing_shard(ckpt):
     names = list(load_file(ckpt / "model.safetensors"))
-    index = {"weight_map": {n: ("model-00001-of-00002.safetensors" if i % 2 else "model.safetensors")
-                            for i, n in enumerate(names)}}
+    (ckpt / "model.safetensors").rename(ckpt / "model-00002-of-00002.safetensors")
+    index = {"weight_map": {n: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, n in enumerate(names)}}
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
     expect_error(ckpt, "shard file(s) missing", "model-00001-of-00002.safetensors")
+
+
+def test_single_file_wins_over_an_index(ckpt):
+    """As transformers: model.safetensors beside an index is what loads (the index may be stale)."""
+    index = {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    model, _ = qwenrt.load(ckpt)
+    assert model.model.norm.weight.shape == (64,)
 
 
 def test_no_weights_and_no_config(tmp_path, ckpt):
@@ -105,7 +113,7 @@ def test_no_weights_and_no_config(tmp_path, ckpt):
     ({"layer_types": ["linear_attention"] * 3}, ["layer_types has 3 entries but num_hidden_layers is 8"]),
     ({"model_type": "llama"}, ["unsupported", "'llama'"]),
     ({"hidden_size": None}, ["missing required field 'hidden_size'"]),
-    ({"num_hidden_layers": 0}, ["'num_hidden_layers' must be a positive integer"]),
+    ({"num_hidden_layers": 0}, ["'num_hidden_layers' must be an integer in [1, 1024]"]),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e7}}, ["rope_type 'yarn' is not supported"]),
 ])
 def test_config_contracts(ckpt, changes, fragments):
@@ -115,7 +123,7 @@ def test_config_contracts(ckpt, changes, fragments):
 
 def test_config_not_json(ckpt):
     (ckpt / "config.json").write_text("{ not json")
-    expect_error(ckpt, "config.json: not valid JSON")
+    expect_error(ckpt, "config.json is not valid JSON")
 
 
 def test_layer_types_derived_from_interval(ckpt):

@@ -97,6 +97,8 @@ def test_context_limit_and_bad_prompts(chat_model):
         qwenrt.generate(model, tok, "")
     with pytest.raises(QwenrtError, match="outside the vocabulary"):
         qwenrt.generate(model, tok, [1, 2, 10**9])
+    with pytest.raises(QwenrtError, match="outside the vocabulary"):  # checked before anything decodes them
+        qwenrt.generate(model, tok, [-5, 3])
     with pytest.raises(QwenrtError, match="top_p"):
         qwenrt.generate(model, tok, "hi", top_p=2.0)
     with pytest.raises(QwenrtError, match="unknown generation option"):

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import qwenrt
+import qwenrt.decode_plan
 import qwenrt.deltanet
 import qwenrt.model
 import qwenrt.ops.linear
@@ -27,7 +28,7 @@ SHAPES = [(13, 100), (1027, 1024), (40, 1088), (512, 3584)]  # odd rows, tails o
 
 def torch_paths_only(monkeypatch):
     """Make every caller see no native kernels, as on a CPU without them."""
-    for module in (qwenrt.model, qwenrt.deltanet, qwenrt.ops.linear, qwenrt.quant):
+    for module in (qwenrt.model, qwenrt.deltanet, qwenrt.ops.linear, qwenrt.quant, qwenrt.decode_plan):
         monkeypatch.setattr(module, "cpu_kernels", lambda: None)
 
 
@@ -161,34 +162,28 @@ def test_native_decode_matches_torch_paths(kind, dtype, quantize, bound, request
     assert err < bound, err
 
 
-def without_plan(monkeypatch):
-    monkeypatch.setattr(DecodePlan, "for_model", classmethod(lambda cls, model, kernels: None))
-
-
 @needs_kernels
 @pytest.mark.parametrize("kind, quantize", [("dense_ckpt", None), ("moe_ckpt", None), ("dense_ckpt", "int8")])
-def test_decode_plan_equals_the_modules_native_path(kind, quantize, request, monkeypatch):
+def test_decode_plan_equals_the_modules_native_path(kind, quantize, request):
     """The bound plan runs the same kernels on the same inputs as the modules: identical logits."""
     ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(4))
     model, _ = qwenrt.load(request.getfixturevalue(kind)[0], dtype="bfloat16", quantize=quantize)
     planned = teacher_forced_logits(model, ids, 16)
-    assert model.decode_plan() is not None
-    without_plan(monkeypatch)
-    assert torch.equal(planned, teacher_forced_logits(model, ids, 16))
+    assert DecodePlan.for_model(model) is not None
+    assert torch.equal(planned, teacher_forced_logits(model, ids, 16, modules=True))
 
 
 @needs_kernels
-def test_decode_plan_follows_module_swaps(dense_ckpt, monkeypatch):
+def test_decode_plan_follows_module_swaps(dense_ckpt):
     """A plan built before the model's modules are swapped (here: quantized in place) is rebuilt."""
     ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(4))
     model, _ = qwenrt.load(dense_ckpt[0], dtype="bfloat16")
     full = teacher_forced_logits(model, ids, 16)
-    plan = model.decode_plan()
+    plan = DecodePlan.for_model(model)
     qwenrt.quant.quantize_model(model, 8)
-    assert model.decode_plan() is not plan
+    assert DecodePlan.for_model(model) is not plan
     quantized = teacher_forced_logits(model, ids, 16)
-    without_plan(monkeypatch)
-    assert torch.equal(quantized, teacher_forced_logits(model, ids, 16))
+    assert torch.equal(quantized, teacher_forced_logits(model, ids, 16, modules=True))
     assert not torch.equal(full, quantized)
 
 

@@ -93,8 +93,8 @@ def test_bf16_decode_state_stays_fp32(dense_ckpt):
     cache = model.new_cache(1)
     model(torch.tensor([[1, 2, 3]]), cache=cache)
     layer = model.config.text.linear_attention_layers[0]
-    assert cache.recurrent[layer].dtype == torch.float32
-    assert cache.keys[model.config.text.full_attention_layers[0]].dtype == torch.bfloat16
+    assert cache.sequences[0].recurrent[layer].dtype == torch.float32
+    assert cache.sequences[0].keys[model.config.text.full_attention_layers[0]].dtype == torch.bfloat16
 
 
 def test_published_layout_keeps_mtp_and_vision_aside(published_ckpt):

@@ -7,7 +7,7 @@ from PIL import Image
 
 import qwenrt
 from qwenrt import QwenrtError
-from qwenrt.generate import prepare_prompt
+from qwenrt.prompt import prepare_prompt
 from qwenrt.multimodal import vision_embeddings
 from tests.numerics import rel_err
 

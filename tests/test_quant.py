@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 import torch.nn.functional as F
 from torch import nn
 
@@ -12,8 +13,8 @@ import qwenrt
 from qwenrt.cli import main
 from qwenrt.convert import quantize_checkpoint
 from qwenrt.errors import QwenrtError
-from qwenrt.quant import (QuantExperts, QuantLinear, QuantSpec, default_predicate, dequantize_weight, quantize_model,
-                          quantize_weight)
+from qwenrt.quant import (QuantEmbedding, QuantExperts, QuantLinear, QuantSpec, default_predicate, dequantize_weight,
+                          quantize_model, quantize_weight)
 from tests.checkpoints import VOCAB
 from tests.numerics import rel_err, teacher_forced_logits
 
@@ -64,11 +65,12 @@ def no_shared_expert(path, module):
 
 
 # Measured on these fixed random checkpoints (fp32 compute, 4 x 48 tokens): top-1 / KL(full || quantized)
-#   dense: bf16 alone 1.00 / 2.3e-8; int8 1.00 / 6.8e-8; int4 g32 1.00 / 7.5e-7
+#   dense: bf16 alone 1.00 / 2.3e-8; int8 1.00 / 2.5e-8; int4 g32 1.00 / 5.7e-5 (its tied embedding is looked up in
+#   the quantized head: 7.5e-7 when it was kept in full precision)
 #   MoE:   bf16 alone 0.98 / 1.0e-5; int8 0.99 / 9.5e-6; int4 g32 0.86 / 1.6e-3
 # The bounds leave ~10x on KL and a few points of top-1: a wrong layout, scale or zero point breaks them by orders
 # of magnitude, a small change in rounding does not.
-BOUNDS = {("dense_ckpt", 8): (0.95, 1e-6), ("dense_ckpt", 4): (0.95, 1e-5),
+BOUNDS = {("dense_ckpt", 8): (0.95, 1e-6), ("dense_ckpt", 4): (0.95, 5e-4),
           ("moe_ckpt", 8): (0.95, 1e-4), ("moe_ckpt", 4): (0.75, 2e-2)}
 
 
@@ -86,8 +88,9 @@ def test_quantized_logits_close_to_full_precision(kind, spec, request):
 
 # The decode path (bf16 activations through the native GEMVs; int8 puts them in 16-bit fixed point), scored like
 # the test above against fp32 logits over positions 8-47. Measured (top-1 / KL): dense bf16 alone 1.00 / 2.7e-8,
-# int8 1.00 / 3.4e-8, int4 g32 1.00 / 9.2e-7; MoE bf16 alone 0.98 / 1.1e-5, int8 0.96 / 2.0e-5. Bounds: ~10x KL.
-DECODE_BOUNDS = {("dense_ckpt", None): (0.95, 3e-7), ("dense_ckpt", 8): (0.95, 3e-7), ("dense_ckpt", 4): (0.95, 1e-5),
+# int8 1.00 / 3.4e-8, int4 g32 1.00 / 7.1e-5 (quantized lookup); MoE bf16 alone 0.98 / 1.1e-5, int8 0.96 / 2.0e-5.
+# Bounds: ~10x KL.
+DECODE_BOUNDS = {("dense_ckpt", None): (0.95, 3e-7), ("dense_ckpt", 8): (0.95, 3e-7), ("dense_ckpt", 4): (0.95, 7e-4),
                  ("moe_ckpt", None): (0.9, 2e-4), ("moe_ckpt", 8): (0.9, 2e-4)}
 
 
@@ -112,10 +115,13 @@ def test_saved_checkpoint_reloads_to_identical_logits(kind, spec, request, tmp_p
     dst = quantize_checkpoint(path, tmp_path / "q", spec.bits, spec.group_size)
     config = json.loads((dst / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "qwenrt" and config["bits"] == spec.bits
-    assert "model.embed_tokens" in config["modules_not_converted"]
+    tied = kind == "dense_ckpt"  # a tied embedding is looked up in the quantized head, not stored again
+    assert ("model.embed_tokens" in config["modules_not_converted"]) != tied
+    assert ("model.embed_tokens.weight" in safe_open(next(dst.glob("*.safetensors")), "pt").keys()) != tied
     stored, _ = qwenrt.load(dst)
     in_memory, _ = qwenrt.load(path, quantize=spec)
     assert isinstance(stored.lm_head, QuantLinear)
+    assert isinstance(stored.model.embed_tokens, QuantEmbedding) == tied
     layers = [m for m in stored.modules() if isinstance(m, QuantLinear)]
     assert all(m.qweight.data_ptr() % 64 == 0 for m in layers)  # aligned in the file: used in place by the kernels
     assert stored.extra_tensors == in_memory.extra_tensors
@@ -134,17 +140,27 @@ def test_precision_critical_parts_stay_untouched(moe_ckpt, dense_ckpt):
         assert quant.model.layers[0].linear_attn.A_log.dtype == torch.float32
         linears = [n for n, m in quant.named_modules() if isinstance(m, nn.Linear)]
         assert all(n.endswith(("mlp.gate", "shared_expert_gate")) for n in linears), linears
-        assert isinstance(quant.lm_head, QuantLinear)  # the tied head gets its own copy; the lookup stays exact
+        assert isinstance(quant.lm_head, QuantLinear)
+    dense, _ = qwenrt.load(dense_ckpt[0], quantize="int8")
+    assert isinstance(dense.model.embed_tokens, QuantEmbedding)  # tied: rows dequantized from the quantized head
+    ids = torch.tensor([[0, 5, 511]])
+    assert torch.equal(dense.model.embed_tokens(ids), dequantize_weight(
+        {k: v[ids] for k, v in dense.model.embed_tokens.stored.items()}, QuantSpec(8)))
+    assert dense.model.embed_tokens.stored["qweight"] is dense.lm_head.qweight  # one table, not two
     moe, _ = qwenrt.load(moe_ckpt[0], quantize="int8")
     assert isinstance(moe.model.layers[0].mlp.experts, QuantExperts)
     assert moe.model.layers[0].mlp.experts.gate_up_proj.qweight.shape == (8, 64, 64)  # quantized per expert row
 
 
-def test_int4_keeps_unpackable_weights_precise(dense_ckpt, tmp_path):
-    """torch's int4 layout needs N % 16 == 0: the tiny model's 4-row in_proj_b/a stay in full precision."""
-    dst = quantize_checkpoint(dense_ckpt[0], tmp_path / "q", 4, 32)
+def test_int4_keeps_unpackable_weights_precise(dense_ckpt, tmp_path, capsys):
+    """torch's int4 layout needs N % 16 == 0 and the group size must divide K: the tiny model's 4-row in_proj_b/a,
+    and with groups of 64 its 96-wide down_proj, stay in full precision (said by `inspect`)."""
+    dst = quantize_checkpoint(dense_ckpt[0], tmp_path / "q", 4, 64)
     kept = json.loads((dst / "config.json").read_text())["quantization_config"]["modules_not_converted"]
-    assert "model.layers.0.linear_attn.in_proj_b" in kept
+    assert "model.layers.0.linear_attn.in_proj_b" in kept and "model.layers.0.mlp.down_proj" in kept
+    assert "model.layers.0.mlp.up_proj" not in kept
+    assert main(["inspect", str(dst)]) == 0
+    assert f"int4 g64, {len(kept)} modules kept in full precision" in capsys.readouterr().out
     model, _ = qwenrt.load(dst)
     assert isinstance(model.model.layers[0].linear_attn.in_proj_b, nn.Linear)
     assert isinstance(model.model.layers[0].linear_attn.in_proj_qkv, QuantLinear)
@@ -156,8 +172,6 @@ def test_bad_arguments_are_clear_errors(dense_ckpt, tmp_path, capsys):
         quantize_checkpoint(path, tmp_path / "a", 3)
     with pytest.raises(QwenrtError, match="group size must be one of 32, 64, 128, got 48"):
         QuantSpec(4, 48)
-    with pytest.raises(QwenrtError, match="group size 64 does not divide the 96 input features"):
-        quantize_checkpoint(path, tmp_path / "b", 4, 64)
     with pytest.raises(QwenrtError, match="unknown quantization 'int3'"):
         qwenrt.load(path, quantize="int3")
     assert not list(tmp_path.iterdir())  # nothing written half-way

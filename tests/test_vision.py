@@ -118,7 +118,7 @@ def test_bad_images_raise(tmp_path, pre_cfg):
         with pytest.raises(QwenrtError) as err:
             preprocess_images([case], pre_cfg)
         assert "\n" not in str(err.value)
-    with pytest.raises(QwenrtError, match="network"):
+    with pytest.raises(QwenrtError, match="cannot connect to 127.0.0.1"):
         load_image("http://127.0.0.1:9/none.png")
 
 

@@ -1,7 +1,7 @@
 """Vision input for Qwen3.5: preprocessing, placeholder expansion, the ViT tower and 3-D M-RoPE positions."""
 
 from qwenrt.vision.config import PreprocessConfig, VisionConfig, load_preprocess_configs
-from qwenrt.vision.media import load_image
+from qwenrt.vision.media import DEFAULT_POLICY, MediaPolicy, load_image
 from qwenrt.vision.placeholders import expand_prompt, expand_token_ids
 from qwenrt.vision.positions import decode_position_ids, rope_index
 from qwenrt.vision.preprocess import (
@@ -15,7 +15,9 @@ from qwenrt.vision.preprocess import (
 from qwenrt.vision.tower import VisionTower
 
 __all__ = [
+    "DEFAULT_POLICY",
     "ImageBatch",
+    "MediaPolicy",
     "PreprocessConfig",
     "VideoBatch",
     "VisionConfig",

@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from qwenrt.errors import QwenrtError
+from qwenrt.fields import Fields
+from qwenrt.files import CheckpointDir
 
 IMAGE_CONFIG_FILE = "preprocessor_config.json"
 VIDEO_CONFIG_FILE = "video_preprocessor_config.json"
+MAX_PIXELS = 1 << 28  # a resize target beyond this is no real preprocessor's
+MAX_FRAMES = 1 << 16
 PIL_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise QwenrtError(f"vision config {name} must be a positive integer, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -53,17 +50,20 @@ class VisionConfig:
     @classmethod
     def from_dict(cls, d: dict) -> VisionConfig:
         """Parse a checkpoint's `vision_config`; refuse what this tower does not implement."""
-        deepstack = d.get("deepstack_visual_indexes") or []
+        f = Fields(d, "vision_config")
+        deepstack = f.list("deepstack_visual_indexes", [])
         if deepstack:
-            raise QwenrtError(f"vision config deepstack_visual_indexes {list(deepstack)} is not supported (Qwen3.5 has none)")
-        rope = d.get("rope_parameters") or {}
-        if rope.get("rope_type", "axial") != "axial":
-            raise QwenrtError(f"vision config rope_type {rope.get('rope_type')!r} is not supported (expected 'axial')")
+            raise QwenrtError(f"vision config deepstack_visual_indexes {deepstack} is not supported (Qwen3.5 has none)")
+        rope = f.obj("rope_parameters", {})
+        if rope.d.get("rope_type", "axial") != "axial":
+            raise QwenrtError(f"vision config rope_type {rope.d.get('rope_type')!r} is not supported (expected 'axial')")
+        limits = {"depth": 1024, "in_channels": 16, "patch_size": 1024, "spatial_merge_size": 64,
+                  "temporal_patch_size": 64, "num_position_embeddings": 1 << 24}
         ints = ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size",
                 "spatial_merge_size", "temporal_patch_size", "out_hidden_size", "num_position_embeddings")
-        values = {k: _positive_int(k, d[k]) for k in ints if k in d}
-        cfg = cls(**values, hidden_act=d.get("hidden_act", cls.hidden_act),
-                  rope_theta=float(rope.get("rope_theta", cls.rope_theta)))
+        values = {k: f.int(k, getattr(cls, k), hi=limits.get(k, 1 << 16)) for k in ints}
+        cfg = cls(**values, hidden_act=f.str("hidden_act", cls.hidden_act),
+                  rope_theta=rope.float("rope_theta", cls.rope_theta, lo=0.0, open_low=True))
         cfg._validate()
         return cfg
 
@@ -110,30 +110,36 @@ class PreprocessConfig:
         return cls(min_pixels=4096, max_pixels=25165824)
 
     @classmethod
-    def from_dict(cls, d: dict, *, video: bool = False) -> PreprocessConfig:
+    def from_dict(cls, d: dict, *, video: bool = False, where: str = "preprocessor") -> PreprocessConfig:
         """Parse a preprocessor JSON dict; `min_pixels`/`max_pixels` keys override `size` as in transformers."""
         base = cls.video_defaults() if video else cls()
+        f = Fields(d, where)
         for flag in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
             if d.get(flag, True) is not True:
-                raise QwenrtError(f"preprocessor {flag}={d[flag]!r} is not supported (only true)")
-        size = d.get("size") or {}
-        min_pixels = d.get("min_pixels", size.get("shortest_edge", base.min_pixels))
-        max_pixels = d.get("max_pixels", size.get("longest_edge", base.max_pixels))
+                raise QwenrtError(f"{where}: {flag}={d[flag]!r} is not supported (only true)")
+        size = f.obj("size", {})
+
+        def pixels(key: str, edge: str, default: int) -> int:
+            return f.int(key, size.int(edge, default, hi=MAX_PIXELS), hi=MAX_PIXELS)
+
+        def floats(key: str, default: tuple) -> tuple[float, ...]:
+            return tuple(Fields({key: x}, where).float(key) for x in f.list(key, list(default), max_len=4))
+
         cfg = cls(
-            patch_size=d.get("patch_size", base.patch_size),
-            temporal_patch_size=d.get("temporal_patch_size", base.temporal_patch_size),
-            merge_size=d.get("merge_size", base.merge_size),
-            min_pixels=min_pixels,
-            max_pixels=max_pixels,
-            image_mean=tuple(float(x) for x in d.get("image_mean", base.image_mean)),
-            image_std=tuple(float(x) for x in d.get("image_std", base.image_std)),
-            rescale_factor=float(d.get("rescale_factor", base.rescale_factor)),
-            resample=d.get("resample", base.resample),
-            fps=float(d.get("fps", base.fps)),
-            min_frames=d.get("min_frames", base.min_frames),
-            max_frames=d.get("max_frames", base.max_frames),
+            patch_size=f.int("patch_size", base.patch_size, hi=1024),
+            temporal_patch_size=f.int("temporal_patch_size", base.temporal_patch_size, hi=64),
+            merge_size=f.int("merge_size", base.merge_size, hi=64),
+            min_pixels=pixels("min_pixels", "shortest_edge", base.min_pixels),
+            max_pixels=pixels("max_pixels", "longest_edge", base.max_pixels),
+            image_mean=floats("image_mean", base.image_mean),
+            image_std=floats("image_std", base.image_std),
+            rescale_factor=f.float("rescale_factor", base.rescale_factor),
+            resample=f.int("resample", base.resample, lo=0, hi=5),
+            fps=f.float("fps", base.fps, lo=0.0, hi=1000.0, open_low=True),
+            min_frames=f.int("min_frames", base.min_frames, hi=MAX_FRAMES),
+            max_frames=f.int("max_frames", base.max_frames, hi=MAX_FRAMES),
             cap_pixels_per_frame=bool(d.get("cap_pixels_per_frame") or False),
-            max_video_tokens=d.get("max_video_tokens", base.max_video_tokens),
+            max_video_tokens=f.int("max_video_tokens", base.max_video_tokens, hi=1 << 24),
         )
         cfg._validate()
         return cfg
@@ -156,19 +162,10 @@ class PreprocessConfig:
             raise QwenrtError(f"preprocessor fps must be positive, got {self.fps}")
 
 
-def _read_json(path: Path) -> dict | None:
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise QwenrtError(f"cannot read {path}: {e}") from None
-
-
 def load_preprocess_configs(model_dir: str | Path) -> tuple[PreprocessConfig, PreprocessConfig]:
     """(image, video) preprocessing configs from a checkpoint directory; published defaults for absent files."""
-    model_dir = Path(model_dir)
-    image = _read_json(model_dir / IMAGE_CONFIG_FILE)
-    video = _read_json(model_dir / VIDEO_CONFIG_FILE)
-    return (PreprocessConfig.from_dict(image) if image is not None else PreprocessConfig(),
-            PreprocessConfig.from_dict(video, video=True) if video is not None else PreprocessConfig.video_defaults())
+    where = CheckpointDir(model_dir)
+    image, video = where.optional_json(IMAGE_CONFIG_FILE), where.optional_json(VIDEO_CONFIG_FILE)
+    return (PreprocessConfig.from_dict(image, where=IMAGE_CONFIG_FILE) if image is not None else PreprocessConfig(),
+            PreprocessConfig.from_dict(video, video=True, where=VIDEO_CONFIG_FILE) if video is not None
+            else PreprocessConfig.video_defaults())

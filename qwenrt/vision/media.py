@@ -1,7 +1,8 @@
 """Turning user media into RGB pixels: image sources (PIL, path, data URI, URL, bytes, array) and video files.
 
 Decoded sources follow transformers' `load_image` (EXIF transpose, then `convert("RGB")`); in-memory PIL images
-and arrays follow its `convert_to_rgb` (alpha composited onto white). Errors are one-line `QwenrtError`s.
+and arrays follow its `convert_to_rgb` (alpha composited onto white). Paths, URLs, data URIs and encoded bytes are
+read under a `MediaPolicy` (what sources are allowed, time and size limits). Errors are one-line `QwenrtError`s.
 """
 
 from __future__ import annotations
@@ -10,15 +11,53 @@ import base64
 import binascii
 import io
 import os
-import urllib.error
-import urllib.request
+import stat
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from qwenrt.errors import QwenrtError
+from qwenrt.files import open_regular, read_bytes
+from qwenrt.vision.fetch import check_url, fetch
 
-URL_TIMEOUT_S = 30.0
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class MediaPolicy:
+    """Where images and videos may come from, and how much of them is read.
+
+    The Python API and the CLI use DEFAULT_POLICY (the user's own machine: local files and any address allowed);
+    a server passes a strict one, e.g. `MediaPolicy.strict()`. Every limit is refused with one QwenrtError.
+    """
+
+    allow_files: bool = True  # local paths
+    file_root: str | os.PathLike | None = None  # when set, local files only under this directory (links resolved)
+    allow_urls: bool = True  # http(s) downloads
+    allow_private_addresses: bool = True  # False: refuse hosts resolving to loopback/private/link-local/... (SSRF)
+    allowed_domains: tuple[str, ...] | None = None  # when set, URL hosts must be one of these or their subdomains
+    allow_data_uris: bool = True
+    download_seconds: float = 30.0  # the whole download, redirects included (not per read)
+    max_redirects: int = 5
+    max_bytes: int = 64 * MIB  # an image's encoded size: file, download or data URI
+    max_video_bytes: int = 4096 * MIB  # a video file's size
+    max_pixels: int = 50_000_000  # one decoded image or video frame (checked before decoding)
+    max_frames: int = 100_000  # video frames read from a file (decoded or counted)
+    max_video_pixels: int = 1 << 30  # all the sampled frames of one video together, before resizing
+
+    @classmethod
+    def strict(cls, file_root: str | os.PathLike | None = None, allowed_domains: tuple[str, ...] | None = None,
+               **limits) -> MediaPolicy:
+        """For requests from others: no local files (unless under `file_root`), no private or loopback addresses,
+        URLs only from `allowed_domains` when given."""
+        return cls(allow_files=file_root is not None, file_root=file_root, allow_private_addresses=False,
+                   allowed_domains=None if allowed_domains is None else tuple(d.lower() for d in allowed_domains),
+                   **limits)
+
+
+DEFAULT_POLICY = MediaPolicy()
 
 
 def _pil():
@@ -35,42 +74,83 @@ def _describe(source) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _fetch_url(url: str) -> bytes:
+def _local_path(text: str, policy: MediaPolicy, what: str) -> Path:
+    """A local media path the policy allows (inside its root, links resolved); it need not exist."""
+    if not policy.allow_files:
+        raise QwenrtError(f"{what} {_describe(text)}: local files are not allowed here")
+    path = Path(text).expanduser()
+    if policy.file_root is not None:
+        root = Path(policy.file_root).resolve()
+        try:
+            resolved = path.resolve()
+        except (OSError, RuntimeError) as e:
+            raise QwenrtError(f"{what} {_describe(text)}: cannot resolve the path ({e})") from None
+        if resolved != root and root not in resolved.parents:
+            raise QwenrtError(f"{what} {_describe(text)}: only files under {root} are allowed")
+    return path
+
+
+def _data_uri(text: str, policy: MediaPolicy) -> bytes:
+    if not policy.allow_data_uris:
+        raise QwenrtError("image data URIs are not allowed here")
+    header, _, payload = text.partition(",")
+    if not header.endswith(";base64") or not payload:
+        raise QwenrtError(f"image data URI {_describe(text)} is not a base64 data URI")
+    if len(payload) > policy.max_bytes * 4 // 3 + 4:
+        raise QwenrtError(f"image data URI holds more than the limit of {policy.max_bytes} bytes")
     try:
-        with urllib.request.urlopen(url, timeout=URL_TIMEOUT_S) as response:
-            return response.read()
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        raise QwenrtError(f"could not download image {_describe(url)}: network error ({e})") from None
+        return base64.b64decode(payload)  # lenient like transformers: stray characters are skipped
+    except (binascii.Error, ValueError) as e:
+        raise QwenrtError(f"image data URI {_describe(text)} is not valid base64: {e}") from None
 
 
-def _source_bytes(source: str | os.PathLike) -> bytes:
+def preflight_media(source, policy: MediaPolicy = DEFAULT_POLICY, what: str = "media") -> None:
+    """Refuse what can be refused without reading or downloading: a disallowed kind of source, a local file that
+    is missing or not a regular file (e.g. before a model loads)."""
+    if not isinstance(source, (str, os.PathLike)):
+        return
+    text = os.fspath(source)
+    if text.startswith(("http://", "https://")):
+        check_url(text, policy, f"{what} {_describe(text)}")
+    elif text.startswith("data:"):
+        if not policy.allow_data_uris:
+            raise QwenrtError("image data URIs are not allowed here")
+    else:
+        path = _local_path(text, policy, what)
+        try:
+            mode = path.stat().st_mode
+        except FileNotFoundError:
+            raise QwenrtError(f"{what} file not found: {_describe(text)}") from None
+        except OSError as e:
+            raise QwenrtError(f"cannot read {what} file {_describe(text)}: {e.strerror}") from None
+        if not stat.S_ISREG(mode):
+            raise QwenrtError(f"{what} {_describe(text)} is not a regular file")
+
+
+def _source_bytes(source: str | os.PathLike, policy: MediaPolicy) -> bytes:
     """The encoded bytes behind a path, a `data:` URI or an http(s) URL."""
     text = os.fspath(source)
     if text.startswith(("http://", "https://")):
-        return _fetch_url(text)
+        return fetch(text, policy, f"image {_describe(text)}")
     if text.startswith("data:"):
-        header, _, payload = text.partition(",")
-        if not header.endswith(";base64") or not payload:
-            raise QwenrtError(f"image data URI {_describe(text)} is not a base64 data URI")
-        try:
-            return base64.b64decode(payload)  # lenient like transformers: stray characters are skipped
-        except (binascii.Error, ValueError) as e:
-            raise QwenrtError(f"image data URI {_describe(text)} is not valid base64: {e}") from None
-    try:
-        return Path(text).read_bytes()
-    except FileNotFoundError:
-        raise QwenrtError(f"image file not found: {_describe(text)}") from None
-    except OSError as e:
-        raise QwenrtError(f"cannot read image file {_describe(text)}: {e.strerror}") from None
+        return _data_uri(text, policy)
+    return read_bytes(_local_path(text, policy, "image"), policy.max_bytes, "image file")
 
 
-def _decode(data: bytes, what: str):
+def _decode(data: bytes, what: str, policy: MediaPolicy):
     PIL = _pil()
     try:
-        image = PIL.Image.open(io.BytesIO(data))
+        with warnings.catch_warnings():  # the policy's pixel limit below is the one that applies
+            warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
+            image = PIL.Image.open(io.BytesIO(data))
+        if image.width * image.height > policy.max_pixels:  # known from the header, before any pixel is decoded
+            raise QwenrtError(f"image {what} is {image.width}x{image.height} pixels; the limit is "
+                              f"{policy.max_pixels} pixels")
         image.load()
-    except (PIL.UnidentifiedImageError, PIL.Image.DecompressionBombError, OSError, ValueError, SyntaxError) as e:
-        raise QwenrtError(f"cannot decode image {what}: {e}") from None
+    except PIL.UnidentifiedImageError:
+        raise QwenrtError(f"cannot decode image {what}: not an image format Pillow recognises") from None
+    except (PIL.Image.DecompressionBombError, OSError, ValueError, SyntaxError, EOFError) as e:
+        raise QwenrtError(f"cannot decode image {what}: {' '.join(str(e).split())}") from None
     return PIL.ImageOps.exif_transpose(image).convert("RGB")
 
 
@@ -98,17 +178,20 @@ def _array_rgb(array: np.ndarray) -> np.ndarray:
     return array
 
 
-def load_image(source):
-    """A PIL RGB image from a PIL image, a path, a `data:` URI, an http(s) URL, encoded bytes or a uint8 array."""
+def load_image(source, policy: MediaPolicy = DEFAULT_POLICY):
+    """A PIL RGB image from a PIL image, a path, a `data:` URI, an http(s) URL, encoded bytes or a uint8 array;
+    paths, URLs and encoded bytes are read under `policy`."""
     PIL = _pil()
     if isinstance(source, PIL.Image.Image):
         image = _composite_rgb(source)
     elif isinstance(source, np.ndarray):
         image = PIL.Image.fromarray(_array_rgb(source))
     elif isinstance(source, (bytes, bytearray, memoryview)):
-        image = _decode(bytes(source), f"<{len(source)} bytes>")
+        if len(source) > policy.max_bytes:
+            raise QwenrtError(f"image of {len(source)} bytes is over the limit of {policy.max_bytes}")
+        image = _decode(bytes(source), f"<{len(source)} bytes>", policy)
     elif isinstance(source, (str, os.PathLike)):
-        image = _decode(_source_bytes(source), _describe(os.fspath(source)))
+        image = _decode(_source_bytes(source, policy), _describe(os.fspath(source)), policy)
     else:
         raise QwenrtError(f"unsupported image input type {type(source).__name__}")
     if image.width < 1 or image.height < 1:
@@ -136,40 +219,72 @@ def load_frame(frame) -> np.ndarray:
     return frame
 
 
-def decode_video_file(path: str | os.PathLike, sample_indices) -> tuple[list[np.ndarray], list[int], float | None]:
+def decode_video_file(path: str | os.PathLike, sample_indices, policy: MediaPolicy = DEFAULT_POLICY
+                      ) -> tuple[list[np.ndarray], list[int], float | None]:
     """Decode a video file with PyAV: (sampled frames uint8 [H, W, 3], their indices, the stream's fps or None).
 
-    `sample_indices(total_frames, fps) -> list[int]` picks the frames to keep; only those are converted to RGB
-    when the container states its frame count.
+    `sample_indices(total_frames, fps) -> list[int]` picks the frames to keep; only those are converted to RGB and
+    decoding stops after the last. A stream that does not state its frame count has its packets counted first (a
+    pass that decodes nothing). The file is read under `policy` (regular files only, frame and pixel limits).
     """
     name = _describe(os.fspath(path))
     try:
         import av
     except ImportError:
         raise QwenrtError(f"decoding video file {name} needs PyAV: pip install av") from None
-    if not os.path.isfile(path):
-        raise QwenrtError(f"video file not found: {name}")
-    try:
-        with av.open(os.fspath(path)) as container:
-            stream = container.streams.video[0]
-            rate = stream.average_rate or stream.guessed_rate
-            fps = float(rate) if rate else None
-            if stream.frames > 0:
-                wanted = sample_indices(stream.frames, fps)
-                keep, frames = set(wanted), {}
-                for i, frame in enumerate(container.decode(stream)):
-                    if i in keep:
-                        frames[i] = frame.to_ndarray(format="rgb24")
-                    if i >= wanted[-1]:
-                        break
-            else:  # no frame count in the header: decode everything, then sample
-                frames = dict(enumerate(f.to_ndarray(format="rgb24") for f in container.decode(stream)))
-                wanted = sample_indices(len(frames), fps) if frames else []
-    except (av.error.FFmpegError, IndexError, OSError) as e:
-        raise QwenrtError(f"cannot decode video file {name}: {e}") from None
+    fd = open_regular(_local_path(os.fspath(path), policy, "video"), "video file")
+    with os.fdopen(fd, "rb") as file:
+        if os.fstat(fd).st_size > policy.max_video_bytes:
+            raise QwenrtError(f"video file {name} is over the limit of {policy.max_video_bytes} bytes")
+        try:
+            with av.open(file) as container:
+                stream = container.streams.video[0]
+                rate = stream.average_rate or stream.guessed_rate
+                fps = float(rate) if rate else None
+                width, height = stream.codec_context.width, stream.codec_context.height
+                if width * height > policy.max_pixels:
+                    raise QwenrtError(f"video file {name} has {width}x{height} frames; the limit is "
+                                      f"{policy.max_pixels} pixels")
+                total = stream.frames if 0 < stream.frames <= policy.max_frames else None
+                if total is None:
+                    total = _count_packets(container, stream, policy, name)
+            wanted = sample_indices(total, fps) if total else []
+            if len(wanted) * width * height > policy.max_video_pixels:
+                raise QwenrtError(f"video file {name}: {len(wanted)} sampled {width}x{height} frames exceed the "
+                                  f"limit of {policy.max_video_pixels} pixels")
+            file.seek(0)
+            with av.open(file) as container:
+                frames = _decode_frames(container, container.streams.video[0], wanted, policy, name)
+        except (av.error.FFmpegError, IndexError, OSError, ValueError) as e:
+            raise QwenrtError(f"cannot decode video file {name}: {' '.join(str(e).split())}") from None
     if not wanted:
         raise QwenrtError(f"video file {name} has no frames")
     missing = [i for i in wanted if i not in frames]
     if missing:
         raise QwenrtError(f"video file {name} ended before frame {missing[0]}")
     return [frames[i] for i in wanted], wanted, fps
+
+
+def _count_packets(container, stream, policy: MediaPolicy, name: str) -> int:
+    """Frames of a stream whose header does not say: its packets, counted without decoding."""
+    count = 0
+    for packet in container.demux(stream):
+        if packet.size:
+            count += 1
+            if count > policy.max_frames:
+                raise QwenrtError(f"video file {name} has more than {policy.max_frames} frames")
+    return count
+
+
+def _decode_frames(container, stream, wanted: list[int], policy: MediaPolicy, name: str) -> dict[int, np.ndarray]:
+    """The `wanted` frames (uint8 [H, W, 3]) by index, decoding no further than the last."""
+    frames, keep = {}, set(wanted)
+    for i, frame in enumerate(container.decode(stream)):
+        if not wanted or i > wanted[-1]:
+            break
+        if i in keep:
+            if frame.width * frame.height > policy.max_pixels:
+                raise QwenrtError(f"video file {name} has a {frame.width}x{frame.height} frame; the limit is "
+                                  f"{policy.max_pixels} pixels")
+            frames[i] = frame.to_ndarray(format="rgb24")
+    return frames

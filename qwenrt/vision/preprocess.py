@@ -18,7 +18,7 @@ import torch
 
 from qwenrt.errors import QwenrtError
 from qwenrt.vision.config import PreprocessConfig
-from qwenrt.vision.media import decode_video_file, load_frame, load_image, resize_rgb
+from qwenrt.vision.media import DEFAULT_POLICY, MediaPolicy, decode_video_file, load_frame, load_image, resize_rgb
 
 MAX_ASPECT_RATIO = 200
 DEFAULT_VIDEO_FPS = 24.0  # transformers' assumption when frames come without a frame rate
@@ -99,11 +99,12 @@ def _patchify(frames: torch.Tensor, cfg: PreprocessConfig) -> tuple[torch.Tensor
     return x.reshape(t * h * w, C * Tp * P * P), [t, h, w]
 
 
-def preprocess_images(images: list, cfg: PreprocessConfig) -> ImageBatch:
-    """Images (anything `load_image` takes) -> ImageBatch; each still image fills one temporal patch."""
+def preprocess_images(images: list, cfg: PreprocessConfig, policy: MediaPolicy = DEFAULT_POLICY) -> ImageBatch:
+    """Images (anything `load_image` takes, read under `policy`) -> ImageBatch; each still image fills one temporal
+    patch."""
     patches, grids = [], []
     for source in images:
-        image = load_image(source)
+        image = load_image(source, policy)
         height, width = smart_resize(image.height, image.width, factor=cfg.factor,
                                      min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
         pixels = _normalize(resize_rgb(np.asarray(image), height, width, cfg.resample)[None], cfg)  # [1, C, H, W]
@@ -148,15 +149,17 @@ def _video_pixels(frames: list[np.ndarray], cfg: PreprocessConfig) -> torch.Tens
     return _normalize(resized, cfg)
 
 
-def preprocess_videos(videos: list, cfg: PreprocessConfig, *, frames_fps: float | None = None) -> VideoBatch:
-    """Videos -> VideoBatch. A video is a file path (decoded with PyAV) or a list of frames (PIL / uint8 arrays)
-    recorded at `frames_fps` (None: 24, as transformers assumes). Frames are sampled at `cfg.fps`."""
+def preprocess_videos(videos: list, cfg: PreprocessConfig, *, frames_fps: float | None = None,
+                      policy: MediaPolicy = DEFAULT_POLICY) -> VideoBatch:
+    """Videos -> VideoBatch. A video is a file path (decoded with PyAV under `policy`) or a list of frames (PIL /
+    uint8 arrays) recorded at `frames_fps` (None: 24, as transformers assumes). Frames are sampled at `cfg.fps`."""
     if frames_fps is not None and not frames_fps > 0:
         raise QwenrtError(f"frames_fps must be positive, got {frames_fps}")
     patches, grids, stamps = [], [], []
     for video in videos:
         if isinstance(video, (str, os.PathLike)):
-            frames, indices, fps = decode_video_file(video, lambda total, fps: sample_frame_indices(total, fps, cfg))
+            frames, indices, fps = decode_video_file(video, lambda total, fps: sample_frame_indices(total, fps, cfg),
+                                                     policy)
         else:
             if not isinstance(video, (list, tuple)) or not video:
                 raise QwenrtError(f"a video must be a file path or a non-empty list of frames, got {type(video).__name__}")

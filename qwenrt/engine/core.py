@@ -1,0 +1,435 @@
+"""The engine: requests join at any time (from any thread), every step admits, prefills in chunks and decodes all
+running sequences in one batched forward, samples each with its own parameters, and hands each request its
+outputs. `generate`, `stream_generate`, the CLI and the server are fronts on this one loop.
+
+Two ways to drive it: `step()` from the caller's thread (the Python API does this while it waits for its own
+request, so several threads may share one engine), or `start()` a loop thread (the server).
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qwenrt.cache import deltanet_state_bytes, kv_bytes_per_token
+from qwenrt.engine.prefix_cache import PrefixCache, prompt_key
+from qwenrt.engine.prefix_store import PrefixStore, model_identity
+from qwenrt.engine.request import Request, RequestOutput, Sequence, Status, TokenLogprob
+from qwenrt.engine.runner import ModelRunner
+from qwenrt.engine.scheduler import Scheduler, SchedulerConfig
+from qwenrt.errors import QueueFullError, QwenrtError
+from qwenrt.prompt import prepare_prompt
+from qwenrt.sampling import TokenCounts, sample
+from qwenrt.validation import check_request
+
+DEFAULT_MAX_RUNNING = 8
+DEFAULT_MAX_QUEUE = 256
+DEFAULT_MAX_BATCHED_TOKENS = 512  # per step at most
+DEFAULT_STEP_TARGET = 0.5  # seconds: prompt chunks are sized so a step takes about this long (streams keep flowing)
+MIN_CHUNK = 64  # prompt tokens per step at least (one DeltaNet chunk), whatever the step target
+MAX_LOGPROBS = 20
+DEFAULT_SNAPSHOT_INTERVAL = 1024  # prompt tokens between prefix-cache snapshots inside a long prompt
+MIN_BRANCH_GAIN = 32  # a shared prefix found as KV only gets its own snapshot when it is at least this long
+_engines = weakref.WeakKeyDictionary()  # model -> its default engine (Engine.for_model)
+
+
+def _meminfo(field: str) -> int | None:
+    """A /proc/meminfo figure in bytes (MemTotal, MemAvailable), None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def default_memory_budget() -> int:
+    """Half the memory available now (the weights are loaded by then), at least 1 GiB; 4 GiB where unknown."""
+    available = _meminfo("MemAvailable")
+    return 4 << 30 if available is None else max(1 << 30, available // 2)
+
+
+def default_prefix_cache_size() -> int:
+    """A tenth of the machine's memory, at most 8 GiB; 1 GiB where unknown."""
+    total = _meminfo("MemTotal")
+    return 1 << 30 if total is None else min(8 << 30, total // 10)
+
+
+def _last_index(ids: list[int], token: int | None) -> int:
+    """Index of the last occurrence of token in ids (0 when absent)."""
+    if token is None:
+        return 0
+    return next((i for i in range(len(ids) - 1, 0, -1) if ids[i] == token), 0)
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+def _positive(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise QwenrtError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+@dataclass
+class RequestHandle:
+    """A request the engine accepted."""
+
+    request_id: str
+    prompt_tokens: int
+    thinking_started: bool  # the prompt ends inside an open <think> block (for splitting reasoning from content)
+
+
+class RequestStream(RequestHandle):
+    """A request's outputs, iterated in the calling thread; iterating drives the engine when no loop thread does.
+    Leaving the iteration early cancels the request."""
+
+    def __init__(self, engine: Engine, handle: RequestHandle, outputs: queue.SimpleQueue):
+        super().__init__(handle.request_id, handle.prompt_tokens, handle.thinking_started)
+        self._engine, self._outputs = engine, outputs
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                out = self._engine._wait(self._outputs)
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._engine.abort(self.request_id)
+
+
+class Engine:
+    """Continuous batching over one model.
+
+    max_running: sequences decoded together at most. max_queue: requests waiting at most (more are refused with
+    QueueFullError). max_model_len: context limit of every request (default: the model's). max_batched_tokens:
+    tokens per step at most (one per decoding sequence; the rest goes to prompt chunks). step_target: seconds a step
+    should take: prompt chunks are sized from the measured prefill speed so that running streams keep producing
+    tokens and a new request's first token does not wait long behind a long prompt (None: always
+    max_batched_tokens). memory_budget: bytes of cache
+    (KV + DeltaNet state) the running sequences may reserve together (default: half the available memory).
+    prefix_cache_size: bytes of prefix snapshots kept for later requests (default: a tenth of the machine's memory;
+    0: no prefix cache). prefix_cache_dir: also keep the snapshots in this folder (as much again on disk), so a
+    restart keeps them. snapshot_interval: prompt tokens between snapshots inside a long prompt.
+    """
+
+    def __init__(self, model, tokenizer=None, *, max_running: int = DEFAULT_MAX_RUNNING,
+                 max_queue: int = DEFAULT_MAX_QUEUE, max_model_len: int | None = None,
+                 max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, step_target: float | None = DEFAULT_STEP_TARGET,
+                 memory_budget: int | None = None,
+                 prefix_cache_size: int | None = None, prefix_cache_dir: str | None = None,
+                 snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL):
+        c = model.config.text
+        limit = c.max_position_embeddings
+        if max_model_len is not None and _positive("max_model_len", max_model_len) > limit:
+            raise QwenrtError(f"max_model_len {max_model_len} exceeds the model's context limit {limit}")
+        self.model, self.tokenizer = model, tokenizer
+        self.max_model_len = max_model_len or limit
+        self.max_queue = _positive("max_queue", max_queue)
+        self.memory_budget = _positive("memory_budget", memory_budget) if memory_budget is not None else (
+            default_memory_budget())
+        self.state_bytes = deltanet_state_bytes(c)
+        self.kv_token_bytes = kv_bytes_per_token(c, model.dtype)
+        self.eos_ids = set(tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_id)
+        self.runner = ModelRunner(model)
+        size = default_prefix_cache_size() if prefix_cache_size is None else prefix_cache_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise QwenrtError(f"prefix_cache_size must be a number of bytes >= 0 (0 = off), got {size!r}")
+        store = PrefixStore(prefix_cache_dir, model_identity(model), size) if size and prefix_cache_dir else None
+        self.prefix_cache = PrefixCache(size, c, model.dtype, store) if size else None
+        self.snapshot_interval = _positive("snapshot_interval", snapshot_interval)
+        if step_target is not None and not (isinstance(step_target, (int, float)) and step_target > 0):
+            raise QwenrtError(f"step_target must be a number of seconds > 0 (or None), got {step_target!r}")
+        self.step_target = step_target
+        self._prefill_rate: float | None = None  # prompt tokens per second, a moving average
+        self._turn_token = tokenizer.token_to_id("<|im_start|>") if tokenizer is not None else None
+        self.scheduler = Scheduler(SchedulerConfig(_positive("max_running", max_running),
+                                                   _positive("max_batched_tokens", max_batched_tokens),
+                                                   self.memory_budget), self.reservation)
+        self._sequences: dict[str, Sequence] = {}  # every unfinished request
+        self._inbox: deque[Sequence] = deque()  # added, not yet seen by a step
+        self._aborts: deque[str] = deque()
+        self._lock = threading.Lock()  # guards _sequences and the queue-length check
+        self._step_lock = threading.Lock()  # one step at a time
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    @classmethod
+    def for_model(cls, model, tokenizer=None, **options) -> Engine:
+        """The model's default engine, made on first use (or anew with `options`) with the options `qwenrt.load` was
+        given; the Python API's fronts use it."""
+        engine = _engines.get(model)
+        if engine is None or engine.tokenizer is not tokenizer or options:
+            options = {**getattr(model, "engine_options", {}), **options}
+            try:
+                engine = _engines[model] = cls(model, tokenizer, **options)
+            except TypeError as e:
+                raise QwenrtError(f"unknown engine option: {e}") from None
+        return engine
+
+    # ---- what callers use ----
+
+    def reservation(self, seq: Sequence) -> int:
+        """Cache bytes a sequence reserves while it runs: DeltaNet state + KV for every token it may hold."""
+        return self.state_bytes + self.kv_token_bytes * seq.limit
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._inbox) + len(self.scheduler.waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._inbox or self._aborts or self.scheduler.has_work)
+
+    def add_request(self, request: Request, sink: Callable[[RequestOutput], None]) -> RequestHandle:
+        """Check and tokenize a request and queue it; `sink` receives its outputs (called from the stepping thread).
+
+        Raises QwenrtError for a bad request (one that can never run included), QueueFullError when the queue is full.
+        """
+        limit = check_request([request.prompt], vocab_size=self.model.config.text.vocab_size,
+                              model_limit=self.max_model_len, tools=request.tools, max_context=request.max_context)
+        if request.prefill_chunk is not None:
+            _positive("prefill_chunk", request.prefill_chunk)
+        if request.logprobs is not None and not (isinstance(request.logprobs, int) and
+                                                 0 <= request.logprobs <= MAX_LOGPROBS):
+            raise QwenrtError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {request.logprobs!r}")
+        prompt = prepare_prompt(self.model, self.tokenizer, request.prompt, request.enable_thinking, request.tools,
+                                limit, request.media_policy)
+        params = request.params
+        stop_ids = (set() if params.ignore_eos else self.eos_ids) | set(params.stop_token_ids)
+        seq = Sequence(request, prompt, self.tokenizer, stop_ids, min(limit, len(prompt.ids) + params.max_tokens),
+                       sink, self.model.device)
+        seq.key = prompt_key(prompt, self.model.config)
+        need = self.reservation(seq)
+        if need > self.memory_budget:
+            raise QwenrtError(f"the request needs {_size(need)} of cache for {seq.limit} tokens (prompt + max_tokens);"
+                              f" the engine's cache budget is {_size(self.memory_budget)}: lower max_tokens")
+        with self._lock:
+            if request.request_id in self._sequences:
+                raise QwenrtError(f"a request with id {request.request_id!r} is already running")
+            if self.num_waiting >= self.max_queue:
+                raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting); try again later")
+            self._sequences[request.request_id] = seq
+            self._inbox.append(seq)
+        self._wake.set()
+        return RequestHandle(request.request_id, len(prompt.ids), prompt.thinking_started)
+
+    def submit(self, request: Request) -> RequestStream:
+        """add_request with the outputs queued for iteration in the calling thread."""
+        outputs = queue.SimpleQueue()
+        return RequestStream(self, self.add_request(request, outputs.put), outputs)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (waiting or running): it ends with finish_reason "abort" and its memory is freed at the
+        next step, or at once when no step is running. Unknown or finished ids are ignored."""
+        self._aborts.append(request_id)
+        self._wake.set()
+        if self._step_lock.acquire(blocking=False):
+            try:
+                self._take_new([])
+            finally:
+                self._step_lock.release()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns every output it made (each was also given to its request's sink)."""
+        with self._step_lock:
+            return self._step()
+
+    def start(self) -> None:
+        """Run steps in a loop thread until stop(); callers then only add, abort and wait."""
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="qwenrt-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._stopping = True
+            self._wake.set()
+            thread.join()
+
+    # ---- the loop ----
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            if not self.has_work:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception:  # _step already failed the requests involved; the loop must live on
+                traceback.print_exc()
+
+    def _wait(self, outputs: queue.SimpleQueue) -> RequestOutput:
+        """The next output from `outputs`, stepping the engine meanwhile unless a loop thread (or another caller
+        holding the step) does."""
+        while True:
+            try:
+                return outputs.get_nowait()
+            except queue.Empty:
+                pass
+            if self._thread is None and self._step_lock.acquire(blocking=False):
+                try:
+                    self._step()
+                finally:
+                    self._step_lock.release()
+                continue
+            try:
+                return outputs.get(timeout=None if self._thread is not None else 0.01)
+            except queue.Empty:
+                pass
+
+    def _take_new(self, outputs: list) -> None:
+        """Queue the requests added since the last step; end the cancelled ones."""
+        while self._inbox:
+            self.scheduler.add(self._inbox.popleft())
+        while self._aborts:
+            seq = self._sequences.get(self._aborts.popleft())
+            if seq is not None and seq.status is not Status.FINISHED:
+                seq.finish_reason = "abort"
+                self._emit(seq, "", [], outputs)
+
+    def _step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        self._take_new(outputs)
+        involved = self.scheduler.admit()
+        try:
+            for seq in list(involved):
+                self._run(outputs, [seq], lambda s=seq: self._start(s, outputs))
+            plan = self.scheduler.schedule(self._step_tokens())
+            involved += plan.decode + [s for s, _ in plan.prefill]
+            if plan.decode:
+                self._run(outputs, plan.decode, lambda: self._decode(plan.decode, outputs))
+            for seq, n in plan.prefill:
+                if seq.status is Status.RUNNING:
+                    self._run(outputs, [seq], lambda s=seq, k=n: self._prefill(s, k, outputs))
+        except BaseException:  # e.g. Ctrl-C in the middle of a forward: these caches are half-updated
+            for seq in involved:
+                if seq.status is Status.RUNNING:
+                    self._fail(seq, outputs, "interrupted")
+            raise
+        return outputs
+
+    def _step_tokens(self) -> int:
+        """This step's token budget: what the measured prefill speed does in step_target seconds."""
+        if self.step_target is None or self._prefill_rate is None:
+            return self.scheduler.config.max_batched_tokens
+        return max(MIN_CHUNK, int(self._prefill_rate * self.step_target))
+
+    def _start(self, seq: Sequence, outputs: list) -> None:
+        """Give an admitted sequence its cache, restoring the longest cached prefix of its prompt; choose where its
+        prefill takes snapshots. A prompt cached whole (with its logits) samples its first token at once."""
+        seq.state = self.runner.allocate(seq)
+        if self.prefix_cache is None:
+            return
+        hit = self.prefix_cache.match(seq.key)
+        if hit.length:
+            self.prefix_cache.restore(hit, seq.state)
+            seq.computed = seq.cached = hit.length
+        points = {seq.prompt_len, *range(self.snapshot_interval, seq.prompt_len, self.snapshot_interval)}
+        turn = _last_index(seq.prompt.ids, self._turn_token)
+        if turn:  # the next chat turn's prompt repeats everything before the generation prompt
+            points.add(turn)
+        if hit.matched - hit.length >= MIN_BRANCH_GAIN:  # a prefix others share, cached so far as KV only
+            points.add(min(hit.matched, seq.prompt_len))
+        seq.snapshots = sorted(p for p in points if p > seq.computed)
+        if hit.length == seq.prompt_len:
+            if seq.prompt.vision is not None:
+                seq.state.rope_delta = seq.prompt.vision.rope_delta
+            self._sample(seq, hit.logits[None], outputs)
+
+    def _run(self, outputs: list, seqs: list[Sequence], work: Callable[[], None]) -> None:
+        """Run one piece of a step; an Exception ends just the sequences it involved, with the error."""
+        try:
+            work()
+        except Exception as e:
+            if not isinstance(e, QwenrtError):
+                traceback.print_exc(file=sys.stderr)
+            for seq in seqs:
+                if seq.status is Status.RUNNING:
+                    self._fail(seq, outputs, str(e) or type(e).__name__)
+
+    def _fail(self, seq: Sequence, outputs: list, message: str) -> None:
+        seq.finish_reason = "error"
+        self._emit(seq, "", [], outputs, error=message)
+
+    def _decode(self, seqs: list[Sequence], outputs: list) -> None:
+        logits = self.runner.decode(seqs)  # [B, V]
+        for b, seq in enumerate(seqs):
+            self._run(outputs, [seq], lambda s=seq, row=logits[b:b + 1]: self._sample(s, row, outputs))
+
+    def _prefill(self, seq: Sequence, n: int, outputs: list) -> None:
+        start = time.perf_counter()
+        if seq.prefill_start_time is None:
+            seq.prefill_start_time = start
+        logits = self.runner.prefill(seq, n)
+        if n >= MIN_CHUNK // 2:  # short chunks say more about fixed costs than about speed
+            rate = n / max(time.perf_counter() - start, 1e-6)
+            self._prefill_rate = rate if self._prefill_rate is None else 0.7 * self._prefill_rate + 0.3 * rate
+        if seq.request.on_prefill is not None:
+            seq.request.on_prefill(seq.computed, seq.prompt_len)
+        if self.prefix_cache is not None and seq.computed in seq.snapshots:
+            self.prefix_cache.insert(seq.key[:seq.computed], seq.state, logits)
+        if logits is not None:
+            self._sample(seq, logits, outputs)
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor, outputs: list) -> None:
+        """Sample seq's next token from logits [1, V], take it, and emit the output."""
+        params = seq.params
+        if params.uses_penalties and seq.history is None:
+            seq.history = TokenCounts.from_prompts([seq.prompt.ids], logits.shape[-1], logits.device)
+        token = sample(logits, params, seq.history, seq.generator)  # [1]
+        if seq.history is not None:
+            seq.history.update(token)
+        token = int(token)
+        logprobs = None
+        if seq.request.logprobs is not None:
+            logp = logits[0].float().log_softmax(-1)  # of the model's distribution, before any penalty or filter
+            top = logp.topk(seq.request.logprobs) if seq.request.logprobs else None
+            logprobs = [TokenLogprob(token, float(logp[token]),
+                                     list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [])]
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        self._emit(seq, seq.accept(token), [token], outputs, logprobs=logprobs)
+
+    def _emit(self, seq: Sequence, text: str, tokens: list[int], outputs: list, logprobs=None,
+              error: str | None = None) -> None:
+        """Hand an output to its request (freeing the sequence first when it is the last)."""
+        if seq.finish_reason is not None:
+            if seq.finish_reason in ("stop", "length") and self.prefix_cache is not None and seq.state is not None:
+                # the next turn of a conversation (or an agent's next call) continues from here
+                self.prefix_cache.insert((seq.key + seq.tokens)[:seq.state.length], seq.state)
+            self.scheduler.finish(seq)
+            seq.state = seq.history = seq.vision_embeds = None
+            with self._lock:
+                self._sequences.pop(seq.request_id, None)
+        out = seq.output(text, tokens, logprobs, error)
+        outputs.append(out)
+        try:
+            seq.sink(out)
+        except Exception:  # a consumer's failure must not stop the engine: cancel what it was consuming
+            traceback.print_exc(file=sys.stderr)
+            if seq.finish_reason is None:
+                self._aborts.append(seq.request_id)
+

@@ -1,0 +1,155 @@
+"""What a caller asks of the engine (`Request`), what it gets back after each step (`RequestOutput`), and the
+engine's record of one request in flight (`Sequence`: its tokens, text, stops, sampler state, cache)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from qwenrt.cache import SequenceState
+from qwenrt.prompt import PreparedPrompt
+from qwenrt.sampling import SamplingParams, StopStringMatcher, TokenCounts
+from qwenrt.tokenizer import IncrementalDetokenizer
+from qwenrt.vision.media import DEFAULT_POLICY, MediaPolicy
+
+_ids = itertools.count()
+
+
+def new_request_id() -> str:
+    return f"req-{next(_ids)}"
+
+
+@dataclass
+class Request:
+    """One generation: a prompt (raw text, chat messages with optional image/video parts, or token ids) and how to
+    sample its continuation."""
+
+    prompt: object
+    params: SamplingParams = field(default_factory=SamplingParams)
+    enable_thinking: bool | None = None  # chat messages only: the template's thinking switch (None: its default)
+    tools: list | None = None  # chat messages only: tool definitions for the template (and for typing tool calls)
+    logprobs: int | None = None  # None: no log-probabilities; n >= 0: the sampled token's and the n most likely
+    prefill_chunk: int | None = None  # at most this many prompt tokens per engine step (None: the engine's budget)
+    max_context: int | None = None  # context limit for this request (None: the engine's; at most the engine's)
+    media_policy: MediaPolicy = DEFAULT_POLICY  # how images/videos may be read (a server passes a strict one)
+    on_prefill: Callable[[int, int], None] | None = None  # (prompt tokens done, prompt tokens) after each chunk
+    request_id: str = field(default_factory=new_request_id)
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens, (token, logprob), most likely first
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request. The last output of a request has finish_reason set."""
+
+    request_id: str
+    text: str  # the text this step completed (held back while a character or a stop string is incomplete)
+    token_ids: list[int]  # tokens sampled this step; a stop token ends the request and adds no text
+    finish_reason: str | None  # None while running; "stop", "length", "abort" (cancelled) or "error"
+    prompt_tokens: int
+    generation_tokens: int  # generated so far, stop tokens excluded
+    arrival_time: float  # time.perf_counter() clock
+    first_token_time: float | None
+    prefill_start_time: float | None  # when its first prompt chunk was scheduled
+    time: float  # when this output was made
+    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when the request asked for them
+    error: str | None = None  # finish_reason "error": what went wrong
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of computed
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """The engine's record of one request: prompt, progress, sampling and output state, and its cache."""
+
+    def __init__(self, request: Request, prompt: PreparedPrompt, tokenizer, stop_ids: set[int], limit: int,
+                 sink: Callable[[RequestOutput], None], device: torch.device):
+        self.request, self.prompt, self.sink = request, prompt, sink
+        self.params = request.params
+        self.stop_ids, self.limit = stop_ids, limit  # limit: the most tokens (prompt + output) this sequence holds
+        self.status = Status.WAITING
+        self.state: SequenceState | None = None  # allocated when admitted, dropped when finished
+        self.computed = 0  # prompt tokens in the cache
+        self.cached = 0  # of which restored from the prefix cache
+        self.tokens: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.stops = StopStringMatcher(self.params.stop)
+        seed = self.params.seed
+        if seed is None:  # drawn from torch's global RNG, so torch.manual_seed makes unseeded runs repeatable
+            seed = int(torch.randint(0, 2**62, (1,)))
+        self.generator = torch.Generator(device=device).manual_seed(seed)  # one per request: draws independent of the batch
+        self.history: TokenCounts | None = None  # penalties' token counts, made at the first sample
+        self.vision_embeds: torch.Tensor | None = None  # [1, T, D] while an image/video prompt is being prefilled
+        self.key: list[int] = prompt.ids  # the prompt as the prefix cache knows it (images by content)
+        self.snapshots: list[int] = [self.prompt_len]  # prompt lengths where a prefix snapshot is taken, ascending
+        self.arrival_time = time.perf_counter()
+        self.prefill_start_time: float | None = None
+        self.first_token_time: float | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt.ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.prompt_len
+
+    def next_boundary(self) -> int:
+        """Where the current prompt chunk must end at the latest: the next snapshot point (or the prompt's end)."""
+        return next((p for p in self.snapshots if p > self.computed), self.prompt_len)
+
+    @property
+    def last_token(self) -> int:
+        return self.tokens[-1]
+
+    def accept(self, token: int) -> str:
+        """Take one sampled token; return the text it completes. Sets finish_reason when the sequence ends."""
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+            return self._drain()
+        self.tokens.append(token)
+        emit, stopped = self.stops.feed(self.detok.add(token) if self.detok is not None else "")
+        self.text += emit
+        if stopped:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.params.max_tokens or self.prompt_len + len(self.tokens) >= self.limit:
+            self.finish_reason = "length"
+            emit += self._drain()
+        return emit
+
+    def _drain(self) -> str:
+        """What was held back (an incomplete character, a possible stop-string prefix) once generation ends."""
+        tail, _ = self.stops.feed(self.detok.flush() if self.detok is not None else "")
+        tail += self.stops.flush()
+        self.text += tail
+        return tail
+
+    def output(self, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None = None,
+               error: str | None = None) -> RequestOutput:
+        return RequestOutput(self.request_id, text, token_ids, self.finish_reason, self.prompt_len, len(self.tokens),
+                             self.arrival_time, self.first_token_time, self.prefill_start_time, time.perf_counter(),
+                             logprobs, error, self.cached)

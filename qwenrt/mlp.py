@@ -1,0 +1,78 @@
+"""Feed-forward blocks: the dense SwiGLU MLP and the sparse MoE block (routed experts + a gated shared expert)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qwenrt.config import TextConfig
+from qwenrt.ops.linear import Linear, linear, swiglu
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate)
+        self.up_proj = Linear(hidden, intermediate)
+        self.down_proj = Linear(intermediate, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(x, self.gate_proj, self.up_proj))
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts stored fused, as published: gate_up_proj [E, 2I, D] (gate rows first), down_proj [E, D, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on its tokens x [n, D] -> [n, D]."""
+        gate, up = linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj[e])
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return dispatch_experts(self.expert, x, index, weight)
+
+
+def dispatch_experts(expert, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [N, D]; index, weight [N, A] -> Σ_a weight·expert(index, x) [N, D], each expert run once on its tokens."""
+    out = torch.zeros_like(x)
+    flat = index.reshape(-1)  # [N·A]
+    order = flat.argsort()
+    experts, counts = flat[order].unique_consecutive(return_counts=True)
+    token = order // index.shape[1]
+    slot = order % index.shape[1]
+    start = 0
+    for e, n in zip(experts.tolist(), counts.tolist()):
+        rows, cols = token[start:start + n], slot[start:start + n]
+        start += n
+        y = expert(e, x[rows]) * weight[rows, cols, None]
+        out.index_add_(0, rows, y.to(out.dtype))
+    return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Softmax router (fp32), top-A, renormalised; plus a shared expert scaled by sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, c: TextConfig):
+        super().__init__()
+        self.top_k = c.num_experts_per_tok
+        self.gate = Linear(c.hidden_size, c.num_experts)
+        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
+        self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size)
+        self.shared_expert_gate = Linear(c.hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # [N, D]
+        logits = self.gate(x)  # [N, E]
+        probs = logits.softmax(-1, dtype=torch.float32)
+        weight, index = probs.topk(self.top_k, dim=-1)  # [N, A]
+        weight = (weight / weight.sum(-1, keepdim=True)).to(logits.dtype)
+        out = self.experts(x, index, weight)
+        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.reshape(shape)

@@ -1,0 +1,136 @@
+"""The FastAPI application: routes, API-key check, and the model loading in the background so the port answers
+(/health 503) from the start."""
+
+from __future__ import annotations
+
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
+
+from qwenrt.server import errors
+from qwenrt.server.chat import chat_completions
+from qwenrt.server.completions import completions
+from qwenrt.server.errors import APIError
+from qwenrt.server.metrics import ServerMetrics
+from qwenrt.server.protocol import ChatCompletionRequest, CompletionRequest
+
+STOP_WAIT_S = 10
+
+
+@dataclass
+class ServerConfig:
+    model: str  # what was asked for (path or repo id): /v1/models' root
+    served_model_names: list[str]  # the first is the name responses carry
+    api_key: str | None = None
+    allowed_media: Path | None = None  # local image/video files are read only under this directory
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    engine: object | None = None  # None while the model loads
+    load_error: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    metrics: ServerMetrics | None = None
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def allowed_media(self) -> Path | None:
+        return self.config.allowed_media
+
+    def check_model(self, name: str | None) -> str:
+        """The served name a request addresses (none given: the first); 404 for any other."""
+        names = self.config.served_model_names
+        if name is None:
+            return names[0]
+        if name not in names:
+            raise APIError(404, f"The model `{name}` does not exist (this server has: {', '.join(names)})", "model")
+        return name
+
+
+def create_app(config: ServerConfig, load: Callable[[], object],
+               on_load_failed: Callable[[str], None] | None = None) -> FastAPI:
+    """`load()` returns a started engine (with its tokenizer); it runs in a thread once the app starts. If it raises,
+    the error is kept (and /health stays 503) and `on_load_failed(message)` is called."""
+    state = ServerState(config)
+    state.metrics = ServerMetrics(state)
+
+    def load_in_background() -> None:
+        try:
+            state.engine = load()
+        except Exception as e:  # noqa: BLE001 (a load failure of any kind ends the server with its message)
+            state.load_error = str(e) or type(e).__name__
+            print(f"qwenrt: error: {state.load_error}", file=sys.stderr, flush=True)
+            if on_load_failed is not None:
+                on_load_failed(state.load_error)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        threading.Thread(target=load_in_background, name="qwenrt-load", daemon=True).start()
+        yield
+        if state.engine is not None:  # the step under way ends first; on a slow machine that can take long
+            stopper = threading.Thread(target=state.engine.stop, daemon=True)
+            stopper.start()
+            stopper.join(STOP_WAIT_S)
+            if stopper.is_alive():
+                print(f"qwenrt serve: the engine step under way did not end within {STOP_WAIT_S} s; exiting "
+                      "without it", file=sys.stderr, flush=True)
+
+    app = FastAPI(title="qwenrt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.qwenrt = state
+    errors.install(app)
+
+    def authorized(request: Request) -> None:
+        key = config.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')")
+
+    def ready(_: None = Depends(authorized)) -> ServerState:
+        if state.engine is None:
+            raise APIError(503, f"the model failed to load: {state.load_error}" if state.load_error else
+                           "the model is still loading; retry when /health answers 200")
+        return state
+
+    @app.get("/health")
+    async def health():
+        if state.engine is None:
+            return errors.error_response(503, "Loading model" if state.load_error is None else state.load_error)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(s: ServerState = Depends(ready)):
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": s.created, "owned_by": "qwenrt", "root": s.config.model,
+             "parent": None, "max_model_len": s.max_model_len} for name in s.config.served_model_names]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request, s: ServerState = Depends(ready)):
+        return await chat_completions(body, request, s)
+
+    @app.post("/v1/completions")
+    async def complete(body: CompletionRequest, request: Request, s: ServerState = Depends(ready)):
+        return await completions(body, request, s)
+
+    return app

@@ -1,0 +1,175 @@
+"""POST /v1/chat/completions: messages -> engine requests (one per choice) -> a chat.completion, or its chunks as
+server-sent events (reasoning, content and tool calls split as they stream)."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import StreamingResponse
+
+from qwenrt.engine import Request, RequestOutput
+from qwenrt.parsing import parse_completion, split_reasoning
+from qwenrt.server.bridge import Submission, collect, event_stream, submit
+from qwenrt.server.errors import APIError, error_body
+from qwenrt.server.media import check_media
+from qwenrt.server.params import check_context, choice_params
+from qwenrt.server.protocol import ChatCompletionRequest
+from qwenrt.server.responses import LogprobCollector, chat_logprobs, new_id, now, sse, usage
+from qwenrt.server.stream_parser import MessageDelta, MessageStream
+
+
+def _messages(body: ChatCompletionRequest, state) -> list[dict]:
+    """Plain message dicts for the chat template: `developer` is a system turn, history tool-call arguments
+    (a JSON string in the OpenAI API) become the mapping the template renders."""
+    messages = []
+    for m, message in enumerate(body.messages):
+        message = message.model_dump(exclude_none=True)
+        if message["role"] == "developer":
+            message["role"] = "system"
+        for c, call in enumerate(message.get("tool_calls") or ()):
+            function = call.get("function") if isinstance(call.get("function"), dict) else {}
+            arguments = function.get("arguments")
+            if isinstance(arguments, str):
+                param = f"messages[{m}].tool_calls[{c}].function.arguments"
+                try:
+                    arguments = json.loads(arguments) if arguments.strip() else {}
+                except json.JSONDecodeError:
+                    raise APIError(400, f"{param}: not valid JSON", param) from None
+                if not isinstance(arguments, dict):
+                    raise APIError(400, f"{param}: must be a JSON object", param)
+                call["function"] = {**function, "arguments": arguments}
+        messages.append(message)
+    return check_media(messages, state.allowed_media)
+
+
+def _tools(body: ChatCompletionRequest) -> tuple[list[dict] | None, bool]:
+    """(tool definitions for the template, whether to parse tool calls out of the output)."""
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    choice = body.tool_choice
+    if choice is not None and choice != "none" and choice != "auto":
+        raise APIError(400, "tool_choice: only 'auto' and 'none' are supported (forcing a call needs constrained "
+                            "decoding, which qwenrt does not have)", "tool_choice")
+    if choice is not None and tools is None and choice != "none":
+        raise APIError(400, "tool_choice needs tools", "tool_choice")
+    return tools, tools is not None and choice != "none"
+
+
+def _assistant_message(text: str, thinking_started: bool, tools: list[dict] | None) -> tuple[dict, int]:
+    """The whole answer as a message; tools None: no tool-call parsing. Returns it and its number of calls."""
+    if tools is None:
+        (reasoning, content), calls = split_reasoning(text, thinking_started), []
+    else:
+        parsed = parse_completion(text, thinking_started, tools)
+        reasoning, content = parsed.reasoning, parsed.content
+        calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
+                 for c in parsed.tool_calls]
+    message = {"role": "assistant", "content": content if content or not calls else None,
+               "reasoning_content": reasoning, "tool_calls": calls}
+    return message, len(calls)
+
+
+def _finish_reason(engine_reason: str, tool_calls: int) -> str:
+    return "tool_calls" if engine_reason == "stop" and tool_calls else engine_reason
+
+
+def _delta_dict(delta: MessageDelta) -> dict:
+    out = {}
+    if delta.reasoning:
+        out["reasoning_content"] = delta.reasoning
+    if delta.content:
+        out["content"] = delta.content
+    if delta.tool_calls:
+        out["tool_calls"] = [
+            {"index": t.index, "function": {"arguments": t.arguments}} if t.id is None else
+            {"index": t.index, "id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
+            for t in delta.tool_calls]
+    return out
+
+
+async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest, state):
+    name = state.check_model(body.model)
+    messages = _messages(body, state)
+    tools, parse_tools = _tools(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise APIError(400, "response_format: only {'type': 'text'} is supported (structured output needs "
+                            "constrained decoding)", "response_format")
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    thinking = body.chat_template_kwargs.enable_thinking if body.chat_template_kwargs else None
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    request_id = new_id("chatcmpl")
+    requests = [Request(messages, params, enable_thinking=thinking, tools=tools, logprobs=logprobs,
+                        request_id=f"{request_id}-{j}")
+                for j, params in enumerate(choice_params(body, state.tokenizer, max_tokens, state.max_model_len))]
+    submission = await submit(state.engine, state.metrics, requests)
+    try:
+        check_context(submission.handles, max_tokens, state.max_model_len, field)
+    except APIError:
+        submission.abort()
+        raise
+    reply = _Reply(request_id, name, body, submission, state.tokenizer, tools, parse_tools)
+    if body.stream:
+        return StreamingResponse(event_stream(reply.events(), submission, http.receive), media_type="text/event-stream")
+    return await reply.collect(http.receive)
+
+
+class _Reply:
+    """The answer to one chat request, whole or streamed."""
+
+    def __init__(self, request_id: str, model: str, body: ChatCompletionRequest, submission: Submission, tokenizer,
+                 tools, parse_tools: bool):
+        self.id, self.model, self.body, self.submission = request_id, model, body, submission
+        self.tokenizer, self.tools, self.parse_tools = tokenizer, tools, parse_tools
+        self.created = now()
+        self.prompt_tokens = submission.handles[0].prompt_tokens
+
+    def _usage(self, last: list[RequestOutput]) -> dict:
+        """Over the choices' latest outputs (they share one prompt)."""
+        return usage(self.prompt_tokens, sum(o.generation_tokens for o in last), max(o.cached_tokens for o in last))
+
+    async def collect(self, receive) -> dict:
+        finished = await collect(self.submission, receive)
+        choices = []
+        for i, done in enumerate(finished):
+            message, calls = _assistant_message(done.text, self.submission.handles[i].thinking_started,
+                                                self.tools if self.parse_tools else None)
+            choices.append({"index": i, "message": message,
+                            "logprobs": chat_logprobs(self.tokenizer, done.logprobs) if self.body.logprobs else None,
+                            "finish_reason": _finish_reason(done.last.finish_reason, calls)})
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": self._usage([d.last for d in finished])}
+
+    def _chunk(self, choices: list[dict], usage_: dict | None = None) -> str:
+        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                 "choices": choices}
+        if usage_ is not None:
+            chunk["usage"] = usage_
+        return sse(chunk)
+
+    async def events(self):
+        """The chunks: a role chunk per choice, then the deltas as they come, then usage when asked for."""
+        handles = self.submission.handles
+        parsers = [MessageStream(h.thinking_started, self.tools if self.parse_tools else None) for h in handles]
+        logprobs = [LogprobCollector() for _ in handles]
+        latest: list[RequestOutput] = [None] * len(handles)
+        for i in range(len(handles)):
+            yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}])
+        async for i, out in self.submission.outputs():
+            if out.finish_reason == "error":
+                yield sse(error_body(500, out.error or "generation failed"))
+                continue
+            latest[i] = out
+            delta = parsers[i].feed(out.text, final=out.finished)
+            entries = logprobs[i].add(out) if self.body.logprobs else []
+            if not (delta or entries or out.finished):
+                continue
+            finish = _finish_reason(out.finish_reason, parsers[i].tool_calls) if out.finished else None
+            yield self._chunk([{"index": i, "delta": _delta_dict(delta),
+                                "logprobs": chat_logprobs(self.tokenizer, entries) if entries else None,
+                                "finish_reason": finish}])
+        if self.body.stream_options and self.body.stream_options.include_usage:
+            yield self._chunk([], self._usage(latest))

@@ -1,0 +1,111 @@
+"""`qwenrt serve MODEL`: bind the port, load the model in the background, serve until Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from qwenrt.errors import QwenrtError
+
+
+def load_engine(args):
+    """Load the model and start its engine; checks that a request at the full context can ever run."""
+    from qwenrt.engine import Engine
+    from qwenrt.engine.core import _size
+    from qwenrt.loader import load
+    from qwenrt.units import parse_size
+
+    start = time.perf_counter()
+    model, tokenizer = load(args.model, dtype=args.dtype, quantize=args.quantize, progress=True)
+    if args.tokenizer is not None:
+        from qwenrt.hub import resolve_model_path
+        from qwenrt.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(resolve_model_path(args.tokenizer))
+    if tokenizer is None:
+        raise QwenrtError(f"{args.tokenizer or args.model}: no tokenizer.json; the server needs one (--tokenizer)")
+    limits = {"max_running": args.max_running, "max_queue": args.max_queue, "max_model_len": args.max_model_len,
+              "max_batched_tokens": args.max_num_batched_tokens,
+              "memory_budget": parse_size(args.kv_cache_memory_bytes) if args.kv_cache_memory_bytes else None,
+              "prefix_cache_size": parse_size(args.prefix_cache_size) if args.prefix_cache_size else None,
+              "prefix_cache_dir": args.prefix_cache_dir}
+    engine = Engine(model, tokenizer, **{k: v for k, v in limits.items() if v is not None})
+    per_token, full = engine.kv_token_bytes, engine.state_bytes + engine.kv_token_bytes * engine.max_model_len
+    if full > engine.memory_budget:
+        fits = (engine.memory_budget - engine.state_bytes) // per_token
+        raise QwenrtError(f"a request at the full context ({engine.max_model_len} tokens) needs {_size(full)} of "
+                          f"cache, over the cache budget of {_size(engine.memory_budget)}: pass --max-model-len "
+                          f"{fits} or less, or a larger --kv-cache-memory-bytes")
+    engine.start()
+    running = engine.scheduler.config.max_running
+    at_once = min(running, engine.memory_budget // full)
+    note = "" if at_once == running else " (lower --max-model-len, or give max_tokens, for more)"
+    print(f"loaded {args.model} ({model.dtype}{', ' + args.quantize if args.quantize else ''}) in "
+          f"{time.perf_counter() - start:.1f} s; context {engine.max_model_len} tokens; cache budget "
+          f"{_size(engine.memory_budget)}, {_size(full)} per request at the full context (one without max_tokens): "
+          f"{at_once} such requests run at once{note}, up to --max-running {running} in all", file=sys.stderr,
+          flush=True)
+    return engine
+
+
+def serve(args) -> None:
+    try:
+        import uvicorn
+
+        from qwenrt.server.app import ServerConfig, create_app
+    except ImportError as e:
+        raise QwenrtError(f"qwenrt serve needs the serve extra ({e.name} is missing): pip install 'qwenrt[serve]'"
+                          ) from None
+    allowed = None
+    if args.allowed_local_media_path:
+        allowed = Path(os.path.realpath(args.allowed_local_media_path))
+        if not allowed.is_dir():
+            raise QwenrtError(f"--allowed-local-media-path {args.allowed_local_media_path}: not a directory")
+    config = ServerConfig(args.model, args.served_model_name or [args.model],
+                          args.api_key or os.environ.get("QWENRT_API_KEY") or None, allowed)
+    server = None
+
+    def stop(_: str) -> None:
+        server.should_exit = True
+
+    app = create_app(config, lambda: load_engine(args), on_load_failed=stop)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=not args.disable_uvicorn_access_log,
+                                           timeout_graceful_shutdown=5))
+    print(f"qwenrt serve: http://{args.host}:{args.port} (loading {args.model}; /health answers 200 when ready)",
+          file=sys.stderr, flush=True)
+    server.run()
+    state = app.state.qwenrt
+    if state.load_error is not None:
+        raise QwenrtError(state.load_error)
+
+
+def add_parser(verbs) -> None:
+    p = verbs.add_parser("serve", help="OpenAI-compatible HTTP server (needs the `serve` extra)")
+    p.add_argument("model", help="checkpoint directory or hub repo id")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $QWENRT_API_KEY)")
+    p.add_argument("--served-model-name", nargs="+", help="name(s) clients use as `model` (default: MODEL)")
+    p.add_argument("--tokenizer", help="directory or repo id of the tokenizer (default: MODEL's)")
+    p.add_argument("--dtype", default="auto", help="auto (as stored), bfloat16, float16 or float32")
+    p.add_argument("--quantize", "--quantization", dest="quantize", choices=("int8", "int4"),
+                   help="weight-only quantization while loading")
+    p.add_argument("--max-running", "--max-num-seqs", dest="max_running", type=int,
+                   help="requests decoded together at most (default 8)")
+    p.add_argument("--max-queue", type=int, help="requests waiting at most, more get 429 (default 256)")
+    p.add_argument("--max-model-len", type=int, help="context limit of every request (default: the model's)")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help="tokens per engine step: decode tokens first, the rest for prompt chunks (default 256)")
+    p.add_argument("--kv-cache-memory-bytes", help="cache budget for KV + DeltaNet state, e.g. 8G (default: half "
+                                                   "the memory available after loading)")
+    p.add_argument("--prefix-cache-size", help="memory for reusing computed prompts (shared system prompts, earlier "
+                                                "turns), e.g. 2GiB; 0 = off (default: a tenth of RAM, at most 8GiB)")
+    p.add_argument("--prefix-cache-dir", help="also keep reusable prompt states in this folder, across restarts")
+    p.add_argument("--allowed-local-media-path", help="let requests read local image/video files under this "
+                                                      "directory (file:// URLs or paths)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per request")
+    p.set_defaults(run=lambda args: serve(args))

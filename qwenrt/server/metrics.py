@@ -1,0 +1,77 @@
+"""/metrics in Prometheus text: vLLM's metric names with a `qwenrt:` prefix. One registry per app, so several
+servers (or tests) in one process do not share counters."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from qwenrt.engine import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                  80.0)
+
+
+class ServerMetrics:
+    def __init__(self, state):
+        """state: the app's state; its `engine` is None while the model loads."""
+        self.registry = r = CollectorRegistry()
+
+        def engine_value(read):
+            return lambda: read(state.engine) if state.engine is not None else 0
+
+        Gauge("qwenrt:num_requests_running", "Requests in the running batch", registry=r).set_function(
+            engine_value(lambda e: e.num_running))
+        Gauge("qwenrt:num_requests_waiting", "Requests waiting to be admitted", registry=r).set_function(
+            engine_value(lambda e: e.num_waiting))
+        Gauge("qwenrt:kv_cache_usage_perc", "Fraction of the cache budget (KV + DeltaNet state) reserved by running "
+              "requests", registry=r).set_function(
+            engine_value(lambda e: e.scheduler.reserved / e.memory_budget))
+        self.prompt_tokens = Counter("qwenrt:prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.generation_tokens = Counter("qwenrt:generation_tokens", "Tokens generated", registry=r)
+        self.prefix_queries = Counter("qwenrt:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("qwenrt:prefix_cache_hits", "Prompt tokens restored from the prefix cache",
+                                   registry=r)
+        self.request_success = Counter("qwenrt:request_success", "Finished requests by finish reason",
+                                       ["finished_reason"], registry=r)
+        self.ttft = Histogram("qwenrt:time_to_first_token_seconds", "Time to first token (from arrival at the "
+                              "engine)", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("qwenrt:inter_token_latency_seconds", "Time between successive tokens of a request",
+                             buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("qwenrt:e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY_BUCKETS,
+                             registry=r)
+        self.queue_time = Histogram("qwenrt:request_queue_time_seconds", "Arrival to the first prefill chunk",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Feeds one request's outputs into the metrics (called in the engine thread, once per output)."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+        self._last: float | None = None  # when the previous token came out
+        self._generated = 0
+
+    def observe(self, out: RequestOutput) -> None:
+        m = self.metrics
+        if out.token_ids:
+            if self._last is None:
+                m.prompt_tokens.inc(out.prompt_tokens)
+                m.prefix_queries.inc(out.prompt_tokens)
+                m.prefix_hits.inc(out.cached_tokens)
+                m.ttft.observe(out.first_token_time - out.arrival_time)
+                # a prompt restored whole from the prefix cache has no prefill chunk: it waited until its token
+                m.queue_time.observe((out.prefill_start_time or out.first_token_time) - out.arrival_time)
+            else:
+                m.itl.observe(out.time - self._last)
+            self._last = out.time
+        m.generation_tokens.inc(out.generation_tokens - self._generated)
+        self._generated = out.generation_tokens
+        if out.finished:
+            m.request_success.labels(out.finish_reason).inc()
+            m.e2e.observe(out.time - out.arrival_time)

@@ -1,0 +1,106 @@
+"""Request bodies of the OpenAI endpoints (pydantic): types and ranges checked here, so a bad field is a 400 that
+names it. Fields the OpenAI API has and qwenrt cannot honour are refused by name rather than ignored; unknown
+fields are ignored, as vLLM does."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from qwenrt.engine.core import MAX_LOGPROBS
+
+MAX_CHOICES = 16
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingFields(_Body):
+    """Fields both endpoints share: which model, how many choices, how to sample, when to stop."""
+
+    model: str | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 or 0: off (vLLM's -1 accepted)
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class FunctionDefinition(_Body):
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ChatMessage(BaseModel):
+    """One message of the conversation; extra keys (reasoning, name, ...) pass through to the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class ChatTemplateKwargs(_Body):
+    enable_thinking: bool | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] | \
+        Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | \
+        Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the legacy endpoint's default, as OpenAI and vLLM have it
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None

@@ -1,0 +1,303 @@
+"""The engine: requests that arrive at different steps, share decode batches and prefill in chunks give what each
+gives alone; sampling, cancellation, limits, threads."""
+
+import dataclasses
+import threading
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import qwenrt
+from qwenrt import QwenrtError
+from qwenrt.engine import Engine, Request
+from qwenrt.engine.request import new_request_id
+from qwenrt.errors import QueueFullError
+from qwenrt.sampling import SamplingParams
+from tests.checkpoints import VOCAB
+
+
+def run(engine: Engine, arrivals: dict[int, list[Request]], max_steps: int = 10_000) -> dict[str, list]:
+    """Step the engine, adding arrivals[k] before step k, until all are done; every output per request id."""
+    outputs = {r.request_id: [] for batch in arrivals.values() for r in batch}
+    for step in range(max_steps):
+        for request in arrivals.get(step, []):
+            engine.add_request(request, outputs[request.request_id].append)
+        if step > max(arrivals) and not engine.has_work:
+            return outputs
+        engine.step()
+    raise AssertionError("the engine did not finish")
+
+
+def tokens_of(outputs: list) -> list[int]:
+    ids = [t for o in outputs for t in o.token_ids]
+    return ids[:outputs[-1].generation_tokens]
+
+
+def alone(model, tok, request: Request) -> list[int]:
+    solo = dataclasses.replace(request, request_id=new_request_id())
+    return tokens_of(run(Engine(model, tok), {0: [solo]})[solo.request_id])
+
+
+def greedy(prompt, n=12, **kw):
+    return Request(prompt, SamplingParams(max_tokens=n, **kw))
+
+
+def check_staggered(model, tok, requests: list[Request], **engine_options):
+    """Requests arriving at steps 0, 2, 3, 5, ... with small prefill chunks == each alone, token for token."""
+    engine = Engine(model, tok, **engine_options)
+    arrivals = {}
+    for i, r in enumerate(requests):
+        arrivals.setdefault(i + i // 2 + (i > 1), []).append(r)
+    outputs = run(engine, arrivals)
+    for r in requests:
+        assert outputs[r.request_id][-1].finish_reason in ("stop", "length")
+        assert tokens_of(outputs[r.request_id]) == alone(model, tok, r), r.prompt
+    assert engine.num_running == 0 and engine.scheduler.reserved == 0
+
+
+def test_staggered_requests_equal_each_alone(chat_model):
+    model, tok, _ = chat_model
+    requests = [greedy("Hi"), greedy([{"role": "user", "content": "Name three prime numbers."}], 20),
+                greedy("A much longer prompt about the weather in Paris, " * 8, 8), greedy(tok.encode("x = 1 +"), 16),
+                greedy("Once upon a time", 10), greedy("def f(x):", 14)]
+    check_staggered(model, tok, requests, max_running=4, max_batched_tokens=16)
+
+
+def test_staggered_moe_requests_equal_each_alone(moe_ckpt):
+    model, _ = qwenrt.load(moe_ckpt[0], dtype="float32")
+    g = torch.Generator().manual_seed(0)
+    requests = [greedy(torch.randint(0, VOCAB, (n,), generator=g).tolist(), 10, ignore_eos=True)
+                for n in (5, 40, 17, 3, 29)]
+    check_staggered(model, None, requests, max_running=3, max_batched_tokens=12)
+
+
+def picture(h, w, seed):
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def test_image_prompt_among_text_prompts(vlm_chat):
+    model, tok, _, _ = vlm_chat
+    image = [{"role": "user", "content": [{"type": "image", "image": picture(64, 96, 0)},
+                                          {"type": "text", "text": "Describe this."}]}]
+    requests = [greedy("Hello there", 10), greedy(image, 10), greedy("Some other words", 8),
+                greedy([{"role": "user", "content": "Hi!"}], 10)]
+    check_staggered(model, tok, requests, max_running=4, max_batched_tokens=8)
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(chat_model):
+    model, tok, _ = chat_model
+    sampled = dict(temperature=1.0, top_k=40, top_p=0.9, seed=11)
+    mine = Request("Tell me a story", SamplingParams(max_tokens=16, **sampled))
+    others = [Request("Other", SamplingParams(max_tokens=20, temperature=0.8, seed=3)), greedy("More", 20),
+              Request("Penalised", SamplingParams(max_tokens=20, repetition_penalty=1.3, presence_penalty=0.5))]
+    expected = alone(model, tok, mine)
+    outputs = run(Engine(model, tok, max_batched_tokens=8), {0: others[:1], 1: [mine], 3: others[1:]})
+    assert tokens_of(outputs[mine.request_id]) == expected
+    again = Request("Tell me a story", SamplingParams(max_tokens=16, **{**sampled, "seed": 12}))
+    assert alone(model, tok, again) != expected  # the seed matters
+
+
+def test_cancelling_one_request_leaves_the_others_unchanged(chat_model):
+    model, tok, _ = chat_model
+    requests = [greedy("Hi", 16), greedy("Cancel me please", 30), greedy("Third one", 16)]
+    engine = Engine(model, tok, max_batched_tokens=8)
+    outputs = {r.request_id: [] for r in requests}
+    for r in requests:
+        engine.add_request(r, outputs[r.request_id].append)
+    for _ in range(6):
+        engine.step()
+    victim = requests[1].request_id
+    assert outputs[victim] and not outputs[victim][-1].finished
+    engine.abort(victim)
+    assert outputs[victim][-1].finish_reason == "abort"  # at once: no step was running
+    assert engine.num_running == 2
+    while engine.has_work:
+        engine.step()
+    for r in (requests[0], requests[2]):
+        assert tokens_of(outputs[r.request_id]) == alone(model, tok, r)
+    assert engine.scheduler.reserved == 0 and not engine._sequences
+
+
+def test_decoding_continues_while_a_long_prompt_prefills(chat_model):
+    model, tok, _ = chat_model
+    engine = Engine(model, tok, max_batched_tokens=8)
+    short, long = greedy("Hi", 40), greedy("word " * 120, 4)
+    events = []
+    engine.add_request(short, lambda o: events.append(("short", o)))
+    for _ in range(3):
+        engine.step()
+    engine.add_request(long, lambda o: events.append(("long", o)))
+    steps_until_long_done = 0
+    while not any(name == "long" and o.token_ids for name, o in events):
+        before = sum(name == "short" for name, _ in events)
+        engine.step()
+        steps_until_long_done += 1
+        if steps_until_long_done < 5:
+            assert sum(name == "short" for name, _ in events) == before + 1  # one token per step, meanwhile
+    assert steps_until_long_done >= 120 // 8  # the long prompt really was chunked under the budget
+
+
+def test_short_prompt_prefills_before_a_long_one(chat_model):
+    model, tok, _ = chat_model
+    engine = Engine(model, tok, max_batched_tokens=32)
+    long, short = greedy("word " * 200, 2), greedy("Hi", 2)
+    firsts = {}
+    engine.add_request(long, lambda o: firsts.setdefault("long", engine_steps[0]))
+    engine_steps = [0]
+    engine.step()
+    engine.add_request(short, lambda o: firsts.setdefault("short", engine_steps[0]))
+    while engine.has_work:
+        engine_steps[0] += 1
+        engine.step()
+    assert firsts["short"] == 1 and firsts["long"] > 3
+
+
+def test_limits_are_enforced(chat_model):
+    model, tok, _ = chat_model
+    engine = Engine(model, tok, max_queue=2)
+    for i in range(2):
+        engine.add_request(greedy(f"queued {i}"), lambda o: None)
+    with pytest.raises(QueueFullError, match="queue is full"):
+        engine.add_request(greedy("one too many"), lambda o: None)
+    small = Engine(model, tok, memory_budget=engine.state_bytes + 100 * engine.kv_token_bytes)
+    with pytest.raises(QwenrtError, match="lower max_tokens"):
+        small.add_request(greedy("hi", 200), lambda o: None)
+    small.add_request(greedy("hi", 20), lambda o: None)  # fits
+    with pytest.raises(QwenrtError, match="exceeds the model's context limit"):
+        Engine(model, tok, max_model_len=10**9)
+    with pytest.raises(QwenrtError, match="max_running"):
+        Engine(model, tok, max_running=0)
+    limited = Engine(model, tok, max_model_len=12)
+    with pytest.raises(QwenrtError, match="context limit is 12"):
+        limited.add_request(greedy("a b c d e f g h i j k l m n o p"), lambda o: None)
+
+
+def test_memory_budget_admits_what_fits_and_reuses_what_leaves(chat_model):
+    model, tok, _ = chat_model
+    probe = Engine(model, tok)
+    need = probe.state_bytes + 30 * probe.kv_token_bytes  # one request of 30 tokens
+    engine = Engine(model, tok, memory_budget=2 * need + need // 2)  # room for two at a time
+    requests = [greedy(tok.encode("a b c d e")[:5], 25, ignore_eos=True) for _ in range(5)]
+    outputs = run_counting(engine, requests)
+    assert max(outputs["running"]) == 2
+    for r in requests:
+        assert len(tokens_of(outputs[r.request_id])) == 25
+
+
+def run_counting(engine, requests):
+    outputs = {r.request_id: [] for r in requests}
+    outputs["running"] = []
+    for r in requests:
+        engine.add_request(r, outputs[r.request_id].append)
+    while engine.has_work:
+        engine.step()
+        outputs["running"].append(engine.num_running)
+    return outputs
+
+
+def test_logprobs_are_the_models(chat_model):
+    model, tok, _ = chat_model
+    ids = tok.encode("The capital of France is")
+    stream = Engine(model, tok).submit(Request(ids, SamplingParams(max_tokens=3), logprobs=3))
+    outs = list(stream)
+    generated = [t for o in outs for t in o.token_ids]
+    with torch.no_grad():
+        expected = model(torch.tensor([ids + generated[:-1]]))[0, len(ids) - 1:].log_softmax(-1)
+    for i, o in enumerate(outs):
+        (lp,) = o.logprobs
+        assert lp.token == generated[i] and abs(lp.logprob - expected[i, lp.token].item()) < 1e-4
+        assert [t for t, _ in lp.top] == expected[i].topk(3).indices.tolist()
+
+
+def test_threads_share_one_engine(chat_model):
+    """Several threads generating at once on one model: each gets what it gets alone."""
+    model, tok, _ = chat_model
+    prompts = ["Hi", "Tell me more", "def main():", "1, 2, 3,"]
+    expected = [qwenrt.generate(model, tok, p, max_tokens=10) for p in prompts]
+    results = [None] * len(prompts)
+
+    def work(i):
+        results[i] = qwenrt.generate(model, tok, prompts[i], max_tokens=10)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert results == expected
+
+
+def test_loop_thread_serves_submitted_requests(chat_model):
+    model, tok, _ = chat_model
+    engine = Engine(model, tok)
+    engine.start()
+    try:
+        streams = [engine.submit(greedy(p, 8)) for p in ("Hi", "Hello there")]
+        got = [tokens_of(list(s)) for s in streams]
+    finally:
+        engine.stop()
+    assert got == [alone(model, tok, greedy(p, 8)) for p in ("Hi", "Hello there")]
+
+
+def test_an_error_ends_only_its_request(chat_model, monkeypatch):
+    model, tok, _ = chat_model
+    engine = Engine(model, tok)
+    bad, good = greedy("Broken", 8), greedy("Fine", 8)
+    real = engine.runner.prefill
+
+    def prefill(seq, n):
+        if seq.request_id == bad.request_id:
+            raise QwenrtError("the model produced non-finite logits")
+        return real(seq, n)
+
+    monkeypatch.setattr(engine.runner, "prefill", prefill)
+    outputs = run(engine, {0: [bad, good]})
+    assert outputs[bad.request_id][-1].finish_reason == "error"
+    assert "non-finite" in outputs[bad.request_id][-1].error
+    assert tokens_of(outputs[good.request_id]) == alone(model, tok, good)
+    monkeypatch.setattr(engine.runner, "prefill", lambda seq, n: 1 / 0)  # a bug, not bad input: still one request
+    with pytest.raises(QwenrtError, match="division by zero"):
+        qwenrt.generate(engine, tok, "Broken", max_tokens=3)
+    assert not engine.has_work
+
+
+def test_leaving_a_stream_early_cancels(chat_model):
+    model, tok, _ = chat_model
+    engine = Engine(model, tok)
+    for i, r in enumerate(qwenrt.stream_generate(engine, tok, "Count to ten", max_tokens=50)):
+        if i == 2:
+            break
+    assert engine.num_running == 0 and not engine.has_work
+
+
+def test_prompt_chunks_follow_the_step_target(chat_model, monkeypatch):
+    """After the first chunk has measured the prefill speed, chunks are sized to the step target (at least one
+    DeltaNet chunk); without a target, to max_batched_tokens."""
+    model, tok, _ = chat_model
+    prompt = tok.encode("word " * 700)[:700]
+    for target, expected in ((1e-6, [512, 64, 64, 60]), (None, [512, 188])):
+        engine = Engine(model, tok, step_target=target, snapshot_interval=10**6)
+        chunks, progress = [], []
+        real = engine.runner.prefill
+        monkeypatch.setattr(engine.runner, "prefill", lambda seq, n: chunks.append(n) or real(seq, n))
+        request = dataclasses.replace(greedy(prompt, 2), on_prefill=lambda done, total: progress.append((done, total)))
+        run(engine, {0: [request]})
+        assert chunks == expected
+        assert progress == [(sum(chunks[:i + 1]), 700) for i in range(len(chunks))]
+
+
+def test_a_request_reads_media_under_its_policy(vlm_chat, tmp_path):
+    from qwenrt.vision import MediaPolicy
+
+    model, tok, _, _ = vlm_chat
+    picture(32, 32, 3).save(tmp_path / "local.png")
+    ask = [{"role": "user", "content": [{"type": "image", "image": str(tmp_path / "local.png")},
+                                        {"type": "text", "text": "What is it?"}]}]
+    engine = Engine(model, tok)
+    with pytest.raises(QwenrtError, match="local"):
+        engine.add_request(Request(ask, greedy("x").params, media_policy=MediaPolicy.strict()), lambda o: None)
+    allowed = MediaPolicy.strict(file_root=str(tmp_path))
+    engine.add_request(Request(ask, greedy("x").params, media_policy=allowed), lambda o: None)
+    assert engine.num_waiting == 1

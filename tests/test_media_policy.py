@@ -1,0 +1,213 @@
+"""Hostile media: downloads that trickle, never end or redirect inside the network, private addresses, local files
+outside the allowed place, FIFOs and devices, decompression bombs, videos without a frame count. One line each."""
+
+import http.server
+import io
+import os
+import re
+import threading
+import time
+
+import av
+import numpy as np
+import pytest
+from PIL import Image
+
+from qwenrt.vision.config import PreprocessConfig
+from qwenrt.vision.fetch import is_public_address
+from qwenrt.vision.media import MediaPolicy, decode_video_file, load_image, preflight_media
+from qwenrt.vision.preprocess import preprocess_videos, sample_frame_indices
+from tests.hostile import one_line_error
+
+
+def png_bytes(width=8, height=6, mode="RGB") -> bytes:
+    out = io.BytesIO()
+    Image.new(mode, (width, height), 0).save(out, format="PNG")
+    return out.getvalue()
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def _head(self, status=200, length=None, **headers):
+        self.send_response(status)
+        for key, value in headers.items():
+            self.send_header(key.replace("_", "-"), value)
+        if length is not None:
+            self.send_header("Content-Length", str(length))
+        self.end_headers()
+
+    def do_GET(self):
+        try:
+            self.route()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def route(self):
+        path = self.path
+        if path == "/ok.png":
+            body = png_bytes()
+            self._head(length=len(body))
+            self.wfile.write(body)
+        elif path == "/trickle.png":  # a byte every 0.2 s, forever: each read succeeds, the whole never ends
+            self._head(length=10 ** 6)
+            while True:
+                self.wfile.write(b"\x89")
+                self.wfile.flush()
+                time.sleep(0.2)
+        elif path == "/endless.png":  # as fast as it can, no length
+            self._head()
+            while True:
+                self.wfile.write(b"\0" * 65536)
+        elif path == "/huge.png":
+            self._head(length=10 ** 12)
+        elif path.startswith("/redirect-to/"):
+            self._head(302, length=0, Location=path[len("/redirect-to/"):])
+        elif path == "/loop":
+            self._head(302, length=0, Location="/loop")
+        elif path == "/bomb.png":
+            body = png_bytes(13000, 13000, "1")  # a few KB that decode to 169M pixels
+            self._head(length=len(body))
+            self.wfile.write(body)
+        elif path == "/text":
+            self._head(length=5)
+            self.wfile.write(b"hello")
+        else:
+            self._head(404, length=0)
+
+
+@pytest.fixture(scope="module")
+def server():
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+FAST = MediaPolicy(download_seconds=1.5, max_bytes=1 << 20)
+
+
+def test_a_good_download(server):
+    assert load_image(f"{server}/ok.png", FAST).size == (8, 6)
+    assert load_image(f"{server}/redirect-to/{server}/ok.png", FAST).size == (8, 6)
+
+
+@pytest.mark.parametrize("path, fragment", [
+    ("/trickle.png", "longer than the download limit"),
+    ("/endless.png", "over the limit of 1048576 bytes"),
+    ("/huge.png", "is 1000000000000 bytes; the limit is 1048576"),
+    ("/loop", "more than 5 redirects"),
+    ("/missing.png", "HTTP 404"),
+    ("/bomb.png", "is 13000x13000 pixels; the limit is 50000000"),
+    ("/text", "not an image format Pillow recognises"),
+])
+def test_hostile_downloads(server, path, fragment):
+    start = time.monotonic()
+    message = one_line_error(lambda: load_image(server + path, FAST), fragment)
+    assert time.monotonic() - start < FAST.download_seconds + 2
+    assert "BytesIO" not in message and not re.search("0x[0-9a-f]{6}", message)
+
+
+@pytest.mark.parametrize("url", [
+    "http://127.0.0.1:9/x.png", "http://localhost/x.png", "http://10.1.2.3/x.png", "http://192.168.0.1/x.png",
+    "http://169.254.169.254/latest/meta-data/", "http://[::1]/x.png", "http://[::ffff:127.0.0.1]/x.png",
+    "http://0.0.0.0/x.png", "http://2130706433/x.png", "http://[fe80::1]/x.png", "http://100.64.0.1/x.png",
+])
+def test_private_addresses_are_refused_by_a_strict_policy(url):
+    one_line_error(lambda: load_image(url, MediaPolicy.strict()), "non-public address")
+
+
+def test_redirects_are_checked_against_the_policy(server):
+    port = server.rsplit(":", 1)[1]
+    lenient_but_local_only = MediaPolicy(allowed_domains=("localhost",), download_seconds=2)
+    one_line_error(lambda: load_image(f"http://localhost:{port}/redirect-to/{server}/ok.png", lenient_but_local_only),
+                   "host 127.0.0.1 is not among the allowed domains")
+    one_line_error(lambda: load_image(f"http://localhost:{port}/redirect-to/file:///etc/passwd", FAST),
+                   "only http(s) URLs")
+
+
+def test_policy_switches():
+    strict = MediaPolicy.strict(allowed_domains=("example.com",))
+    one_line_error(lambda: load_image("https://evil.test/x.png", strict), "not among the allowed domains")
+    one_line_error(lambda: load_image("/etc/hostname", strict), "local files are not allowed here")
+    one_line_error(lambda: load_image("https://example.com/x.png", MediaPolicy(allow_urls=False)),
+                   "downloading media is not allowed")
+    one_line_error(lambda: load_image("data:image/png;base64,AAAA", MediaPolicy(allow_data_uris=False)),
+                   "data URIs are not allowed")
+    one_line_error(lambda: load_image("ftp://example.com/x.png"), "file not found")  # not a URL we fetch: a path
+    one_line_error(lambda: load_image("http://exa mple.com:99999/x.png"), "invalid port")
+    assert is_public_address("8.8.8.8") and not is_public_address("::ffff:10.0.0.1")
+
+
+def test_local_files(tmp_path):
+    root = tmp_path / "media"
+    root.mkdir()
+    (root / "ok.png").write_bytes(png_bytes())
+    (tmp_path / "secret.png").write_bytes(png_bytes())
+    (root / "link.png").symlink_to(tmp_path / "secret.png")
+    os.mkfifo(root / "fifo.png")
+    (root / "dir.png").mkdir()
+    (root / "big.png").write_bytes(b"\0" * (2 << 20))
+    policy = MediaPolicy.strict(file_root=root, max_bytes=1 << 20)
+    assert load_image(str(root / "ok.png"), policy).size == (8, 6)
+    one_line_error(lambda: load_image(str(tmp_path / "secret.png"), policy), "only files under")
+    one_line_error(lambda: load_image(str(root / "link.png"), policy), "only files under")
+    one_line_error(lambda: load_image(str(root / "../secret.png"), policy), "only files under")
+    one_line_error(lambda: load_image(str(root / "fifo.png"), policy), "is a FIFO")
+    one_line_error(lambda: load_image(str(root / "dir.png"), policy), "is a directory")
+    one_line_error(lambda: load_image(str(root / "big.png"), policy), "the limit is 1048576")
+    one_line_error(lambda: load_image("/dev/zero"), "not a regular file")
+    one_line_error(lambda: preflight_media(str(root / "fifo.png"), policy), "not a regular file")
+    one_line_error(lambda: preflight_media(str(root / "none.png")), "file not found")
+
+
+def test_in_memory_sources():
+    bomb = png_bytes(13000, 13000, "1")
+    one_line_error(lambda: load_image(bomb), "is 13000x13000 pixels")
+    small = png_bytes(100, 100)
+    assert load_image(small).size == (100, 100)
+    one_line_error(lambda: load_image(small, MediaPolicy(max_pixels=5000)), "is 100x100 pixels; the limit is 5000")
+    one_line_error(lambda: load_image(b"GIF89a garbage"), "cannot decode image")
+    one_line_error(lambda: load_image(b"x" * 100, MediaPolicy(max_bytes=10)), "over the limit of 10")
+    one_line_error(lambda: load_image("data:image/png;base64," + "A" * 2000, MediaPolicy(max_bytes=1000)),
+                   "more than the limit of 1000 bytes")
+
+
+def write_video(path, frames: int, container_format: str | None = None):
+    with av.open(str(path), "w", format=container_format) as container:
+        stream = container.add_stream("mpeg4", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 96, 64, "yuv420p"
+        for i in range(frames):
+            frame = av.VideoFrame.from_ndarray(np.full((64, 96, 3), 8 * i, np.uint8), format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def test_video_without_a_frame_count_is_not_decoded_whole(tmp_path):
+    """A Matroska stream states no frame count: its packets are counted, then only the sampled frames kept."""
+    cfg = PreprocessConfig(min_pixels=32 * 32, max_pixels=128 * 128)
+    mkv, mp4 = tmp_path / "clip.mkv", tmp_path / "clip.mp4"
+    write_video(mkv, 30)
+    write_video(mp4, 30)
+    with av.open(str(mkv)) as container:
+        assert container.streams.video[0].frames == 0
+    seen = []
+    frames, indices, _ = decode_video_file(mkv, lambda total, fps: seen.append(total) or sample_frame_indices(
+        total, fps, cfg))
+    assert seen == [30] and indices == sample_frame_indices(30, 10.0, cfg)
+    frames_mp4, indices_mp4, _ = decode_video_file(mp4, lambda total, fps: sample_frame_indices(total, fps, cfg))
+    assert indices == indices_mp4
+    assert all(np.abs(a.astype(int) - b.astype(int)).max() <= 2 for a, b in zip(frames, frames_mp4))
+    one_line_error(lambda: preprocess_videos([mkv], cfg, policy=MediaPolicy(max_frames=20)), "more than 20 frames")
+    one_line_error(lambda: preprocess_videos([mp4], cfg, policy=MediaPolicy(max_pixels=1000)), "96x64")
+    one_line_error(lambda: preprocess_videos([mp4], cfg, policy=MediaPolicy(max_video_pixels=10_000)),
+                   "sampled 96x64 frames exceed")
+    one_line_error(lambda: preprocess_videos([mp4], cfg, policy=MediaPolicy.strict()), "local files are not allowed")
+    os.mkfifo(tmp_path / "fifo.mp4")
+    one_line_error(lambda: preprocess_videos([tmp_path / "fifo.mp4"], cfg), "is a FIFO")
+    (tmp_path / "garbage.mp4").write_bytes(b"\0" * 1000)
+    one_line_error(lambda: preprocess_videos([tmp_path / "garbage.mp4"], cfg), "cannot decode video file")

@@ -1,0 +1,546 @@
+"""`qwenrt serve`: a real server (a subprocess on a free loopback port, tiny checkpoints) driven with the official
+`openai` client, plus the app in-process over a scripted engine where a test needs a model output it can choose
+(tool calls, a reasoning block that closes, an engine error)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+import qwenrt
+from qwenrt.engine import RequestHandle, RequestOutput
+from qwenrt.parsing import parse_completion
+from tests import checkpoints
+from tests.server_process import ROOT, ServerProcess
+
+KEY = "sk-test"
+
+
+# ---- a real server ------------------------------------------------------------------------------------------
+
+class Server(ServerProcess):
+    def __init__(self, tmp: Path, checkpoint: Path, *options: str):
+        super().__init__(checkpoint, tmp / "server.log", "--served-model-name", "tiny", "--api-key", KEY, *options,
+                         env={"OMP_NUM_THREADS": "2"})
+
+    def client(self, **options) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, **options)
+
+
+@pytest.fixture(scope="session")
+def server(chat_ckpt, tmp_path_factory):
+    """The chat checkpoint (real vocabulary and template), default limits, no local media."""
+    s = Server(tmp_path_factory.mktemp("server"), chat_ckpt[0], "--max-model-len", "1024")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def media_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("media")
+
+
+@pytest.fixture(scope="session")
+def vlm_server(tmp_path_factory, media_dir):
+    """A VLM with one running slot and one queue place, reading local images under media_dir."""
+    path = tmp_path_factory.mktemp("vlm-chat-serve")
+    checkpoints.build_chat_vlm(path)
+    s = Server(tmp_path_factory.mktemp("vlm-server"), path, "--max-running", "1", "--max-queue", "1",
+               "--allowed-local-media-path", str(media_dir))
+    yield s
+    s.stop()
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def chat(client, messages, **kw):
+    return client.chat.completions.create(model="tiny", messages=messages, **kw)
+
+
+def collect_stream(stream) -> dict:
+    """Concatenate a chat stream's deltas into one message (tool calls by index), as a client would."""
+    out = {"role": None, "content": "", "reasoning": "", "calls": {}, "finish": None, "usage": None, "chunks": 0}
+    for chunk in stream:
+        out["chunks"] += 1
+        if chunk.usage is not None:
+            out["usage"] = chunk.usage
+        for choice in chunk.choices:
+            d = choice.delta
+            out["role"] = out["role"] or d.role
+            out["content"] += d.content or ""
+            out["reasoning"] += getattr(d, "reasoning_content", None) or ""
+            for t in d.tool_calls or ():
+                call = out["calls"].setdefault(t.index, {"id": None, "name": None, "arguments": ""})
+                call["id"] = call["id"] or t.id
+                call["name"] = call["name"] or (t.function.name if t.function else None)
+                call["arguments"] += (t.function.arguments or "") if t.function else ""
+            out["finish"] = choice.finish_reason or out["finish"]
+    return out
+
+
+# ---- chat, completions, reasoning, sampling -----------------------------------------------------------------
+
+def test_health_and_models(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == ["tiny"] and models.data[0].max_model_len == 1024
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_chat_is_the_python_api_answer_split(server, chat_model, thinking):
+    """Greedy: the server's message is what qwenrt.complete gives for the same messages (the same template,
+    thinking switch and split at </think>); streamed deltas concatenate to it; usage counts the same tokens."""
+    model, tok, _ = chat_model
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    want = qwenrt.complete(model, tok, messages, max_tokens=14, enable_thinking=thinking)
+    kw = dict(max_tokens=14, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": thinking}})
+    whole = chat(server.client(), messages, **kw)
+    message = whole.choices[0].message
+    assert (message.reasoning_content, message.content) == (want.reasoning, want.content)
+    assert (want.reasoning is not None) == thinking
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (want.prompt_tokens, want.generation_tokens)
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    assert whole.choices[0].finish_reason == want.finish_reason
+
+    streamed = collect_stream(chat(server.client(), messages, stream=True, stream_options={"include_usage": True},
+                                   **kw))
+    assert streamed["role"] == "assistant"
+    assert (streamed["reasoning"], streamed["content"]) == (want.reasoning or "", want.content)
+    assert streamed["finish"] == whole.choices[0].finish_reason
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [getattr(streamed["usage"], k) for k in counts] == [getattr(whole.usage, k) for k in counts]
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(server):
+    client = server.client()
+    messages = [{"role": "system", "content": "You are a careful assistant. " * 20}, *user("Summarise the above.")]
+    hits = server.metric("prefix_cache_hits_total")
+    first, again = (chat(client, messages, max_tokens=4, temperature=0) for _ in range(2))
+    assert again.choices[0].message == first.choices[0].message
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached <= again.usage.prompt_tokens and first.usage.prompt_tokens_details.cached_tokens < cached
+    assert server.metric("prefix_cache_hits_total") - hits >= cached
+
+
+def test_history_reasoning_under_either_name(server):
+    """An assistant turn's reasoning arrives as `reasoning_content` (SGLang, old vLLM) or `reasoning` (vLLM): the
+    template renders both the same (the turn after the last user query keeps its think block)."""
+    def ask(field):
+        messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello.", field: "Greet back."}]
+        return chat(server.client(), messages, max_tokens=1, temperature=0).usage.prompt_tokens
+
+    plain = chat(server.client(), [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}],
+                 max_tokens=1).usage.prompt_tokens
+    assert ask("reasoning_content") == ask("reasoning") > plain
+
+
+def test_completions_whole_streamed_and_token_ids(server, chat_model):
+    _, tok, _ = chat_model
+    client = server.client()
+    kw = dict(model="tiny", max_tokens=6, temperature=0)
+    whole = client.completions.create(prompt="The quick brown fox", logprobs=2, **kw)
+    choice = whole.choices[0]
+    assert whole.usage.prompt_tokens == len(tok.encode("The quick brown fox"))
+    assert len(choice.logprobs.tokens) == whole.usage.completion_tokens == len(choice.logprobs.token_logprobs)
+    assert all(len(top) <= 2 and lp <= 0
+               for top, lp in zip(choice.logprobs.top_logprobs, choice.logprobs.token_logprobs))
+    assert "".join(choice.logprobs.tokens) == choice.text
+    chunks = list(client.completions.create(prompt="The quick brown fox", stream=True,
+                                            stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    # a token-id prompt is the same prompt; a list of prompts gives one choice each, in order
+    ids = tok.encode("The quick brown fox")
+    batch = client.completions.create(prompt=[ids, tok.encode("Hello")], **kw)
+    assert [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text == choice.text
+    assert batch.choices[1].text == client.completions.create(prompt="Hello", **kw).choices[0].text
+
+
+def test_sampling_fields_reach_the_sampler(server):
+    client = server.client()
+    seeded = [chat(client, user("Tell me a story."), max_tokens=12, temperature=1.0, seed=7).choices[0].message
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]  # a seed makes a sampled answer repeatable
+    greedy = chat(client, user("Tell me a story."), max_tokens=12, temperature=0,
+                  extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    text = greedy.choices[0].message.content
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stopped = chat(client, user("Tell me a story."), max_tokens=12, temperature=0, stop=[stop],
+                   extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].message.content == text[:text.index(stop)]
+    whole = chat(client, user("Tell me a story."), max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    # greedy: the chosen token is the most likely one
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == c.logprob for c in content)
+
+
+def test_tools_reach_the_template_and_stream_like_whole(server):
+    """A random model does not call tools; this shows the tools reach the prompt and the streamed message equals the
+    whole one on the real path (the call parsing itself is tested with a scripted engine below)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                                "parameters": {"type": "object",
+                                                               "properties": {"city": {"type": "string"}}}}}]
+    client = server.client()
+    kw = dict(max_tokens=10, temperature=0)
+    without = chat(client, user("Weather in Paris?"), **kw)
+    whole = chat(client, user("Weather in Paris?"), tools=tools, **kw)
+    assert whole.usage.prompt_tokens > without.usage.prompt_tokens + 50
+    streamed = collect_stream(chat(client, user("Weather in Paris?"), tools=tools, stream=True, **kw))
+    message = whole.choices[0].message
+    assert (streamed["reasoning"], streamed["content"]) == (message.reasoning_content or "", message.content or "")
+    assert len(streamed["calls"]) == len(message.tool_calls)
+
+
+# ---- concurrency and cancellation ---------------------------------------------------------------------------
+
+PROMPTS = ["Hi", "Name three primes.", "Write a haiku about rain.", "What is 2+2?", "Translate 'cat' to French.",
+           "Describe the sea in one line, please, with as much detail as you can muster.", "Count to five.", "Why?"]
+
+
+def test_eight_concurrent_streams_each_equal_alone(server, chat_model):
+    """Eight greedy streams at once, cold (their prompts prefilled together), each equal to that request run alone
+    (in this process's own engine, so no state is shared with the server's batch)."""
+    model, tok, _ = chat_model
+    client = server.client(timeout=300)
+
+    def run(prompt):
+        return collect_stream(chat(client, user(prompt), max_tokens=8, temperature=0, stream=True))
+
+    most = [0.0]
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            most[0] = max(most[0], server.metric("num_requests_running"))
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(run, PROMPTS))
+    done.set()
+    watcher.join()
+    for prompt, t in zip(PROMPTS, together):
+        alone = qwenrt.complete(model, tok, user(prompt), max_tokens=8)
+        assert (t["reasoning"], t["content"], t["finish"]) == (alone.reasoning or "", alone.content,
+                                                              alone.finish_reason)
+    assert most[0] >= 2  # they really shared the engine's batch
+    server.wait_idle()
+
+
+def test_disconnect_cancels_the_request(server):
+    client = server.client(timeout=300)
+    aborted = server.metric("request_success_total", '{finished_reason="abort"}')
+    generated = server.metric("generation_tokens_total")
+    stream = chat(client, user("Go on forever."), max_tokens=900, stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    assert server.wait_idle() < 10
+    # non-streamed: the client gives up waiting
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=1.0,
+                   json={"messages": user("Go on forever."), "max_tokens": 900, "ignore_eos": True})
+    assert server.wait_idle() < 10
+    assert server.metric("request_success_total", '{finished_reason="abort"}') == aborted + 2
+    assert server.metric("generation_tokens_total") - generated < 900  # neither ran to its max_tokens
+    assert server.metric("num_requests_running") == 0
+
+
+# ---- images -------------------------------------------------------------------------------------------------
+
+def png(seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def image_message(url: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "What is this?"}]}]
+
+
+def test_image_from_data_uri_and_allowed_file(vlm_server, media_dir):
+    client = vlm_server.client()
+    data = png(0)
+    (media_dir / "a.png").write_bytes(data)
+    kw = dict(max_tokens=8, temperature=0)
+    by_uri = chat(client, image_message("data:image/png;base64," + base64.b64encode(data).decode()), **kw)
+    by_file = chat(client, image_message(f"file://{media_dir / 'a.png'}"), **kw)
+    text_only = chat(client, user("What is this?"), **kw)
+    assert by_uri.usage.prompt_tokens > text_only.usage.prompt_tokens + 5  # the image's tokens are in the prompt
+    assert by_uri.choices[0].message == by_file.choices[0].message
+    with pytest.raises(openai.BadRequestError, match="outside the allowed media directory"):
+        chat(client, image_message(f"file://{ROOT / 'README.md'}"), **kw)
+
+
+def test_local_files_need_the_flag(server, media_dir):
+    (media_dir / "b.png").write_bytes(png(1))
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server.client(), image_message(str(media_dir / "b.png")), max_tokens=2)
+    assert e.value.body["param"] == "messages[0].content[0].image_url.url"
+
+
+# ---- errors -------------------------------------------------------------------------------------------------
+
+def test_error_statuses(server):
+    client = server.client()
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4", messages=user("Hi"))
+    assert e.value.body["param"] == "model" and e.value.status_code == 404
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, user("Hi"), temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError, match="context limit"):
+        chat(client, user("word " * 1100))
+    with pytest.raises(openai.BadRequestError, match="maximum context length") as e:
+        chat(client, user("Hi"), max_tokens=1024)
+    assert e.value.body["param"] == "max_tokens"
+
+
+MALFORMED = [
+    b"{not json", b"[]", b'"text"', b"{}", b'{"messages": []}', b'{"messages": "hi"}',
+    b'{"messages": [{"role": "robot", "content": "hi"}]}', b'{"messages": [{"role": "user", "content": 5}]}',
+    b'{"messages": [{"role": "user", "content": [{"type": "audio", "x": 1}]}]}',
+    b'{"messages": [{"role": "user", "content": [{"type": "text"}]}]}',
+    b'{"messages": [{"role": "assistant", "content": "x"}]}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "n": 1000}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "top_p": 0}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "stop": [1, 2]}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 99}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "seed": -1}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 1}}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "stream": "maybe"}',
+    b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"function": '
+    b'{"name": "f", "arguments": "{oops"}}]}]}',
+    b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}]}]}',
+    b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": '
+    b'{"url": "data:image/png;base64,AAAA"}}]}]}',
+]
+
+
+@pytest.mark.parametrize("body", MALFORMED)
+def test_bad_input_is_a_400_in_openai_shape(server, body):
+    r = httpx.post(server.url + "/v1/chat/completions", content=body, timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["code"] == 400 and error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body", [b'{"prompt": ""}', b'{"prompt": [999999999]}', b'{"prompt": [-5, 3]}',
+                                  b'{"prompt": []}',
+                                  b'{"prompt": "x", "echo": true}', b'{"prompt": "x", "best_of": 3}',
+                                  b'{"prompt": [[1], "x"]}', b'{"prompt": "x", "logprobs": 50}'])
+def test_bad_completion_input_is_a_400(server, body):
+    r = httpx.post(server.url + "/v1/completions", content=body, timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"], r.text
+
+
+def test_full_queue_is_a_429(vlm_server):
+    client = vlm_server.client(timeout=300)
+    long = dict(max_tokens=2000, stream=True, extra_body={"ignore_eos": True})
+    running = chat(client, user("one"), **long)
+    while vlm_server.metric("num_requests_running") < 1:
+        time.sleep(0.02)
+    waiting = chat(client, user("two"), **long)  # the stream opens once the request is queued
+    with pytest.raises(openai.RateLimitError, match="queue is full"):
+        chat(client, user("three"), max_tokens=2)
+    running.close()
+    waiting.close()
+    vlm_server.wait_idle()
+
+
+# ---- the app over a scripted engine -------------------------------------------------------------------------
+
+class ScriptedEngine:
+    """Stands in for the engine where a test must choose the model's output: every request gets `pieces` (one
+    per step, like tokens) and then `finish`. Only what the server uses of an engine is here."""
+
+    max_model_len = 4096
+    memory_budget = 1
+    num_running = num_waiting = 0
+
+    def __init__(self, tokenizer, pieces: list[str], finish: str = "stop", error: str | None = None):
+        self.tokenizer, self.pieces, self.finish, self.error = tokenizer, pieces, finish, error
+        self.scheduler = type("Scheduler", (), {"reserved": 0})()
+        self.requests = []
+
+    def add_request(self, request, sink):
+        self.requests.append(request)
+        start = time.perf_counter()
+
+        def run():
+            for n, piece in enumerate(self.pieces, 1):
+                sink(RequestOutput(request.request_id, piece, [n], None, 5, n, start, start, start,
+                                   time.perf_counter()))
+            sink(RequestOutput(request.request_id, "", [], self.finish, 5, len(self.pieces), start, start, start,
+                               time.perf_counter(), error=self.error))
+        threading.Thread(target=run).start()
+        return RequestHandle(request.request_id, 5, request.enable_thinking is not False)
+
+    def abort(self, request_id):
+        pass
+
+    def stop(self):
+        pass
+
+
+def scripted_client(engine_or_load):
+    from fastapi.testclient import TestClient
+
+    from qwenrt.server.app import ServerConfig, create_app
+
+    load = engine_or_load if callable(engine_or_load) else lambda: engine_or_load
+    app = create_app(ServerConfig("scripted", ["tiny"]), load)
+    http = TestClient(app)
+    return http, openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from qwenrt.tokenizer import load_tokenizer
+    from tests.tokenizer_fixture import qwen35_tokenizer_dir
+
+    return load_tokenizer(qwen35_tokenizer_dir())
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "hourly": {"type": "boolean"}}}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string"}}}}}]
+CALLS_TEXT = ("The user wants the weather.\n</think>\n\nLet me look that up.\n\n<tool_call>\n<function=get_weather>\n"
+              "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=hourly>\ntrue\n"
+              "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=zone>\nCET\n"
+              "</parameter>\n</function>\n</tool_call>")
+
+
+def pieces_of(text: str, size: int = 3) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+def test_tool_calls_whole_and_streamed(tokenizer):
+    engine = ScriptedEngine(tokenizer, pieces_of(CALLS_TEXT))
+    http, client = scripted_client(engine)
+    with http:
+        kw = dict(model="tiny", messages=user("Weather and time in Paris?"), tools=WEATHER)
+        whole = client.chat.completions.create(**kw).choices[0]
+        streamed = collect_stream(client.chat.completions.create(stream=True, **kw))
+    want = parse_completion(CALLS_TEXT, True, WEATHER)
+    assert engine.requests[0].tools == WEATHER  # the definitions went to the chat template
+    assert whole.finish_reason == streamed["finish"] == "tool_calls"
+    assert whole.message.reasoning_content == streamed["reasoning"] == want.reasoning == "The user wants the weather."
+    assert whole.message.content == streamed["content"] == want.content == "Let me look that up."
+    calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert calls == [(c.name, c.arguments_json) for c in want.tool_calls]
+    assert json.loads(calls[0][1]) == {"city": "Paris", "days": 3, "hourly": True}  # typed by the schema
+    assert [(c["name"], c["arguments"]) for _, c in sorted(streamed["calls"].items())] == calls
+    assert all(c["id"].startswith("call_") for c in streamed["calls"].values())
+
+
+def test_tool_choice_none_leaves_the_text(tokenizer):
+    http, client = scripted_client(ScriptedEngine(tokenizer, pieces_of(CALLS_TEXT)))
+    with http:
+        message = client.chat.completions.create(model="tiny", messages=user("Hi"), tools=WEATHER,
+                                                 tool_choice="none").choices[0]
+    assert message.finish_reason == "stop" and not message.message.tool_calls
+    assert "<tool_call>" in message.message.content
+
+
+def test_history_tool_calls_render_as_the_template_expects(tokenizer):
+    engine = ScriptedEngine(tokenizer, ["ok"])
+    http, client = scripted_client(engine)
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": None, "reasoning": "Use the tool.", "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    with http:
+        client.chat.completions.create(model="tiny", messages=history, tools=WEATHER)
+    rendered = tokenizer.apply_chat_template(engine.requests[0].prompt, tools=WEATHER)
+    assert "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n" in rendered
+    assert "<think>\nUse the tool.\n</think>" in rendered and "<tool_response>\nsunny\n</tool_response>" in rendered
+
+
+def test_engine_error_reaches_the_client(tokenizer):
+    http, client = scripted_client(ScriptedEngine(tokenizer, ["a", "b"], finish="error", error="out of luck"))
+    with http:
+        with pytest.raises(openai.InternalServerError, match="out of luck"):
+            client.chat.completions.create(model="tiny", messages=user("Hi"))
+        with pytest.raises(openai.APIError, match="out of luck"):
+            collect_stream(client.chat.completions.create(model="tiny", messages=user("Hi"), stream=True))
+
+
+def test_503_while_loading_and_after_a_failed_load(tokenizer):
+    release = threading.Event()
+
+    def slow_load():
+        release.wait(30)
+        return ScriptedEngine(tokenizer, ["hi"])
+
+    http, client = scripted_client(slow_load)
+    with http:
+        assert http.get("/health").status_code == 503
+        with pytest.raises(openai.InternalServerError) as e:
+            client.models.list()
+        assert e.value.status_code == 503 and "loading" in e.value.message
+        release.set()
+        deadline = time.monotonic() + 30
+        while http.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        answer = client.chat.completions.create(model="tiny", messages=user("Hi")).choices[0].message
+        assert answer.reasoning_content == "hi"
+
+    def failing_load():
+        raise qwenrt.QwenrtError("no such checkpoint")
+
+    http, client = scripted_client(failing_load)
+    with http:
+        deadline = time.monotonic() + 30
+        while "no such checkpoint" not in http.get("/health").text:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(openai.InternalServerError, match="failed to load: no such checkpoint"):
+            client.models.list()
+
+
+def test_several_choices_whole_and_streamed(tokenizer):
+    engine = ScriptedEngine(tokenizer, pieces_of("Plan.\n</think>\n\nAnswer."))
+    http, client = scripted_client(engine)
+    with http:
+        whole = client.chat.completions.create(model="tiny", messages=user("Hi"), n=3, seed=5)
+        chunks = list(client.chat.completions.create(model="tiny", messages=user("Hi"), n=3, stream=True))
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert all((c.message.reasoning_content, c.message.content) == ("Plan.", "Answer.") for c in whole.choices)
+    assert [r.params.seed for r in engine.requests[:3]] == [5, 6, 7]  # seeded choices differ, repeatably
+    for i in range(3):
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+        assert text == "Answer."
+    assert whole.usage.completion_tokens == 3 * len(engine.pieces) and whole.usage.prompt_tokens == 5
