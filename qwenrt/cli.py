@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "model); with --steps to shorten it")
     p.add_argument("--data", help="training conversations: JSONL, one {\"messages\": [...], \"tools\": [...]} per line")
     p.add_argument("--eval-data", dest="eval_data", help="held-out conversations (JSONL), evaluated periodically")
-    p.add_argument("--init", help="checkpoint to start from (its config, tokenizer and weights)")
+    p.add_argument("--init", help="checkpoint to start from (its config, tokenizer and weights; default: the built-in "
+                   "model, unless --config)")
     p.add_argument("--config", dest="model_config", help="config.json of a freshly initialised model (needs --tokenizer)")
     p.add_argument("--tokenizer", help="directory with the tokenizer files, for --config")
     p.add_argument("--resume", action="store_true", default=None, help="continue from the last step checkpoint in OUT")

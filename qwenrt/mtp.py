@@ -35,7 +35,7 @@ class MTPHead(nn.Module):
         """hidden [B, T, D] (h_t, final-normed), next_embeds [B, T, D] (embeddings of x_{t+1}), cos, sin
         [B, T, R] of positions t -> the normed output [B, T, D]; lm_head of it predicts x_{t+2}. Causal over T."""
         z = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        x, delta = self.layers[0](z, None, cos, sin, None, None)
+        x, delta = self.layers[0](z, None, cos, sin, None)
         return self.norm.add_forward(x, delta)[1]
 
 

@@ -95,6 +95,23 @@ def test_cli_uses_the_builtin_model_by_default():
     assert f"the built-in model {DEFAULT_MODEL}" in run.stderr
 
 
+def test_server_uses_the_builtin_model_by_default(tmp_path):
+    import httpx
+
+    from tests.server_process import ServerProcess
+
+    server = ServerProcess(None, tmp_path / "serve.log")
+    try:
+        assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == [DEFAULT_MODEL]
+        body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "What is 127 + 385?"}],
+                "temperature": 0, "chat_template_kwargs": {"enable_thinking": False}}
+        reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+        assert reply["choices"][0]["message"]["content"] == "127 + 385 = 512"
+    finally:
+        server.stop()
+    assert f"the built-in model {DEFAULT_MODEL}" in (tmp_path / "serve.log").read_text()
+
+
 def test_out_of_scope_gets_a_refusal(tiny):
     from qwenrt.tiny.tasks import REFUSAL
 

@@ -1,5 +1,5 @@
 """Training: the loss mask, differentiability without native kernels, the shortened recipe (held-out loss falls),
-exact resumption, the `qwenrt train` command."""
+seeded determinism and exact resumption, the `qwenrt train` command."""
 
 import json
 import shutil
@@ -119,17 +119,24 @@ def test_loss_mask_covers_exactly_what_the_model_generates(quick):
     assert tokenizer.decode([t for t, on in zip(example.ids, example.loss_mask) if on]) == "2 + 2 = 4<|im_end|>"
 
 
-def test_resumed_run_equals_uninterrupted(quick, tmp_path):
+def test_training_is_deterministic_and_resumable(quick, tmp_path):
+    """Two runs with one seed give identical weights, and so does a run resumed from its step checkpoint; another
+    seed (another data order) does not."""
     out, _ = quick
     data = conversations(40, 11)
     cfg = TrainConfig(out=str(tmp_path / "a"), data=data, init=str(out), steps=4, batch_size=4, save_every=2,
-                      warmup=1, progress=False)
+                      warmup=1, progress=False, threads=1)
     train(cfg)
+    train(replace(cfg, out=str(tmp_path / "again")))
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     (tmp_path / "b" / "model.safetensors").unlink()
     train(replace(cfg, out=str(tmp_path / "b"), resume=True))
-    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    train(replace(cfg, out=str(tmp_path / "other"), seed=1))
+    weights = {name: load_file(tmp_path / name / "model.safetensors") for name in ("a", "again", "b", "other")}
+    a = weights["a"]
+    for name in ("again", "b"):
+        assert a.keys() == weights[name].keys() and all(torch.equal(a[n], weights[name][n]) for n in a), name
+    assert not all(torch.equal(a[n], weights["other"][n]) for n in a)
 
 
 def test_train_command_on_jsonl(quick, tmp_path, capsys):

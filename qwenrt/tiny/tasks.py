@@ -274,7 +274,8 @@ def refusal_prompt(rng: random.Random) -> str:
 
 # ---- conversations ----
 
-FAMILY_WEIGHTS = {"add": 0.28, "sub": 0.28, "calculator": 0.1, "capital": 0.08, "sort": 0.1, "refusal": 0.16}
+# tool conversations carry the ~350-token tool system prompt: few of them already cost half the tokens
+FAMILY_WEIGHTS = {"add": 0.37, "sub": 0.37, "calculator": 0.05, "capital": 0.04, "sort": 0.08, "refusal": 0.09}
 
 
 def _answer(task_content: str, reasoning: str, thinking: bool) -> dict:

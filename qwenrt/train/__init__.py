@@ -30,6 +30,10 @@ def train_command(out: str, recipe: str | None = None, **options) -> str:
     else:
         if "data" not in options:
             raise QwenrtError("qwenrt train needs --data (or --recipe tiny)")
+        if "init" not in options and "model_config" not in options:  # fine-tune the built-in model
+            from qwenrt.default_model import default_model_path
+
+            options["init"] = str(default_model_path())
         if "model_config" in options:
             options["model_config"] = _read_json(options["model_config"])
         summary = train(TrainConfig(out=out, **options))

@@ -75,15 +75,19 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def init_weights(modules: dict[str, torch.nn.Module], layers: int, seed: int) -> None:
     """Fresh weights for modules by name prefix ("" the model, "mtp." its head): matrices N(0, 1/fan_in), the
     residual-output projections further scaled by 1/sqrt(2·layers), embeddings N(0, 1/hidden), zero (1 + w)
-    norms, the DeltaNet decay rates spread over heads as transformers initialises them. (GPT-2's fixed 0.02 is
-    far too small at small widths: through the gated attention and SwiGLU products the layers start silent.)"""
+    norms, the DeltaNet decay rates A spread over heads and their step sizes dt small, so the layers remember from
+    the start (transformers' placeholder dt_bias = 1 forgets within a few tokens). GPT-2's fixed 0.02 is far too
+    small at small widths: through the gated attention and SwiGLU products the layers would start silent."""
     g = torch.Generator().manual_seed(seed)
     for prefix, module in modules.items():
         for name, p in module.named_parameters():
             name = prefix + name
             if name.endswith("A_log"):
                 p.copy_(torch.empty(p.shape).uniform_(1, 16, generator=g).log())
-            elif name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
+            elif name.endswith("dt_bias"):  # softplus(dt_bias) = dt log-uniform in [1e-3, 1e-1], as Mamba2 / FLA
+                dt = torch.empty(p.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=g).exp()
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))
+            elif name.endswith("linear_attn.norm.weight"):
                 p.fill_(1.0)
             elif "norm" in name:
                 p.zero_()
