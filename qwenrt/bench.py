@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qwenrt.errors import QwenrtError
+from qwenrt.kernels import kernel_path
 
 GIB = 1 << 30
 
@@ -29,12 +30,14 @@ class Config:
     engine: str
     dtype: str
     quantize: str = "none"
+    speculative: int | str = 0  # draft tokens per step (qwenrt): 0, k or "auto"
 
     @property
     def label(self) -> str:
         if self.engine == "transformers":
             return f"transformers {self.dtype}"
-        return f"qwenrt {self.dtype}" if self.quantize == "none" else f"qwenrt {self.quantize} ({self.dtype} act.)"
+        label = f"qwenrt {self.dtype}" if self.quantize == "none" else f"qwenrt {self.quantize} ({self.dtype} act.)"
+        return label + (f", speculative {self.speculative}" if self.speculative else "")
 
 
 def cache_dir() -> Path:
@@ -46,7 +49,7 @@ def shape_checkpoint(shape: str, seed: int = 0) -> Path:
     """The random checkpoint at a published shape, built once into the cache (with a progress bar)."""
     from qwenrt.shapes import write_random_checkpoint
 
-    path = cache_dir() / f"random-{shape}-seed{seed}"
+    path = cache_dir() / f"random-{shape}-mtp-seed{seed}"
     if not path.exists():
         print(f"building a random-weight Qwen3.5-{shape} checkpoint in {path}", file=sys.stderr)
         write_random_checkpoint(shape, path, seed=seed, progress=True)
@@ -88,6 +91,9 @@ def _summary(samples: list[dict]) -> dict:
 def format_table(results: dict[Config, dict], reference: Config | None) -> str:
     """A markdown table, one row per configuration (medians); ratios against `reference` when given."""
     head = ["configuration", "load s", "prefill tok/s", "TTFT s", "decode tok/s (min-max)", "GB/s", "peak RSS GiB"]
+    speculative = any(c.speculative for c in results)
+    if speculative:
+        head += ["drafts accepted", "tokens/step"]
     if reference is not None:
         head += ["prefill ×", "decode ×"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -96,6 +102,8 @@ def format_table(results: dict[Config, dict], reference: Config | None) -> str:
         cells = [config.label, f"{r['load_s']:.1f}", f"{r['prefill_tps']:.0f}", f"{r['ttft_s']:.2f}",
                  f"{r['decode_tps']:.1f} ({lo:.1f}-{hi:.1f})", f"{r['decode_bytes'] * r['decode_tps'] / 1e9:.1f}",
                  f"{r['peak_rss'] / GIB:.2f}"]
+        if speculative:
+            cells += [f"{100 * r['acceptance']:.0f}%", f"{r['tokens_per_step']:.2f}"] if "acceptance" in r else ["", ""]
         if reference is not None:
             ref = results[reference]
             cells += [f"{r['prefill_tps'] / ref['prefill_tps']:.2f}", f"{r['decode_tps'] / ref['decode_tps']:.2f}"]
@@ -130,7 +138,13 @@ def run(args) -> str:
         from qwenrt.hub import resolve_model_path
 
         path = resolve_model_path(args.model)
-    configs = {Config("qwenrt", args.dtype, q): path for q in args.quantize.split(",")}
+    from qwenrt.units import speculative_tokens
+
+    try:
+        counts = [speculative_tokens(k) for k in args.speculative_tokens.split(",")]
+    except Exception as e:
+        raise QwenrtError(f"--speculative-tokens: {e}") from None
+    configs = {Config("qwenrt", args.dtype, q, k): path for q in args.quantize.split(",") for k in counts}
     for config in configs:
         if config.quantize not in ("none", "int8", "int4"):
             raise QwenrtError(f"--quantize takes none, int8 or int4 (comma-separated), got {config.quantize!r}")
@@ -148,10 +162,12 @@ def run(args) -> str:
         for config, ckpt in configs.items():
             print(f"[{repeat + 1}/{args.repeats}] {config.label}", file=sys.stderr, flush=True)
             samples[config].append(_run(dict(engine=config.engine, path=str(ckpt), dtype=config.dtype,
+                                              speculative=config.speculative,
                                               threads=args.threads, prompt_len=args.prompt_len,
                                               gen_len=args.gen_len, seed=args.seed)))
     results = {c: _summary(s) for c, s in samples.items()}
     title = (f"{args.shape or path}: prompt {args.prompt_len}, {args.gen_len} greedy tokens, {args.threads} threads, "
+             f"CPU kernels: {kernel_path()}, "
              f"median of {args.repeats} interleaved runs")
     table = f"{title}\n\n{format_table(results, reference)}"
     print(table)

@@ -6,6 +6,7 @@ RSS is this configuration's alone. Prints one JSON line of results.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import resource
@@ -22,12 +23,13 @@ PREFILL_CHUNK = 512
 
 def decode_bytes(model: nn.Module, top_k: int = 0, experts: int = 0) -> int:
     """Weight bytes one decode step reads: every weight once (a tied head once), the embedding table not at all
-    (one row is looked up) unless it is the head, and of the MoE experts only top_k of `experts`."""
+    (one row is looked up) unless it is the head, and of the MoE experts only top_k of `experts`; not the MTP
+    head's (read by drafting, not by the step)."""
     embed = getattr(model.model.embed_tokens, "weight", None)  # None: looked up in the quantized head
     head = getattr(model.lm_head, "weight", None)
     seen, total = set(), 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.data_ptr() in seen or (t is embed and head is not embed) or "rotary" in name:
+        if t.data_ptr() in seen or (t is embed and head is not embed) or "rotary" in name or name.startswith("mtp."):
             continue
         seen.add(t.data_ptr())
         n = t.numel() * t.element_size()
@@ -46,15 +48,19 @@ def _load(job: dict):
     return load_model(job["path"], dtype=dtype)
 
 
-def _qwenrt_steps(model, ids: torch.Tensor, steps: int):
-    """Yield once after prefill (first token chosen) and once per decode step, through the engine."""
+def _qwenrt_steps(model, ids: torch.Tensor, steps: int, speculative=0, drafts: list | None = None):
+    """Yield once after prefill (first token chosen) and once per generated token, through the engine (with
+    speculation several tokens come at once: they are yielded together). `drafts` receives the DraftCounts."""
     from qwenrt.engine import Engine, Request
     from qwenrt.sampling import SamplingParams
 
-    engine = Engine(model, max_batched_tokens=PREFILL_CHUNK)
+    engine = Engine(model, max_batched_tokens=PREFILL_CHUNK, speculative_tokens=speculative, prefix_cache_size=0)
     request = Request(ids[0].tolist(), SamplingParams(max_tokens=steps + 1, ignore_eos=True))
-    for _ in engine.submit(request):
-        yield
+    for out in engine.submit(request):
+        if drafts is not None and out.drafts is not None:
+            drafts[:] = [out.drafts]
+        for _ in out.token_ids:
+            yield
 
 
 def _transformers_steps(model, ids: torch.Tensor, steps: int):
@@ -77,7 +83,11 @@ def measure(job: dict) -> dict:
     vocab = text.vocab_size
     g = torch.Generator().manual_seed(job["seed"])
     ids = torch.randint(0, vocab, (1, job["prompt_len"]), generator=g)
-    steps = _qwenrt_steps if job["engine"] == "qwenrt" else _transformers_steps
+    drafts = []
+    if job["engine"] == "qwenrt":
+        steps = functools.partial(_qwenrt_steps, speculative=job.get("speculative", 0), drafts=drafts)
+    else:
+        steps = _transformers_steps
     with torch.inference_mode():
         for _ in steps(model, ids[:, :WARMUP_PROMPT], WARMUP_STEPS):  # first-call costs (allocations, kernel setup)
             pass
@@ -94,6 +104,7 @@ def measure(job: dict) -> dict:
         "decode_tps": job["gen_len"] / decode_s,
         "decode_bytes": decode_bytes(model, top_k, experts),
         "peak_rss": peak_rss(),
+        **({"acceptance": drafts[0].acceptance, "tokens_per_step": drafts[0].mean_accepted_length} if drafts else {}),
     }
 
 

@@ -4,7 +4,8 @@ One rule table maps checkpoint names to our parameter names:
     model.language_model.X  (published VLM layout)  -> model.X
     model.X                 (text-only layout)       -> model.X
     lm_head.weight                                    -> lm_head.weight
-    mtp.*, model.visual.*                             kept aside for the MTP head and the vision tower
+    mtp.X                   (the MTP head)           -> mtp.X
+    model.visual.*                                    kept aside for the vision tower
 and per-expert MoE tensors (mlp.experts.{e}.{gate,up,down}_proj.weight) are stacked into the fused, published
 layout (mlp.experts.gate_up_proj [E, 2I, D], mlp.experts.down_proj [E, D, I]).
 """
@@ -27,7 +28,7 @@ from qwenrt.files import CheckpointDir, open_regular
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
                "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
@@ -171,7 +172,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 
 def canonical_name(name: str) -> str | None:
     """Checkpoint name -> our text-decoder parameter name, or None for parts the decoder does not own."""
-    if name.startswith(("mtp.", "model.visual.")):
+    if name.startswith("model.visual."):
         return None
     if name.startswith("model.language_model."):
         return "model." + name[len("model.language_model."):]
@@ -188,7 +189,7 @@ class Source:
 
 
 def plan_text_tensors(ckpt: Checkpoint) -> tuple[dict[str, Source], list[str]]:
-    """Map our decoder names to their sources, from headers alone. Returns (plan, names set aside: mtp/visual)."""
+    """Map our decoder names to their sources, from headers alone. Returns (plan, names set aside: the vision tower's)."""
     plan, aside, experts = {}, [], {}
     for name, shape in ckpt.shapes.items():
         ours = canonical_name(name)

@@ -7,6 +7,7 @@ import json
 import sys
 
 from qwenrt.errors import QwenrtError
+from qwenrt.units import add_speculative_option
 from qwenrt.server.main import add_parser as add_serve_parser
 
 
@@ -29,6 +30,8 @@ def _engine_options(args) -> dict:
     options = {"prefix_cache_dir": args.prefix_cache_dir}
     if args.prefix_cache_size is not None:
         options["prefix_cache_size"] = parse_size(args.prefix_cache_size)
+    if args.speculative_tokens is not None:
+        options["speculative_tokens"] = args.speculative_tokens
     return options
 
 
@@ -98,6 +101,7 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache-size", help="memory for reusing computed prompts, e.g. 2GiB (0 = off; default: "
                    "a tenth of RAM, at most 8GiB)")
     p.add_argument("--prefix-cache-dir", help="also keep reusable prompt states in this folder, across runs")
+    add_speculative_option(p)
     s = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json)")
     s.add_argument("--max-tokens", "-n", dest="max_tokens", type=int, default=512)
     s.add_argument("--temperature", "--temp", dest="temperature", type=float, help="0 = greedy")
@@ -177,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", help="compute dtype: bf16 or fp32")
     p.add_argument("--quantize", default="none", help="comma-separated: none, int8, int4 (e.g. none,int8,int4)")
     p.add_argument("--group-size", type=int, help="int4 group size (default 64)")
+    p.add_argument("--speculative-tokens", default="0", help="comma-separated draft counts per step to measure: 0 "
+                   "(off), 1..8, auto (e.g. 0,auto)")
+    p.add_argument("--speculative", dest="speculative_tokens", action="store_const", const="0,auto",
+                   help="measure with and without speculative decoding (= --speculative-tokens 0,auto)")
     p.add_argument("--repeats", type=int, default=3, help="fresh processes per configuration, interleaved")
     p.add_argument("--compare", help="'transformers': also run transformers bf16 in the same run")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt")

@@ -12,6 +12,7 @@ from qwenrt.errors import QwenrtError
 from qwenrt.generate import GenerationResponse, stream_generate
 from qwenrt.config import load_config
 from qwenrt.hub import resolve_model_path
+from qwenrt.kernels import kernel_path
 from qwenrt.loader import load, resolve_device, resolve_dtype
 from qwenrt.parsing import parse_completion
 from qwenrt.sampling import SamplingParams
@@ -31,8 +32,9 @@ def load_for_cli(source: str | None, path, dtype: str, device: str, check_finite
     model, tokenizer = load(path, dtype=dtype, device=device, progress=True, check_finite=check_finite,
                             **(engine_options or {}))
     c = model.config.text
+    kernels = f", CPU kernels: {kernel_path()}" if model.device.type == "cpu" else ""
     print(f"loaded {c.num_hidden_layers}-layer {'MoE ' if c.is_moe else ''}model ({model.dtype}) in "
-          f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+          f"{time.perf_counter() - start:.1f} s{kernels}", file=sys.stderr, flush=True)
     return model, tokenizer
 
 
@@ -67,9 +69,10 @@ def sampling_params(options: dict, tokenizer) -> SamplingParams:
 
 def stats_line(last: GenerationResponse) -> str:
     cached = f" ({last.cached_tokens} cached)" if last.cached_tokens else ""
+    drafts = last.drafts.summary() if last.drafts is not None else ""
     return (f"[prompt {last.prompt_tokens} tokens{cached}, {last.prompt_tps:.1f} tok/s | generated {last.generation_tokens} "
             f"tokens, {last.generation_tps:.1f} tok/s | first token after {last.time_to_first_token:.2f} s | "
-            f"finish: {last.finish_reason}]")
+            + (f"{drafts} | " if drafts else "") + f"finish: {last.finish_reason}]")
 
 
 def _stream(model, tokenizer, prompt, params, thinking, prefill_chunk, max_context, out: list[str]):

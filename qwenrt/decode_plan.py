@@ -16,9 +16,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from qwenrt.cache import HybridCache
+from qwenrt.cache import HybridCache, SequenceState
 from qwenrt.kernels import cpu_kernels
-from qwenrt.ops.linear import Linear
+from qwenrt.ops.linear import MAX_KERNEL_ROWS, Linear
 from qwenrt.ops.rope import rope_cos_sin
 from qwenrt.quant import QuantLinear
 
@@ -37,18 +37,30 @@ for _hook in (nn.modules.module.register_module_module_registration_hook,
 
 
 def _bind(kernels, modules: list[nn.Module]):
-    """The projections' native call, (x [M, K], mode) -> [M, N_i] per module, or None where they have none."""
+    """The projections' native call, (x [B, K], mode) -> [B, N_i] per module, or None where they have none."""
     first = modules[0]
     if all(type(m) is Linear and m.weight.dtype == torch.bfloat16 for m in modules):
-        return functools.partial(kernels.gemv_bf16, ws=[m.weight for m in modules])
+        return _batched(functools.partial(kernels.gemv_bf16, ws=[m.weight for m in modules]))
     if not all(type(m) is QuantLinear and m.spec == first.spec and m.qweight.dim() == 2 for m in modules):
         return None
     pieces = {"qs": [m.qweight for m in modules], "scales": [m.scales for m in modules]}
     if first.spec.bits == 8:
-        return functools.partial(kernels.gemv_q8, **pieces)
+        return _batched(functools.partial(kernels.gemv_q8, **pieces))
     if first.torch_int4:
         return None
-    return functools.partial(kernels.gemv_q4, **pieces, zeros=[m.zeros for m in modules], G=first.spec.group_size)
+    return _batched(functools.partial(kernels.gemv_q4, **pieces, zeros=[m.zeros for m in modules],
+                                      G=first.spec.group_size))
+
+
+def _batched(call):
+    """`call` for any batch: the kernels take up to MAX_KERNEL_ROWS rows, a larger batch goes in groups of them."""
+    def run(x: torch.Tensor, mode: str) -> list[torch.Tensor]:
+        if x.shape[0] <= MAX_KERNEL_ROWS:
+            return call(x, mode=mode)
+        groups = [call(x[i:i + MAX_KERNEL_ROWS], mode=mode) for i in range(0, x.shape[0], MAX_KERNEL_ROWS)]
+        return [torch.cat(outs) for outs in zip(*groups)]
+
+    return run
 
 
 class _Layer(NamedTuple):
@@ -110,27 +122,54 @@ class DecodePlan:
 
     def __call__(self, input_ids: torch.Tensor, cache: HybridCache) -> torch.Tensor:
         """input_ids [B, 1] continuing the B sequences of `cache` -> logits [B, 1, V] fp32; the cache advances."""
-        k, eps, sequences = self.kernels, self.eps, cache.sequences
         cache.reserve(1)
-        cos, sin = rope_cos_sin(cache.positions(1, input_ids.device), self.inv_freq, *self.mrope)
-        cos, sin = cos[:, 0].to(torch.bfloat16), sin[:, 0].to(torch.bfloat16)  # [B, R]
-        x = self.embed(input_ids.reshape(-1))  # [B, D] (an nn.Embedding or a quantized lookup)
+        h = self.hidden(input_ids.reshape(-1), cache.sequences, [1] * cache.batch_size)
+        cache.advance(1)
+        return self.logits(h)[:, None]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states h [N, D] -> logits [N, V] fp32."""
+        return self.head(h, mode="bf16")[0].float()
+
+    def hidden(self, input_ids: torch.Tensor, sequences: list[SequenceState], counts: list[int],
+               saved: list[list] | None = None) -> torch.Tensor:
+        """input_ids [N]: counts[b] tokens continuing sequences[b], in sequence order (N = sum(counts)) -> the
+        final-normed hidden states [N, D] bf16. Every weight is read once for all N rows; token t of a sequence sees
+        its tokens before it. The caller has reserved room and moves `length` on afterwards.
+
+        saved: a list per sequence; it receives, after each of that sequence's tokens but the last, the DeltaNet
+        state of every layer as {layer: (conv, recurrent)} copies (speculative verification commits one of them).
+        """
+        k, eps = self.kernels, self.eps
+        rows = [(b, s, t) for b, (s, n) in enumerate(zip(sequences, counts)) for t in range(n)]  # one per token
+        starts = torch.tensor([s.length + s.rope_delta + t for _, s, t in rows], device=input_ids.device)
+        cos, sin = rope_cos_sin(starts[:, None], self.inv_freq, *self.mrope)
+        cos, sin = cos[:, 0].to(torch.bfloat16), sin[:, 0].to(torch.bfloat16)  # [N, R]
+        lengths = [torch.tensor([s.length + t]) if t else s.length_tensor() for _, s, t in rows]
+        if saved is not None:
+            for b, n in enumerate(counts):
+                saved[b].extend({} for _ in range(n - 1))
+        x = self.embed(input_ids)  # [N, D] (an nn.Embedding or a quantized lookup)
         delta = None  # the previous layer's MLP output, added in the next norm
         for layer in self.layers:
             x, h = k.rms_norm(x, delta, layer.input_norm, eps)
             i = layer.index
             if layer.linear:
                 mixed, z, b, a = layer.project(h, mode="bf16")
-                rows = [layer.mixer.native_step(k, mixed[r:r + 1], z[r:r + 1], b[r:r + 1], a[r:r + 1], s.conv[i],
-                                                s.recurrent[i]) for r, s in enumerate(sequences)]
-                o = rows[0] if len(rows) == 1 else torch.cat(rows)
+                out = []
+                for r, (seq, s, t) in enumerate(rows):
+                    out.append(layer.mixer.native_step(k, mixed[r:r + 1], z[r:r + 1], b[r:r + 1], a[r:r + 1],
+                                                       s.conv[i], s.recurrent[i]))
+                    if saved is not None and t < counts[seq] - 1:
+                        saved[seq][t][i] = (s.conv[i].clone(), s.recurrent[i].clone())
+                o = out[0] if len(out) == 1 else torch.cat(out)
             else:
-                o = layer.mixer.native_step(k, *layer.project(h, mode="bf16"), cos, sin, sequences)
+                o = layer.mixer.native_step(k, *layer.project(h, mode="bf16"), cos, sin,
+                                            [s for _, s, _ in rows], lengths)
             x, h = k.rms_norm(x, layer.out(o, mode="bf16")[0], layer.post_norm, eps)
             if layer.gate_up is not None:
                 delta = layer.down(layer.gate_up(h, mode="swiglu")[0], mode="bf16")[0]
             else:
                 delta = layer.mlp(h[:, None])[:, 0]
-        _, h = k.rms_norm(x, delta, self.final_norm, eps)
-        cache.advance(1)
-        return self.head(h, mode="bf16")[0].float()[:, None]  # [B, 1, V]
+        return k.rms_norm(x, delta, self.final_norm, eps)[1]
+

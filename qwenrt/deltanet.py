@@ -59,7 +59,7 @@ class GatedDeltaNet(nn.Module):
         """
         B, T, _ = x.shape
         if T == 1 and recurrent_state is not None and x.is_cpu:
-            kernels = inference_kernels(x, self.in_proj_qkv.weight)
+            kernels = inference_kernels(x, *self.in_proj_qkv.parameters())
             if kernels is not None:
                 return self.fused_decode_step(kernels, x, conv_state, recurrent_state)
         mixed, conv_state = self.conv_silu(self.in_proj_qkv(x), conv_state)  # [B, T, C]

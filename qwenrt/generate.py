@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from qwenrt.engine import Engine, Request, RequestOutput, RequestStream
+from qwenrt.engine.request import DraftCounts
 from qwenrt.errors import QwenrtError
 from qwenrt.parsing import ToolCall, parse_completion
 from qwenrt.sampling import SamplingParams
@@ -27,6 +28,7 @@ class GenerationResponse:
     prompt_tps: float  # prompt tokens computed (not restored from the prefix cache) per second
     generation_tps: float
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+    drafts: DraftCounts | None = None  # speculative decoding so far (None: not speculating)
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Completion:
     prompt_tps: float = 0.0
     generation_tps: float = 0.0
     cached_tokens: int = 0
+    drafts: DraftCounts | None = None
 
     @property
     def generation_tokens(self) -> int:
@@ -70,9 +73,10 @@ def _engine(model, tokenizer) -> Engine:
 
 
 def _submit(model, tokenizer, prompt, params, enable_thinking, tools, prefill_chunk, max_context,
-            on_prefill=None) -> RequestStream:
+            on_prefill=None, speculative_tokens=None) -> RequestStream:
     return _engine(model, tokenizer).submit(Request(prompt, params, enable_thinking, tools, prefill_chunk=prefill_chunk,
-                                                    max_context=max_context, on_prefill=on_prefill))
+                                                    max_context=max_context, on_prefill=on_prefill,
+                                                    speculative_tokens=speculative_tokens))
 
 
 def _rates(out: RequestOutput) -> tuple[float, float, float]:
@@ -94,32 +98,36 @@ def _checked(out: RequestOutput) -> RequestOutput:
 
 def stream_generate(model, tokenizer, prompt, *, params: SamplingParams | None = None,
                     enable_thinking: bool | None = None, tools=None, prefill_chunk: int | None = None,
-                    max_context: int | None = None, on_prefill=None, **sampling) -> Iterator[GenerationResponse]:
+                    max_context: int | None = None, on_prefill=None, speculative_tokens: int | str | None = None,
+                    **sampling) -> Iterator[GenerationResponse]:
     """Generate for one prompt, yielding text deltas as they complete. The last response has finish_reason set.
 
     sampling: SamplingParams fields (max_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
     presence_penalty, frequency_penalty, seed, stop, stop_token_ids, ignore_eos). on_prefill(done, total) is
-    called after each prompt chunk. Leaving the loop early cancels.
+    called after each prompt chunk. speculative_tokens: drafts verified per step (0 off, k, "auto"; default the
+    engine's: "auto", which speculates with the model's MTP head where that pays). With speculation one response
+    may complete several tokens (`token` is the last). Leaving the loop early cancels.
     """
     stream = _submit(model, tokenizer, prompt, _params(params, sampling), enable_thinking, tools, prefill_chunk,
-                     max_context, on_prefill)
+                     max_context, on_prefill, speculative_tokens)
     for out in stream:
         if not _checked(out).token_ids:  # nothing sampled (cancelled)
             continue
         yield GenerationResponse(out.text, out.token_ids[-1], out.finish_reason, out.prompt_tokens,
-                                 out.generation_tokens, *_rates(out), out.cached_tokens)
+                                 out.generation_tokens, *_rates(out), out.cached_tokens, out.drafts)
 
 
 def batch_generate(model, tokenizer, prompts: Sequence, *, params: SamplingParams | None = None,
                    enable_thinking: bool | None = None, tools=None, prefill_chunk: int | None = None,
-                   max_context: int | None = None, **sampling) -> list[Completion]:
+                   max_context: int | None = None, speculative_tokens: int | str | None = None,
+                   **sampling) -> list[Completion]:
     """Generate for several prompts at once (decoded together by the engine); results in prompt order."""
     params = _params(params, sampling)
     streams: list[RequestStream] = []
     try:
         for prompt in prompts:
             streams.append(_submit(model, tokenizer, prompt, params, enable_thinking, tools, prefill_chunk,
-                                   max_context))
+                                   max_context, speculative_tokens=speculative_tokens))
         results = []
         for stream in streams:
             sampled, text, last = [], [], None
@@ -137,7 +145,7 @@ def batch_generate(model, tokenizer, prompts: Sequence, *, params: SamplingParam
 def _completion(stream: RequestStream, text: str, tokens: list[int], last: RequestOutput, tools) -> Completion:
     parsed = parse_completion(text, stream.thinking_started, tools)
     return Completion(text, tokens, last.finish_reason, stream.prompt_tokens, parsed.reasoning, parsed.content,
-                      parsed.tool_calls, *_rates(last), last.cached_tokens)
+                      parsed.tool_calls, *_rates(last), last.cached_tokens, last.drafts)
 
 
 def complete(model, tokenizer, prompt, **options) -> Completion:

@@ -10,6 +10,7 @@ import torch
 from qwenrt.hub import resolve_model_path
 from qwenrt.checkpoint import DTYPE_BYTES
 from qwenrt.loader import stored_float_dtype, verify_checkpoint
+from qwenrt.mtp import MTPHead
 from qwenrt.model import Qwen35ForCausalLM
 
 def _count(shapes) -> int:
@@ -23,6 +24,8 @@ def inspect_checkpoint(path: str | Path) -> dict:
     c = config.text
     with torch.device("meta"):  # logical parameters, whatever the storage (a quantized checkpoint packs them)
         params = dict(Qwen35ForCausalLM(config).named_parameters())  # a tied head appears once
+        has_mtp = any(n.startswith("mtp.") for n in plan)
+        mtp_params = _count(p.shape for p in MTPHead(c).parameters()) if has_mtp else 0
     decoder = _count(p.shape for p in params.values())
     embeddings = _count(params[n].shape for n in ("model.embed_tokens.weight", "lm_head.weight") if n in params)
     active = decoder
@@ -41,7 +44,7 @@ def inspect_checkpoint(path: str | Path) -> dict:
         "path": str(path),
         "model_type": config.model_type,
         "family": ("MoE" if c.is_moe else "dense") + (" VLM" if config.is_vlm else " text"),
-        "mtp": any(n.startswith("mtp.") for n in aside),
+        "mtp": has_mtp,
         "vision_tensors": sum(n.startswith("model.visual.") for n in aside),
         "layers": c.num_hidden_layers,
         "deltanet_layers": n_linear,
@@ -55,7 +58,7 @@ def inspect_checkpoint(path: str | Path) -> dict:
         "params_embeddings": embeddings,
         "params_active_per_token": active,
         "params_vision": _count(ckpt.shapes[n] for n in aside if n.startswith("model.visual.")),
-        "params_mtp": _count(ckpt.shapes[n] for n in aside if n.startswith("mtp.")),
+        "params_mtp": mtp_params,
         "stored_dtypes": stored,
         "quantization": _quantization(quantization),
         "file_bytes": ckpt.total_bytes,

@@ -16,6 +16,7 @@ from qwenrt.errors import QwenrtError
 from qwenrt.hub import resolve_model_path
 from qwenrt.kernels import cpu_kernels
 from qwenrt.model import Qwen35ForCausalLM
+from qwenrt.mtp import PREFIX as MTP_PREFIX, MTPHead
 from qwenrt.quant import LoadQuantizer, QuantSpec, install_placeholders, stored_spec
 from qwenrt.tokenizer import load_tokenizer
 from qwenrt.writer import DTYPE_NAMES
@@ -113,6 +114,8 @@ def verify_checkpoint(path: str | Path):
     plan, aside = plan_text_tensors(ckpt)
     with torch.device("meta"):
         model = Qwen35ForCausalLM(config)
+        if any(name.startswith(MTP_PREFIX) for name in plan):  # loaded, quantized and checked with the rest
+            model.mtp = MTPHead(config.text)
     stored = stored_spec(config.raw)
     quantized = install_placeholders(model, *stored) if stored else {}  # stored quantized weights: their pieces
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()} | quantized  # a tied head once
@@ -210,7 +213,7 @@ def load_model(path: str | Path, dtype="auto", device: str | torch.device = "cpu
     if model.device.type == "cpu":
         prepare_kernels(progress)
     model.checkpoint_path = Path(path)
-    model.extra_tensors = sorted(aside)  # mtp.* and model.visual.*, for the MTP head and vision tower
+    model.extra_tensors = sorted(aside)  # model.visual.*, for the vision tower
     return model
 
 

@@ -72,7 +72,8 @@ class GatedAttention(nn.Module):
         each row also attends to its sequence's cached tokens (rows may hold different lengths)."""
         B, T, _ = x.shape
         qg, k, v = project(x, [self.q_proj, self.k_proj, self.v_proj])
-        kernels = inference_kernels(x, self.q_proj.weight) if T == 1 and cache is not None and x.is_cpu else None
+        decoding = T == 1 and cache is not None and x.is_cpu
+        kernels = inference_kernels(x, *self.q_proj.parameters()) if decoding else None
         if kernels is not None and x.dtype in (torch.bfloat16, torch.float32):
             o = self.native_step(kernels, qg.view(B, -1), k.view(B, -1), v.view(B, -1), cos.reshape(B, -1),
                                  sin.reshape(B, -1), cache.sequences)
@@ -103,15 +104,18 @@ class GatedAttention(nn.Module):
         mask = keys[None, :] <= start + torch.arange(T, device=q.device)[:, None]  # [T, S]: cached + causal
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
-    def native_step(self, kernels, qg, k, v, cos: torch.Tensor, sin: torch.Tensor, sequences: list[SequenceState]):
-        """One token's projections (qg [B, H·2·Dh], k, v [B, Hkv·Dh]; cos, sin [B, R]) -> the gated attention output
-        [B, H·Dh] before o_proj, one native call per sequence: norms, RoPE, the cache write, attention over the
-        sequence's stores in place, the gate."""
+    def native_step(self, kernels, qg, k, v, cos: torch.Tensor, sin: torch.Tensor, sequences: list[SequenceState],
+                    lengths: list[torch.Tensor] | None = None):
+        """One token's projections per row (qg [B, H·2·Dh], k, v [B, Hkv·Dh]; cos, sin [B, R]) -> the gated
+        attention output [B, H·Dh] before o_proj, one native call per row, in order: norms, RoPE, the cache write at
+        the row's position (lengths[b], an int64 tensor [1]; default its sequence's length), attention over the
+        sequence's stores up to it, the gate. Rows may continue the same sequence at successive positions."""
         qg = qg.view(qg.shape[0], self.num_heads, 2 * self.head_dim)
         qn, kn, i = self.q_norm.weight.float(), self.k_norm.weight.float(), self.layer_idx
+        if lengths is None:
+            lengths = [seq.length_tensor() for seq in sequences]
         rows = [kernels.attention_decode_step(qg[b:b + 1], k[b:b + 1], v[b:b + 1], qn, kn, cos[b:b + 1],
-                                              sin[b:b + 1], seq.keys[i], seq.values[i], seq.length_tensor(),
-                                              self.q_norm.eps)
+                                              sin[b:b + 1], seq.keys[i], seq.values[i], lengths[b], self.q_norm.eps)
                 for b, seq in enumerate(sequences)]
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 

@@ -2,21 +2,26 @@
 
 From the main model's final-normed hidden state h_t and the embedding of token t+1 it predicts token t+2 through
 the main model's embedding and lm_head: e = norm_e(embed(x_{t+1})), z = fc([e ; norm_h(h_t)]), one full-attention
-decoder layer at position t, a final norm, lm_head.
+decoder layer at position t (its own KV cache, aligned with the model's positions), a final norm, lm_head.
+`qwenrt.load` attaches it as `model.mtp` when the checkpoint has one (quantized with the rest of the model).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
-from qwenrt.checkpoint import open_checkpoint
+from qwenrt.cache import HybridCache, SequenceState
 from qwenrt.config import TextConfig
 from qwenrt.errors import QwenrtError
 from qwenrt.model import DecoderLayer, RMSNorm
 from qwenrt.ops.linear import Linear
+from qwenrt.quant import QuantLinear
 
 PREFIX = "mtp."
+DEFAULT_DRAFT_VOCAB = 32768  # draft logits over the first ids only (BPE ranks: the most frequent tokens)
 
 
 class MTPHead(nn.Module):
@@ -30,13 +35,24 @@ class MTPHead(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(c, 0, layer_type="full_attention")])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: HybridCache | None = None) -> torch.Tensor:
         """hidden [B, T, D] (h_t, final-normed), next_embeds [B, T, D] (embeddings of x_{t+1}), cos, sin
-        [B, T, R] of positions t -> the normed output [B, T, D]; lm_head of it predicts x_{t+2}. Causal over T."""
+        [B, T, R] of positions t -> the normed output [B, T, D]; lm_head of it predicts x_{t+2}. Causal over T;
+        with `cache` (states from `new_state`) also over the cached entries, and the cache takes these T."""
         z = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        x, delta = self.layers[0](z, None, cos, sin, None)
+        if cache is not None:
+            cache.reserve(z.shape[1])
+        x, delta = self.layers[0](z, None, cos, sin, cache)
+        if cache is not None:
+            cache.advance(z.shape[1])
         return self.norm.add_forward(x, delta)[1]
+
+    def new_state(self, config: TextConfig, dtype: torch.dtype, device, capacity: int,
+                  limit: int | None) -> SequenceState:
+        """An empty KV cache for this head's one attention layer, for one sequence."""
+        single = dataclasses.replace(config, num_hidden_layers=1, layer_types=("full_attention",))
+        return SequenceState(single, dtype, device, capacity, limit)
 
 
 def mtp_hidden(model, mtp: MTPHead, input_ids: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -55,22 +71,28 @@ def mtp_state_dict(mtp: MTPHead) -> dict[str, torch.Tensor]:
 
 
 def load_mtp_head(model, dtype: torch.dtype | None = None) -> MTPHead:
-    """The MTP head stored beside a model loaded with `qwenrt.load` (its `mtp.*` tensors), in `dtype` (default: the
-    model's; norms in fp32 as in the decoder). Raises QwenrtError when the checkpoint has none or it is incomplete."""
-    from qwenrt.loader import check_tensors
+    """The MTP head `qwenrt.load` attached to `model` (`model.mtp`), in `dtype` when given (norms stay fp32).
+    Raises QwenrtError when the checkpoint had none."""
+    mtp = getattr(model, "mtp", None)
+    if mtp is None:
+        raise QwenrtError("the model has no MTP head (its checkpoint holds no mtp.* tensors)")
+    if dtype is not None:
+        for name, p in mtp.named_parameters():
+            if p.is_floating_point() and not name.endswith("norm.weight"):
+                p.data = p.data.to(dtype)
+    return mtp
 
-    path = getattr(model, "checkpoint_path", None)
-    if path is None:
-        raise QwenrtError("the model was not loaded from a checkpoint directory: no MTP head to load")
-    ckpt = open_checkpoint(path)
-    names = ckpt.names(PREFIX)
-    if not names:
-        raise QwenrtError(f"{path}: the checkpoint has no MTP head (no mtp.* tensors)")
-    with torch.device("meta"):
-        mtp = MTPHead(model.config.text)
-    expected = {PREFIX + n: tuple(p.shape) for n, p in mtp.named_parameters()}
-    check_tensors(path, "MTP head does not match its config", expected, {n: ckpt.shapes[n] for n in names})
-    dtype = dtype or model.dtype
-    state = {n[len(PREFIX):]: ckpt.get(n).to(torch.float32 if "norm" in n else dtype) for n in names}
-    mtp.load_state_dict(state, assign=True)
-    return mtp.requires_grad_(False).eval()
+
+def draft_head(lm_head: nn.Module, vocab: int) -> nn.Module:
+    """lm_head restricted to its first `vocab` rows (a view of the same weights): the draft reads a fraction of the
+    head. The whole head where it is no larger or its layout cannot be sliced by rows (torch's packed int4)."""
+    if vocab >= lm_head.out_features:
+        return lm_head
+    if type(lm_head) is Linear:
+        head = Linear(lm_head.in_features, vocab).requires_grad_(False)
+        head.weight = nn.Parameter(lm_head.weight.data[:vocab], requires_grad=False)
+        return head
+    if isinstance(lm_head, QuantLinear) and not lm_head.torch_int4 and lm_head.qweight.dim() == 2:
+        zeros = None if lm_head.zeros is None else lm_head.zeros[:vocab]
+        return QuantLinear(lm_head.qweight[:vocab], lm_head.scales[:vocab], lm_head.spec, lm_head.in_features, zeros)
+    return lm_head

@@ -5,8 +5,8 @@ Stored format (what checkpoints hold, the same on every machine), for a weight W
     int4  qweight uint8 [*E, N, K/2]; scales, zeros bf16 [*E, N, K/G]     W ≈ (q - 8)·s + z  (min-max, per G columns)
           byte j of a group holds column j (low nibble) and column j + G/2 (high nibble), as GGUF's Q4_0.
 In memory both stay as stored, used in place by the native kernels (qwenrt/kernels/cpu_gemv.cpp) at decode and
-dequantized per matrix for prefill's GEMM; without the native kernels int4 is repacked into torch's CPU layout
-for `_weight_int4pack_mm_for_cpu`.
+dequantized per matrix for prefill's GEMM (to fp32, a slice at a time, where bf16 products are emulated); without
+the native kernels int4 is repacked into torch's CPU layout for `_weight_int4pack_mm_for_cpu`.
 Norms, A_log, dt_bias, conv1d, the MoE router and the shared-expert gate stay in full precision, and so does the
 embedding lookup of an untied model (a tied one reads the quantized head's rows, see `QuantEmbedding`).
 """
@@ -23,7 +23,7 @@ from torch import nn
 from qwenrt.errors import QwenrtError
 from qwenrt.kernels import cpu_kernels
 from qwenrt.mlp import Experts, dispatch_experts
-from qwenrt.ops.linear import MAX_KERNEL_ROWS
+from qwenrt.ops.linear import MAX_KERNEL_ROWS, emulated_bf16, fp32_gemm
 
 BITS = (8, 4)
 GROUP_SIZES = (32, 64, 128)
@@ -225,18 +225,26 @@ class QuantLinear(nn.Module):
                 return y[0].reshape(*x.shape[:-1], self.out_features)
         if self.torch_int4:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, w, self.spec.group_size, s.to(x.dtype))
+        elif self.spec.bits == 8 and x2.shape[0] <= SMALL_M:
+            y = torch.ops.aten._weight_int8pack_mm(_aligned(x2), _aligned(w), s.to(x.dtype))
+        elif emulated_bf16(x2):  # prefill where bf16 products are emulated: fp32 slices of the weight, fp32 GEMM
+            y = fp32_gemm(x2, self.out_features, self._fp32_rows(kernels, w, s, z))
         elif self.spec.bits == 4:  # prefill: dequantize this one matrix natively and use the GEMM
             dense = kernels.dequantize_q4(w, s, z, self.spec.group_size,
                                           x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.float32)
             y = F.linear(x2, dense.to(x.dtype))
-        elif x2.shape[0] <= SMALL_M:
-            y = torch.ops.aten._weight_int8pack_mm(_aligned(x2), _aligned(w), s.to(x.dtype))
         else:  # prefill: dequantize this one matrix and use the GEMM (about 2.5x the int8 kernel at M = 512)
             y = F.linear(x2, w * s.to(x.dtype)[:, None])  # int8 · bf16 promotes to bf16 in one pass, exactly
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def _fp32_rows(self, kernels, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None):
+        """(n0, n1) -> the dequantized rows W[n0:n1] fp32, exactly `dequantize_weight`'s."""
+        if self.spec.bits == 8:
+            return lambda n0, n1: w[n0:n1] * s[n0:n1].float()[:, None]  # int8 · fp32 -> fp32, exact, one pass
+        return lambda n0, n1: kernels.dequantize_q4(w[n0:n1], s[n0:n1], z[n0:n1], self.spec.group_size, torch.float32)
+
     def _native(self, kernels, x2: torch.Tensor, weights: list[tuple], mode: str) -> list[torch.Tensor] | None:
-        """x2 [M <= 4, K] through each (qweight, scales, zeros) with the native kernel, or None where it has none
+        """x2 [M <= 8, K] through each (qweight, scales, zeros) with the native kernel, or None where it has none
         (the kernels take bf16 activations; fp32 ones go through torch's kernels, exact to the dequantized weight)."""
         if x2.dtype != torch.bfloat16:
             return None

@@ -88,12 +88,19 @@ def _random_rows(name: str, shape: tuple[int, ...], g: torch.Generator):
 
 def write_random_checkpoint(name: str, path: str | Path, seed: int = 0, progress: bool = False,
                             shard_bytes: int | None = None) -> Path:
-    """Write a random bf16 checkpoint of Qwen3.5-`name` to `path` (created; must not exist). Returns the path."""
+    """Write a random bf16 checkpoint of Qwen3.5-`name` (with an MTP head) to `path` (created; must not exist).
+    Returns the path."""
     path = Path(path)
     if path.exists():
         raise QwenrtError(f"{path}: already exists")
     cfg = text_config(name)
-    entries = aligned_order([Entry(n, tuple(p.shape), torch.bfloat16) for n, p in meta_model(name).named_parameters()])
+    from qwenrt.mtp import PREFIX, MTPHead
+
+    model = meta_model(name)
+    with torch.device("meta"):  # an MTP head too, as published checkpoints have
+        head = MTPHead(model.config.text)
+    params = [*model.named_parameters(), *((PREFIX + n, p) for n, p in head.named_parameters())]
+    entries = aligned_order([Entry(n, tuple(p.shape), torch.bfloat16) for n, p in params])
     g = torch.Generator().manual_seed(seed)
     tmp = path.with_name(f".{path.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -1,7 +1,9 @@
-"""Sizes as people write them: "2GiB", "512MB", "1.5G", "0", or a plain number of bytes."""
+"""Values as people write them on a command line: sizes ("2GiB", "512MB", "1.5G", "0", or a plain number of bytes)
+and speculative draft counts ("auto", "3")."""
 
 from __future__ import annotations
 
+import argparse
 import re
 
 from qwenrt.errors import QwenrtError
@@ -17,3 +19,22 @@ def parse_size(text: str) -> int:
     if match is None or unit not in _UNITS:
         raise QwenrtError(f"not a size: {text!r} (examples: 0, 512MiB, 2GiB, 1500000000)")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+def speculative_tokens(text: str) -> int | str:
+    """--speculative-tokens: "auto" or a draft count (0 = off)."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be auto or a number of tokens, got {text!r}") from None
+    if not 0 <= value <= 8:
+        raise argparse.ArgumentTypeError(f"must be auto or 0..8, got {value}")
+    return value
+
+
+def add_speculative_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative-tokens", type=speculative_tokens, metavar="auto|K",
+                   help="draft tokens verified per decode step: 0 = off, 1..8, or auto (default: auto, which uses "
+                        "the model's MTP head where it pays; without one, a count drafts from earlier text)")

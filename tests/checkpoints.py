@@ -94,11 +94,15 @@ def build_published_moe(path: Path, seed: int = 3):
     tensors = {}
     for name, p in model.state_dict().items():
         tensors[name] = p.to(torch.bfloat16).contiguous()
-    hidden = MOE["hidden_size"]
-    g = torch.Generator().manual_seed(seed)
-    tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=g).to(torch.bfloat16)
-    tensors["mtp.norm.weight"] = torch.zeros(hidden, dtype=torch.bfloat16)
     path.mkdir(parents=True, exist_ok=True)
+    cfg = config.to_dict()
+    cfg["text_config"]["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    from qwenrt.config import load_config
+    from qwenrt.mtp import MTPHead, mtp_state_dict
+
+    head = randomize(MTPHead(load_config(path).text), seed)
+    tensors.update({n: t.to(torch.bfloat16).contiguous() for n, t in mtp_state_dict(head).items()})
     names = sorted(tensors)
     shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
               "model-00002-of-00002.safetensors": names[len(names) // 2:]}
@@ -109,9 +113,6 @@ def build_published_moe(path: Path, seed: int = 3):
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                    "weight_map": weight_map}))
-    cfg = config.to_dict()
-    cfg["text_config"]["mtp_num_hidden_layers"] = 1
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.to(torch.bfloat16).float())
@@ -169,3 +170,33 @@ def build_chat_vlm(path: Path, moe: bool = False, seed: int = 5):
     (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
     (path / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PREPROCESSOR))
     return model
+
+
+def add_mtp_head(src: Path, dst: Path, seed: int = 7) -> Path:
+    """A copy of checkpoint `src` with a random MTP head (mtp.* tensors: per-expert names for a MoE, as published
+    per-expert checkpoints store them) added to its single safetensors file."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from qwenrt.config import load_config
+    from qwenrt.mtp import MTPHead, mtp_state_dict
+
+    shutil.copytree(src, dst)
+    head = randomize(MTPHead(load_config(dst).text), seed)
+    tensors = load_file(dst / "model.safetensors")
+    dtype = next(iter(tensors.values())).dtype
+    for name, t in mtp_state_dict(head).items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            prefix = name.rsplit(".", 1)[0]
+            for e, w in enumerate(t):
+                if name.endswith("gate_up_proj"):
+                    gate, up = w.chunk(2)
+                    tensors[f"{prefix}.{e}.gate_proj.weight"] = gate.to(dtype).contiguous()
+                    tensors[f"{prefix}.{e}.up_proj.weight"] = up.to(dtype).contiguous()
+                else:
+                    tensors[f"{prefix}.{e}.down_proj.weight"] = w.to(dtype).contiguous()
+        else:
+            tensors[name] = t.to(dtype).contiguous()
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst

@@ -1,14 +1,16 @@
 """`qwenrt run` and `qwenrt chat` end to end, in subprocesses."""
 
+import os
 import subprocess
 import sys
 
 import qwenrt
+from qwenrt.kernels import kernel_path
 
 
-def qwenrt_cli(*args, stdin=None):
+def qwenrt_cli(*args, stdin=None, **env):
     return subprocess.run([sys.executable, "-m", "qwenrt", *map(str, args)], input=stdin, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, env=dict(os.environ, **env))
 
 
 def test_run_streams_the_greedy_answer(chat_ckpt, chat_model):
@@ -20,6 +22,16 @@ def test_run_streams_the_greedy_answer(chat_ckpt, chat_model):
                                enable_thinking=False)
     assert run.stdout == expected + "\n"
     assert "generated 12 tokens" in run.stderr and "finish: length" in run.stderr
+    assert f"s, CPU kernels: {kernel_path()}\n" in run.stderr  # the load line names the kernel level
+
+
+def test_load_line_says_when_no_native_kernels_run(chat_ckpt):
+    run = qwenrt_cli("run", chat_ckpt[0], "Hi", "-n", 2, QWENRT_KERNELS="0")
+    assert run.returncode == 0, run.stderr
+    assert "CPU kernels: torch ops (QWENRT_KERNELS=0)" in run.stderr
+    run = qwenrt_cli("run", chat_ckpt[0], "Hi", "-n", 2, QWENRT_ISA="avx1024")
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith("qwenrt: error: QWENRT_ISA='avx1024' is not a kernel level")
 
 
 def test_run_raw_prompt_from_stdin(chat_ckpt, chat_model):

@@ -1,6 +1,7 @@
 """Native CPU kernels and fast paths against the torch reference paths they replace."""
 
 import copy
+import os
 import pickle
 
 import pytest
@@ -13,27 +14,37 @@ import qwenrt.deltanet
 import qwenrt.model
 import qwenrt.ops.linear
 import qwenrt.quant
+from qwenrt.config import TextConfig
 from qwenrt.decode_plan import DecodePlan
-from qwenrt.kernels import cpu_kernels
+from qwenrt.kernels import cpu_kernels, cpu_level, inference_kernels
 from qwenrt.ops.attention import decode_attention
+from qwenrt.ops.linear import MAX_KERNEL_ROWS
 from qwenrt.ops.rope import apply_rope
 from qwenrt.quant import QuantSpec, dequantize_weight, quantize_weight
 from tests.checkpoints import VOCAB
 from tests.numerics import rel_err, teacher_forced_logits
 
-# The kernels need AVX-512 BF16 and VNNI: a real platform condition, as on CPUs without them qwenrt runs torch paths.
-needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="CPU without AVX-512 BF16/VNNI (torch paths only)")
+# Every CPU gets a kernel level (the portable one at least); only turning them off leaves torch paths alone.
+needs_kernels = pytest.mark.skipif(os.environ.get("QWENRT_KERNELS") == "0", reason="QWENRT_KERNELS=0: torch paths only")
 SHAPES = [(13, 100), (1027, 1024), (40, 1088), (512, 3584)]  # odd rows, tails of every kernel's column blocks
+
+
+@needs_kernels
+def test_kernels_are_the_build_of_this_level():
+    """One build per level, named by it (QWENRT_ISA caps the level: the lower-level runs in test_kernel_levels)."""
+    assert cpu_kernels().__name__.startswith(f"qwenrt_cpu_kernels_{cpu_level()}_")
 
 
 def torch_paths_only(monkeypatch):
     """Make every caller see no native kernels, as on a CPU without them."""
     for module in (qwenrt.model, qwenrt.deltanet, qwenrt.ops.linear, qwenrt.quant, qwenrt.decode_plan):
-        monkeypatch.setattr(module, "cpu_kernels", lambda: None)
+        for name in ("cpu_kernels", "inference_kernels"):  # each module imports one of the two
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, lambda *tensors: None)
 
 
 @needs_kernels
-@pytest.mark.parametrize("M", [1, 2, 3, 4])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_gemv_bf16_several_weights_match_fp64_reference(M):
     g = torch.Generator().manual_seed(M)
     for N, K in SHAPES:
@@ -53,7 +64,7 @@ def test_gemv_bf16_several_weights_match_fp64_reference(M):
 
 
 @needs_kernels
-@pytest.mark.parametrize("M", [1, 2, 4])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("spec", [QuantSpec(8), QuantSpec(4, 32), QuantSpec(4, 64), QuantSpec(4, 128)], ids=str)
 def test_quantized_gemv_matches_its_dequantized_weight(M, spec):
     """x·dequant(W)ᵀ in fp64 vs the kernels. int8 puts x in 16-bit fixed point per 256 columns (error ≤ 2^-16 of a
@@ -144,6 +155,55 @@ def test_native_attention_step_matches_torch_ops(dtype, bound):
     assert (keys.float() - ref_keys.float()).abs().max().item() < bound  # normed (sum order) and rotated
 
 
+def deltanet(Dk: int, Dv: int, dtype) -> qwenrt.deltanet.GatedDeltaNet:
+    """A DeltaNet layer with every weight random (norm and conv included), 2 key heads shared by 4 value heads."""
+    config = TextConfig(model_type="qwen3_5_text", vocab_size=8, hidden_size=64, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=32, layer_types=("linear_attention",),
+                        linear_key_head_dim=Dk, linear_value_head_dim=Dv, linear_num_key_heads=2,
+                        linear_num_value_heads=4)
+    layer = qwenrt.deltanet.GatedDeltaNet(config, 0)
+    g = torch.Generator().manual_seed(Dk + Dv)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.5 if p.dim() < 2 else p.shape[-1] ** -0.5))
+    return layer.to(dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("Dk, Dv", [(128, 128), (32, 40)], ids=["published", "value-tail"])
+def test_native_deltanet_steps_match_torch_ops(Dk, Dv, dtype, bound, monkeypatch):
+    """Prefill 6 tokens (native short conv) and decode 5 (fused step: conv, norms, delta rule, gated norm) on a batch
+    of 2, against the layer's torch ops from the same states."""
+    layer = deltanet(Dk, Dv, dtype)
+    x = torch.randn(2, 11, 64, generator=torch.Generator().manual_seed(5)).to(dtype)
+    C = layer.in_proj_qkv.out_features
+
+    def run(native: bool):
+        monkeypatch.setattr(qwenrt.deltanet, "inference_kernels", inference_kernels if native else lambda *t: None)
+        conv, rec = torch.zeros(2, C, 3), torch.zeros(2, 4, Dk, Dv)
+        out, conv, rec = layer(x[:, :6], conv, rec)
+        outs = [out]
+        for t in range(6, 11):
+            out, conv, rec = layer(x[:, t:t + 1], conv, rec)
+            outs.append(out)
+        return torch.cat(outs, 1), rec
+
+    (ours, our_state), (ref, ref_state) = run(True), run(False)
+    assert rel_err(ours, ref) < bound and rel_err(our_state, ref_state) < bound
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_residual_norm_matches_torch_ops(dtype):
+    g = torch.Generator().manual_seed(9)
+    x, h = (torch.randn(3, 5, 1000, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(1000, generator=g) * 0.1
+    total, normed = cpu_kernels().rms_norm(x, h, w, 1e-6)
+    assert torch.equal(total, x + h)  # rounded once, as torch adds
+    assert (normed.float() - _norm(x + h, w).float()).abs().max() <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 @needs_kernels
 @pytest.mark.parametrize("kind, dtype, quantize, bound", [
     ("dense_ckpt", "float32", None, 1e-5), ("dense_ckpt", "bfloat16", None, 1e-2), ("moe_ckpt", "bfloat16", None, 1e-2),
@@ -171,6 +231,17 @@ def test_decode_plan_equals_the_modules_native_path(kind, quantize, request):
     planned = teacher_forced_logits(model, ids, 16)
     assert DecodePlan.for_model(model) is not None
     assert torch.equal(planned, teacher_forced_logits(model, ids, 16, modules=True))
+
+
+@needs_kernels
+def test_decode_plan_takes_batches_beyond_the_kernel_rows(dense_ckpt):
+    """A batch larger than one kernel call takes (MAX_KERNEL_ROWS) goes through in groups: each sequence's logits
+    as in a batch of its own."""
+    ids = torch.randint(0, VOCAB, (MAX_KERNEL_ROWS + 2, 16), generator=torch.Generator().manual_seed(8))
+    model, _ = qwenrt.load(dense_ckpt[0], dtype="bfloat16")
+    whole = teacher_forced_logits(model, ids, 8)
+    parts = torch.cat([teacher_forced_logits(model, ids[i:i + 5], 8) for i in range(0, len(ids), 5)])
+    assert rel_err(whole, parts) < 1e-2
 
 
 @needs_kernels

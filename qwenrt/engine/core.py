@@ -24,10 +24,12 @@ import torch
 from qwenrt.cache import deltanet_state_bytes, kv_bytes_per_token
 from qwenrt.engine.prefix_cache import PrefixCache, prompt_key
 from qwenrt.engine.prefix_store import PrefixStore, model_identity
-from qwenrt.engine.request import Request, RequestOutput, Sequence, Status, TokenLogprob
-from qwenrt.engine.runner import ModelRunner
+from qwenrt.engine.request import DraftCounts, Request, RequestOutput, Sequence, Status, TokenLogprob
+from qwenrt.engine.runner import ModelRunner, Verified
 from qwenrt.engine.scheduler import Scheduler, SchedulerConfig
+from qwenrt.engine.speculative import DraftPolicy, accept, propose_ngram
 from qwenrt.errors import QueueFullError, QwenrtError
+from qwenrt.mtp import DEFAULT_DRAFT_VOCAB
 from qwenrt.prompt import prepare_prompt
 from qwenrt.sampling import TokenCounts, sample
 from qwenrt.validation import check_request
@@ -40,6 +42,8 @@ MIN_CHUNK = 64  # prompt tokens per step at least (one DeltaNet chunk), whatever
 MAX_LOGPROBS = 20
 DEFAULT_SNAPSHOT_INTERVAL = 1024  # prompt tokens between prefix-cache snapshots inside a long prompt
 MIN_BRANCH_GAIN = 32  # a shared prefix found as KV only gets its own snapshot when it is at least this long
+MAX_DRAFTS = 8  # speculative_tokens at most
+AUTO_MAX_DRAFTS = 3  # the most drafts `auto` verifies per step
 _engines = weakref.WeakKeyDictionary()  # model -> its default engine (Engine.for_model)
 
 
@@ -75,6 +79,12 @@ def _last_index(ids: list[int], token: int | None) -> int:
 
 def _size(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+def _speculative_tokens(value) -> int | str:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_DRAFTS):
+        return value
+    raise QwenrtError(f"speculative_tokens must be 0 (off), 1..{MAX_DRAFTS} or \"auto\", got {value!r}")
 
 
 def _positive(name: str, value) -> int:
@@ -125,6 +135,10 @@ class Engine:
     prefix_cache_size: bytes of prefix snapshots kept for later requests (default: a tenth of the machine's memory;
     0: no prefix cache). prefix_cache_dir: also keep the snapshots in this folder (as much again on disk), so a
     restart keeps them. snapshot_interval: prompt tokens between snapshots inside a long prompt.
+    speculative_tokens: draft tokens verified per decode step by default (a request may ask otherwise): 0 off, k,
+    or "auto" (the default: the count that pays, from measured acceptance and step times; off without an MTP
+    head). Drafts come from the model's MTP head, or without one from earlier text (prompt lookup). draft_vocab: the
+    MTP head drafts among the first this many token ids (its share of the LM head's weight reads).
     """
 
     def __init__(self, model, tokenizer=None, *, max_running: int = DEFAULT_MAX_RUNNING,
@@ -132,7 +146,8 @@ class Engine:
                  max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, step_target: float | None = DEFAULT_STEP_TARGET,
                  memory_budget: int | None = None,
                  prefix_cache_size: int | None = None, prefix_cache_dir: str | None = None,
-                 snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL):
+                 snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL, speculative_tokens: int | str = "auto",
+                 draft_vocab: int = DEFAULT_DRAFT_VOCAB):
         c = model.config.text
         limit = c.max_position_embeddings
         if max_model_len is not None and _positive("max_model_len", max_model_len) > limit:
@@ -145,7 +160,12 @@ class Engine:
         self.state_bytes = deltanet_state_bytes(c)
         self.kv_token_bytes = kv_bytes_per_token(c, model.dtype)
         self.eos_ids = set(tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_id)
-        self.runner = ModelRunner(model)
+        self.speculative_tokens = _speculative_tokens(speculative_tokens)
+        self.runner = ModelRunner(model, _positive("draft_vocab", draft_vocab))
+        self.draft_policy = DraftPolicy(AUTO_MAX_DRAFTS)
+        self.draft_counts = DraftCounts()  # every request's, for metrics
+        # the MTP head's KV for one token, and the DeltaNet states a verification keeps per draft
+        self.draft_token_bytes = self.kv_token_bytes // max(len(c.full_attention_layers), 1)
         size = default_prefix_cache_size() if prefix_cache_size is None else prefix_cache_size
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise QwenrtError(f"prefix_cache_size must be a number of bytes >= 0 (0 = off), got {size!r}")
@@ -185,8 +205,14 @@ class Engine:
     # ---- what callers use ----
 
     def reservation(self, seq: Sequence) -> int:
-        """Cache bytes a sequence reserves while it runs: DeltaNet state + KV for every token it may hold."""
-        return self.state_bytes + self.kv_token_bytes * seq.limit
+        """Cache bytes a sequence reserves while it runs: DeltaNet state + KV for every token it may hold; with
+        speculation also the MTP head's KV and the states a verification keeps."""
+        need = self.state_bytes + self.kv_token_bytes * seq.limit
+        if seq.max_drafts:
+            need += self.state_bytes * seq.max_drafts
+            if self.runner.mtp is not None:
+                need += self.draft_token_bytes * (seq.limit + 2 * seq.max_drafts + 2)
+        return need
 
     @property
     def num_running(self) -> int:
@@ -219,6 +245,7 @@ class Engine:
         seq = Sequence(request, prompt, self.tokenizer, stop_ids, min(limit, len(prompt.ids) + params.max_tokens),
                        sink, self.model.device)
         seq.key = prompt_key(prompt, self.model.config)
+        self._set_speculation(seq, request.speculative_tokens)
         need = self.reservation(seq)
         if need > self.memory_budget:
             raise QwenrtError(f"the request needs {_size(need)} of cache for {seq.limit} tokens (prompt + max_tokens);"
@@ -375,9 +402,93 @@ class Engine:
         self._emit(seq, "", [], outputs, error=message)
 
     def _decode(self, seqs: list[Sequence], outputs: list) -> None:
-        logits = self.runner.decode(seqs)  # [B, V]
-        for b, seq in enumerate(seqs):
-            self._run(outputs, [seq], lambda s=seq, row=logits[b:b + 1]: self._sample(s, row, outputs))
+        if not any(s.max_drafts for s in seqs):
+            logits = self.runner.decode(seqs)  # [B, V]
+            for b, seq in enumerate(seqs):
+                self._run(outputs, [seq], lambda s=seq, row=logits[b:b + 1]: self._sample(s, row, outputs))
+            return
+        start = time.perf_counter()
+        drafts = [s.drafts for s in seqs]
+        verified = self.runner.verify(seqs, drafts)
+        for seq, d, v in zip(seqs, drafts, verified):
+            self._run(outputs, [seq], lambda s=seq, d=d, v=v: self._take_verified(s, d, v, outputs))
+        live = [s for s in seqs if s.status is Status.RUNNING and s.max_drafts]
+        if live:
+            self._run(outputs, live, lambda: self._propose(live, len(seqs)))
+        if any(s.auto_drafts for s in seqs):
+            self.draft_policy.observe(len(seqs), max(len(d) for d in drafts), time.perf_counter() - start)
+
+    def _take_verified(self, seq: Sequence, drafts: list[int], verified: Verified, outputs: list) -> None:
+        """Emit what a verification decided for seq (its accepted drafts and one more token), keep those in its
+        cache, and queue the new (hidden, next token) pairs for the MTP head."""
+        first = seq.prompt_len + len(seq.tokens) - 1  # index of the verification's first input
+        if seq.params.uses_penalties and seq.history is None:
+            seq.history = TokenCounts.from_prompts([seq.prompt.ids], verified.logits.shape[-1],
+                                                   verified.logits.device)
+        emitted, kept = accept(verified.logits, drafts, seq.params, seq.history, seq.generator)
+        if seq.draft_counts is not None:
+            seq.draft_counts.add(len(drafts), kept)
+        self.draft_counts.add(len(drafts), kept)
+        if seq.auto_drafts:
+            self.draft_policy.record(len(drafts), kept)
+        text, taken, logprobs = "", [], [] if seq.request.logprobs is not None else None
+        for r, token in enumerate(emitted):
+            if logprobs is not None:
+                logprobs.append(self._logprob(seq, verified.logits[r], token))
+            taken.append(token)
+            text += seq.accept(token)
+            if seq.finish_reason is not None:
+                break
+        # the cache keeps the inputs whose successors were taken (like plain decoding, not the newest token)
+        keep = min(kept + 1, len(taken))
+        self.runner.commit(seq, verified, keep)
+        if seq.draft_state is not None and seq.finish_reason is None:
+            rows = verified.hidden[:keep]
+            if seq.mtp_pending is None:
+                seq.mtp_index, seq.mtp_pending = first, rows
+            else:
+                seq.mtp_pending = torch.cat([seq.mtp_pending, rows])
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        self._emit(seq, text, taken, outputs, logprobs=logprobs)
+
+    def _propose(self, seqs: list[Sequence], batch: int) -> None:
+        """Drafts for each sequence's next step: as many as it asks (`auto`: the policy's choice), within its
+        token limit and what it may still generate."""
+        choice = self.draft_policy.choose(batch) if any(s.auto_drafts for s in seqs) else 0
+        ks = []
+        for s in seqs:
+            k = choice if s.auto_drafts else s.max_drafts
+            room = min(s.limit - s.state.length - 1, s.params.max_tokens - len(s.tokens) - 1)
+            ks.append(max(0, min(k, room)))
+        if self.runner.mtp is not None:
+            for s, d in zip(seqs, self.runner.draft(seqs, ks)):
+                s.drafts = d
+                if not d:
+                    s.mtp_pending = None  # the head skips these positions: drafting resumes from later ones
+        else:
+            for s, k in zip(seqs, ks):
+                s.drafts = propose_ngram(s.prompt.ids + s.tokens, k) if k else []
+
+    def _set_speculation(self, seq: Sequence, requested) -> None:
+        k = self.speculative_tokens if requested is None else _speculative_tokens(requested)
+        if k == "auto":
+            if self.runner.mtp is None:  # prompt lookup only where asked for
+                return
+            seq.max_drafts, seq.auto_drafts = AUTO_MAX_DRAFTS, True
+        else:
+            seq.max_drafts = k
+        if seq.max_drafts:
+            seq.draft_counts = DraftCounts()
+
+    @staticmethod
+    def _logprob(seq: Sequence, logits: torch.Tensor, token: int) -> TokenLogprob:
+        """The token's log-probability under the model's distribution (logits [V], before any penalty or
+        filter) and the request's number of most likely ones."""
+        logp = logits.float().log_softmax(-1)
+        top = logp.topk(seq.request.logprobs) if seq.request.logprobs else None
+        return TokenLogprob(token, float(logp[token]),
+                            list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [])
 
     def _prefill(self, seq: Sequence, n: int, outputs: list) -> None:
         start = time.perf_counter()
@@ -403,12 +514,7 @@ class Engine:
         if seq.history is not None:
             seq.history.update(token)
         token = int(token)
-        logprobs = None
-        if seq.request.logprobs is not None:
-            logp = logits[0].float().log_softmax(-1)  # of the model's distribution, before any penalty or filter
-            top = logp.topk(seq.request.logprobs) if seq.request.logprobs else None
-            logprobs = [TokenLogprob(token, float(logp[token]),
-                                     list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [])]
+        logprobs = [self._logprob(seq, logits[0], token)] if seq.request.logprobs is not None else None
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         self._emit(seq, seq.accept(token), [token], outputs, logprobs=logprobs)
@@ -421,7 +527,7 @@ class Engine:
                 # the next turn of a conversation (or an agent's next call) continues from here
                 self.prefix_cache.insert((seq.key + seq.tokens)[:seq.state.length], seq.state)
             self.scheduler.finish(seq)
-            seq.state = seq.history = seq.vision_embeds = None
+            seq.state = seq.history = seq.vision_embeds = seq.draft_state = seq.mtp_pending = None
             with self._lock:
                 self._sequences.pop(seq.request_id, None)
         out = seq.output(text, tokens, logprobs, error)

@@ -38,6 +38,7 @@ class Request:
     max_context: int | None = None  # context limit for this request (None: the engine's; at most the engine's)
     media_policy: MediaPolicy = DEFAULT_POLICY  # how images/videos may be read (a server passes a strict one)
     on_prefill: Callable[[int, int], None] | None = None  # (prompt tokens done, prompt tokens) after each chunk
+    speculative_tokens: int | str | None = None  # drafts verified per step: 0 off, k, "auto"; None: the engine's
     request_id: str = field(default_factory=new_request_id)
 
 
@@ -46,6 +47,56 @@ class TokenLogprob:
     token: int
     logprob: float
     top: list[tuple[int, float]]  # the most likely tokens, (token, logprob), most likely first
+
+
+@dataclass
+class DraftCounts:
+    """Speculative decoding of one request (or an engine): drafts proposed and accepted, per draft position."""
+
+    rounds: int = 0  # verifications that carried drafts
+    drafted: list[int] = field(default_factory=list)  # drafted[i]: rounds with a draft at position i
+    accepted: list[int] = field(default_factory=list)  # accepted[i]: of which the draft at position i was kept
+
+    def add(self, drafts: int, accepted: int) -> None:
+        if not drafts:
+            return
+        grow = drafts - len(self.drafted)
+        if grow > 0:
+            self.drafted += [0] * grow
+            self.accepted += [0] * grow
+        self.rounds += 1
+        for i in range(drafts):
+            self.drafted[i] += 1
+            self.accepted[i] += i < accepted
+
+    @property
+    def draft_tokens(self) -> int:
+        return sum(self.drafted)
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(self.accepted)
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted drafts / drafts."""
+        return self.accepted_tokens / max(self.draft_tokens, 1)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verification that carried drafts (1 + accepted drafts), vLLM's mean acceptance length."""
+        return 1 + self.accepted_tokens / max(self.rounds, 1)
+
+    def per_position(self) -> list[float]:
+        return [a / max(d, 1) for a, d in zip(self.accepted, self.drafted)]
+
+    def summary(self) -> str:
+        """"acceptance 72% (86/70/59 by position), 2.2 tokens per step", or "" without drafts."""
+        if not self.rounds:
+            return ""
+        by = "/".join(f"{100 * p:.0f}" for p in self.per_position())
+        return f"drafts accepted {100 * self.acceptance:.0f}% ({by} by position), " \
+               f"{self.mean_accepted_length:.2f} tokens per step"
 
 
 @dataclass
@@ -65,6 +116,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when the request asked for them
     error: str | None = None  # finish_reason "error": what went wrong
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of computed
+    drafts: DraftCounts | None = None  # speculative decoding so far (None: not speculating)
 
     @property
     def finished(self) -> bool:
@@ -102,6 +154,15 @@ class Sequence:
         self.vision_embeds: torch.Tensor | None = None  # [1, T, D] while an image/video prompt is being prefilled
         self.key: list[int] = prompt.ids  # the prompt as the prefix cache knows it (images by content)
         self.snapshots: list[int] = [self.prompt_len]  # prompt lengths where a prefix snapshot is taken, ascending
+        # speculative decoding (set by the engine): most drafts per step, whether `auto` picks the count, the drafts
+        # for the next step; the MTP head's cache, the index of its next (hidden, next token) pair, the final-normed
+        # hidden states [m, D] of the pairs waiting for it (their next tokens now known), its committed entries
+        self.max_drafts, self.auto_drafts, self.drafts = 0, False, []
+        self.draft_state: SequenceState | None = None
+        self.mtp_index: int | None = None
+        self.mtp_pending: torch.Tensor | None = None
+        self.mtp_entries = 0
+        self.draft_counts: DraftCounts | None = None
         self.arrival_time = time.perf_counter()
         self.prefill_start_time: float | None = None
         self.first_token_time: float | None = None
@@ -152,4 +213,4 @@ class Sequence:
                error: str | None = None) -> RequestOutput:
         return RequestOutput(self.request_id, text, token_ids, self.finish_reason, self.prompt_len, len(self.tokens),
                              self.arrival_time, self.first_token_time, self.prefill_start_time, time.perf_counter(),
-                             logprobs, error, self.cached)
+                             logprobs, error, self.cached, self.draft_counts)

@@ -1,13 +1,17 @@
-"""The runner runs what the scheduler picked: a prompt chunk of one sequence, or one decode step for a batch of
-sequences (each continuing its own cache), and returns logits. It decides nothing."""
+"""The runner runs what the scheduler picked: a prompt chunk of one sequence, one decode step for a batch of
+sequences (each continuing its own cache), a speculative verification of several tokens per sequence, and the MTP
+head's drafts. It returns logits and hidden states and decides nothing."""
 
 from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+
 from qwenrt.cache import HybridCache, SequenceState
 from qwenrt.decode_plan import DecodePlan
 from qwenrt.engine.request import Sequence
+from qwenrt.mtp import draft_head
 from qwenrt.multimodal import vision_embeddings
 
 
@@ -23,13 +27,32 @@ def _has_vision_tokens(model, ids: list[int]) -> bool:
     return c.image_token_id in ids or c.video_token_id in ids
 
 
+@dataclass
+class Verified:
+    """One sequence's part of a verification: T = 1 + its drafts."""
+
+    logits: torch.Tensor  # [T, V] fp32: row t predicts the token after input t
+    hidden: torch.Tensor  # [T, D] final-normed hidden states (what the MTP head reads)
+    saved: list[dict]  # saved[t]: {DeltaNet layer: (conv, recurrent)} after input t, for t < T - 1
+
+
 class ModelRunner:
-    def __init__(self, model):
+    def __init__(self, model, draft_vocab: int):
         self.model = model
+        self.mtp = getattr(model, "mtp", None)
+        self.draft_vocab = draft_vocab
+        self._draft_head = None
 
     def allocate(self, seq: Sequence) -> SequenceState:
-        """A fresh cache for an admitted sequence: KV room for its prompt (grown as it decodes, up to its limit)."""
-        return self.model.new_sequence(capacity=min(seq.prompt_len + 64, seq.limit), limit=seq.limit)
+        """A fresh cache for an admitted sequence: KV room for its prompt (grown as it decodes, up to its limit);
+        with speculation, the MTP head's own cache too."""
+        capacity = min(seq.prompt_len + 64, seq.limit)
+        if seq.max_drafts and self.mtp is not None:
+            model = self.model
+            # room for the drafts' entries and the padding of a batched catch-up, both rolled back each round
+            seq.draft_state = self.mtp.new_state(model.config.text, model.dtype, model.device, capacity,
+                                                 seq.limit + 2 * seq.max_drafts + 2)
+        return self.model.new_sequence(capacity=capacity, limit=seq.limit)
 
     @torch.inference_mode()
     def prefill(self, seq: Sequence, n: int) -> torch.Tensor | None:
@@ -40,8 +63,10 @@ class ModelRunner:
         last = end == seq.prompt_len
         cache = HybridCache([seq.state])
         ids = torch.tensor([prompt.ids[start:end]], device=model.device)  # [1, n]
+        keep = 0 if seq.draft_state is not None else 1 if last else None  # the MTP head reads every position
+        positions = embeds = None
         if prompt.vision is None:
-            h = model.hidden_states(ids, cache, keep=1 if last else None)
+            h = model.hidden_states(ids, cache, keep=keep)
         else:
             positions = prompt.vision.position_ids.to(model.device)[..., start:end]  # [3, 1, n]
             if seq.vision_embeds is None and _has_vision_tokens(model, prompt.ids[start:]):
@@ -50,16 +75,142 @@ class ModelRunner:
                                                       prompt.vision)  # [1, T, D]
             embeds = (seq.vision_embeds[:, start:end] if seq.vision_embeds is not None
                       else model.model.embed_tokens(ids))
-            h = model.hidden_states(cache=cache, inputs_embeds=embeds, position_ids=positions,
-                                    keep=1 if last else None)
+            h = model.hidden_states(cache=cache, inputs_embeds=embeds, position_ids=positions, keep=keep)
             if last:
                 seq.state.rope_delta = prompt.vision.rope_delta
-                seq.vision_embeds = None
+        if seq.draft_state is not None:
+            self._mtp_prefill(seq, start, h, positions)
+        if last:
+            seq.vision_embeds = None
         seq.computed = end
         return model.lm_head(h[:, -1]).float() if last else None
+
+    def _mtp_prefill(self, seq: Sequence, start: int, h: torch.Tensor, positions: torch.Tensor | None) -> None:
+        """The MTP head over a prompt chunk's positions whose next token is in the prompt (h [1, n, D]); the
+        prompt's last position waits for the first sampled token (`seq.mtp_pending`)."""
+        model, prompt = self.model, seq.prompt
+        n = h.shape[1]
+        pairs = min(n, seq.prompt_len - 1 - start)
+        if seq.mtp_index is None:
+            seq.mtp_index = start
+        if pairs > 0:
+            nxt = slice(start + 1, start + 1 + pairs)
+            embeds = (seq.vision_embeds[:, nxt] if seq.vision_embeds is not None
+                      else model.model.embed_tokens(torch.tensor([prompt.ids[nxt]], device=model.device)))
+            if positions is None:
+                positions = torch.arange(start, start + pairs, device=model.device)[None]
+            cos, sin = model.rotary(positions[..., :pairs], h.dtype)
+            self.mtp(h[:, :pairs], embeds, cos, sin, HybridCache([seq.draft_state]))
+            seq.mtp_index, seq.mtp_entries = start + pairs, seq.draft_state.length
+        seq.mtp_pending = h[0, pairs:]  # [n - pairs, D]: at most the prompt's last position
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One new token for each sequence (its last sampled one) -> logits [B, V] fp32."""
         ids = torch.tensor([[s.last_token] for s in seqs], device=self.model.device)  # [B, 1]
         return decode_step(self.model, ids, HybridCache([s.state for s in seqs]))[:, -1]
+
+    @torch.inference_mode()
+    def verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> list[Verified]:
+        """Each sequence's last sampled token and its drafts through the model in one forward: the weights are read
+        once for all of them. Caches advance over every input; `commit` then keeps the accepted ones."""
+        model = self.model
+        inputs = [[s.last_token] + d for s, d in zip(seqs, drafts)]
+        counts = [len(t) for t in inputs]
+        states = [s.state for s in seqs]
+        for state, n in zip(states, counts):
+            state.reserve(state.length + n)
+        saved = [[] for _ in seqs]
+        plan = DecodePlan.for_model(model) if model.device.type == "cpu" else None
+        if plan is not None:
+            ids = torch.tensor([t for row in inputs for t in row], device=model.device)  # [N]
+            h = plan.hidden(ids, states, counts, saved)  # [N, D]
+            logits = plan.logits(h)
+            for state, n in zip(states, counts):
+                state.length += n
+        else:
+            h, logits = self._verify_stepwise(inputs, states, saved)
+        out, start = [], 0
+        for b, n in enumerate(counts):
+            out.append(Verified(logits[start:start + n], h[start:start + n], saved[b]))
+            start += n
+        return out
+
+    def _verify_stepwise(self, inputs: list[list[int]], states: list[SequenceState], saved: list[list]):
+        """Verification token by token through the modules (no native decode plan: other dtypes and devices): the
+        same computation as plain decoding. Returns (hidden [N, D], logits [N, V]) in sequence order."""
+        model = self.model
+        layers = model.config.text.linear_attention_layers
+        rows: list[list[torch.Tensor]] = [[] for _ in inputs]
+        for t in range(max(len(i) for i in inputs)):
+            active = [b for b, i in enumerate(inputs) if len(i) > t]
+            ids = torch.tensor([[inputs[b][t]] for b in active], device=model.device)  # [B_t, 1]
+            h = model.hidden_states(ids, HybridCache([states[b] for b in active]))  # [B_t, 1, D]
+            for j, b in enumerate(active):
+                rows[b].append(h[j, 0])
+                if t < len(inputs[b]) - 1:
+                    s = states[b]
+                    saved[b].append({i: (s.conv[i].clone(), s.recurrent[i].clone()) for i in layers})
+        h = torch.stack([r for row in rows for r in row])
+        return h, model.lm_head(h).float()
+
+    @staticmethod
+    def commit(seq: Sequence, verified: Verified, taken: int) -> None:
+        """Keep the first `taken` inputs of a verification in seq's cache: length back to them and, when some were
+        rejected, the DeltaNet state saved after the last kept one (the rejected KV is overwritten later)."""
+        state, n = seq.state, verified.logits.shape[0]
+        state.length -= n - taken
+        if taken < n:
+            for i, (conv, recurrent) in verified.saved[taken - 1].items():
+                state.conv[i], state.recurrent[i] = conv, recurrent
+
+    @torch.inference_mode()
+    def draft(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        """Up to ks[b] draft tokens per sequence from the MTP head: one forward over each sequence's pending
+        (hidden, next token) pairs (its cache first rewound past earlier drafts' entries) gives the first; each
+        further one reuses the head on its own output. A sequence without pending pairs gets none."""
+        model, mtp = self.model, self.mtp
+        ready = [b for b, s in enumerate(seqs) if ks[b] > 0 and s.mtp_pending is not None and len(s.mtp_pending)]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        if not ready:
+            return drafts
+        width = max(len(seqs[b].mtp_pending) for b in ready)
+        hidden, nxt, pos = [], [], []
+        for b in ready:  # pad each sequence's pairs to `width` by repeating its last: the padding is rolled back
+            s = seqs[b]
+            m, full = len(s.mtp_pending), s.prompt.ids + s.tokens
+            s.draft_state.length = s.mtp_entries
+            pad = [m - 1] * (width - m)
+            hidden.append(s.mtp_pending[list(range(m)) + pad])
+            tokens = full[s.mtp_index + 1:s.mtp_index + 1 + m]
+            nxt.append(tokens + [tokens[-1]] * (width - m))
+            first = s.mtp_index + s.state.rope_delta
+            pos.append(list(range(first, first + m)) + [first + m - 1] * (width - m))
+        dev = model.device
+        cache = HybridCache([seqs[b].draft_state for b in ready])
+        cos, sin = model.rotary(torch.tensor(pos, device=dev), model.dtype)
+        out = mtp(torch.stack(hidden), model.model.embed_tokens(torch.tensor(nxt, device=dev)), cos, sin, cache)
+        last = torch.stack([out[j, len(seqs[b].mtp_pending) - 1] for j, b in enumerate(ready)])  # [R, D]
+        where = [seqs[b].mtp_index + len(seqs[b].mtp_pending) + seqs[b].state.rope_delta for b in ready]
+        for j, b in enumerate(ready):
+            s = seqs[b]
+            s.mtp_index += len(s.mtp_pending)
+            s.draft_state.length = s.mtp_entries = s.mtp_entries + len(s.mtp_pending)
+            s.mtp_pending = None
+        for step in range(max(ks[b] for b in ready)):
+            token = self.draft_logits(last).argmax(-1)  # [R]
+            for j, b in enumerate(ready):
+                if step < ks[b]:
+                    drafts[b].append(int(token[j]))
+            if step + 1 == max(ks[b] for b in ready):
+                break
+            # the next draft: the head's own output stands for the hidden state at the drafted position
+            cos, sin = model.rotary(torch.tensor(where, device=dev)[:, None] + step, model.dtype)
+            last = mtp(last[:, None], model.model.embed_tokens(token[:, None]), cos, sin, cache)[:, 0]
+        return drafts
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """MTP outputs h [R, D] -> logits [R, draft_vocab] over the first token ids only."""
+        if self._draft_head is None:
+            self._draft_head = draft_head(self.model.lm_head, self.draft_vocab)
+        return self._draft_head(h)

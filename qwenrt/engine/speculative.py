@@ -54,3 +54,54 @@ def accept(logits: torch.Tensor, drafts: list[int], params: SamplingParams, hist
     if history is not None:
         history.update(torch.tensor([token], device=logits.device))
     return out + [token], len(drafts)
+
+
+class DraftPolicy:
+    """`auto`: how many drafts to verify next, from the measured acceptance per draft position and the measured
+    time of a step with k drafts at this batch size; 0 where speculation does not pay. Every PROBE_EVERY steps it
+    tries another count, so both figures stay current (a probe costs one step's difference)."""
+
+    PROBE_EVERY = 32
+    MIN_SAMPLES = 3  # step times measured before they are trusted
+    ALPHA = 0.2  # moving-average weight of a new figure
+
+    def __init__(self, max_k: int):
+        self.max_k = max_k
+        self.acceptance = [1.0] * max_k  # P(draft i accepted | drafts before it accepted), optimistic until seen
+        self.cost: dict[tuple[int, int], tuple[float, int]] = {}  # (batch, k) -> (seconds per step, samples)
+        self.steps = 0
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens one step with k drafts yields on average (the sampled one, then each accepted draft)."""
+        tokens, reach = 1.0, 1.0
+        for i in range(k):
+            reach *= self.acceptance[i]
+            tokens += reach
+        return tokens
+
+    def _seconds(self, batch: int, k: int) -> float | None:
+        known = {j: c for (b, j), (c, n) in self.cost.items() if b == batch and n >= self.MIN_SAMPLES}
+        if k in known:
+            return known[k]
+        if 0 in known and 1 in known:  # verification grows about linearly in its tokens
+            return known[0] + k * (known[1] - known[0])
+        return None
+
+    def choose(self, batch: int) -> int:
+        self.steps += 1
+        for k in (1, 0):  # measure speculation and plain decoding first
+            if self._seconds(batch, k) is None:
+                return k
+        if self.steps % self.PROBE_EVERY == 0:
+            return (self.steps // self.PROBE_EVERY) % (self.max_k + 1)
+        return max(range(self.max_k + 1), key=lambda k: self.expected_tokens(k) / self._seconds(batch, k))
+
+    def observe(self, batch: int, k: int, seconds: float) -> None:
+        """A step of `batch` sequences with k drafts each took `seconds`."""
+        old, n = self.cost.get((batch, k), (seconds, 0))
+        self.cost[(batch, k)] = (seconds if n == 0 else (1 - self.ALPHA) * old + self.ALPHA * seconds, n + 1)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """One sequence's verification: `accepted` of its `drafted` drafts kept."""
+        for i in range(min(drafted, accepted + 1)):  # position i was reached; kept when i < accepted
+            self.acceptance[i] = (1 - self.ALPHA) * self.acceptance[i] + self.ALPHA * float(i < accepted)

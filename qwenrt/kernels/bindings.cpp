@@ -1,32 +1,31 @@
-#include <torch/extension.h>
+// The Python module: only this file sees pybind11 and torch's Python bindings (the kernels include ATen's tensor
+// headers alone: torch/extension.h costs ~30 s of compile per file, and every level is compiled on first use).
+#include <ATen/core/Tensor.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
 
-std::vector<torch::Tensor> gemv_bf16(torch::Tensor x, std::vector<torch::Tensor> ws, std::string mode);
-torch::Tensor gdn_decode_step(torch::Tensor mixed, torch::Tensor conv_state, torch::Tensor conv_w, torch::Tensor a,
-                              torch::Tensor b, torch::Tensor A_log, torch::Tensor dt_bias, torch::Tensor state,
-                              torch::Tensor z, torch::Tensor norm_w, int64_t num_k_heads, double eps, bool bf16);
-
-std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor w,
-                                    double eps);
-
-std::vector<torch::Tensor> gemv_q8(torch::Tensor x, std::vector<torch::Tensor> qs, std::vector<torch::Tensor> scales,
-                                   std::string mode);
-std::vector<torch::Tensor> gemv_q4(torch::Tensor x, std::vector<torch::Tensor> qs, std::vector<torch::Tensor> scales,
-                                   std::vector<torch::Tensor> zeros, int64_t G, std::string mode);
-
-torch::Tensor causal_conv1d(torch::Tensor x, torch::Tensor conv_state, torch::Tensor conv_w);
-torch::Tensor dequantize_q4(torch::Tensor q, torch::Tensor scales, torch::Tensor zeros, int64_t G,
-                            c10::ScalarType dtype);
-torch::Tensor attention_decode_step(torch::Tensor qg, torch::Tensor k, torch::Tensor v, torch::Tensor q_norm_w,
-                                    torch::Tensor k_norm_w, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys,
-                                    torch::Tensor values, torch::Tensor lengths, double eps);
+std::vector<at::Tensor> gemv_bf16(at::Tensor x, std::vector<at::Tensor> ws, std::string mode);
+std::vector<at::Tensor> gemv_q8(at::Tensor x, std::vector<at::Tensor> qs, std::vector<at::Tensor> scales,
+                                std::string mode);
+std::vector<at::Tensor> gemv_q4(at::Tensor x, std::vector<at::Tensor> qs, std::vector<at::Tensor> scales,
+                                std::vector<at::Tensor> zeros, int64_t G, std::string mode);
+at::Tensor dequantize_q4(at::Tensor q, at::Tensor scales, at::Tensor zeros, int64_t G, c10::ScalarType dtype);
+at::Tensor gdn_decode_step(at::Tensor mixed, at::Tensor conv_state, at::Tensor conv_w, at::Tensor a, at::Tensor b,
+                           at::Tensor A_log, at::Tensor dt_bias, at::Tensor state, at::Tensor z, at::Tensor norm_w,
+                           int64_t num_k_heads, double eps, bool bf16);
+std::vector<at::Tensor> rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor w, double eps);
+at::Tensor causal_conv1d(at::Tensor x, at::Tensor conv_state, at::Tensor conv_w);
+at::Tensor attention_decode_step(at::Tensor qg, at::Tensor k, at::Tensor v, at::Tensor q_norm_w, at::Tensor k_norm_w,
+                                 at::Tensor cos, at::Tensor sin, at::Tensor keys, at::Tensor values,
+                                 at::Tensor lengths, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using pybind11::arg;
-  m.def("gemv_bf16", &gemv_bf16, "x [M<=4, K] bf16 · each w [N, K]ᵀ bf16 -> [M, N] per weight (mode fp32|bf16|swiglu)",
+  m.def("gemv_bf16", &gemv_bf16, "x [M<=8, K] bf16 · each w [N, K]ᵀ bf16 -> [M, N] per weight (mode fp32|bf16|swiglu)",
         arg("x"), arg("ws"), arg("mode"));
-  m.def("gemv_q8", &gemv_q8, "x [M<=4, K] bf16 · each int8 W [N, K]ᵀ (bf16 row scales) -> [M, N] per weight",
+  m.def("gemv_q8", &gemv_q8, "x [M<=8, K] bf16 · each int8 W [N, K]ᵀ (bf16 row scales) -> [M, N] per weight",
         arg("x"), arg("qs"), arg("scales"), arg("mode"));
-  m.def("gemv_q4", &gemv_q4, "x [M<=4, K] bf16 · each int4 W (stored layout, groups of G) -> [M, N] per weight",
+  m.def("gemv_q4", &gemv_q4, "x [M<=8, K] bf16 · each int4 W (stored layout, groups of G) -> [M, N] per weight",
         arg("x"), arg("qs"), arg("scales"), arg("zeros"), arg("G"), arg("mode"));
   m.def("dequantize_q4", &dequantize_q4, "int4 stored layout -> dense weight (bf16 or fp32)");
   m.def("attention_decode_step", &attention_decode_step,

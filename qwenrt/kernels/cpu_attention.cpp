@@ -2,78 +2,81 @@
 // key/value written into the cache, softmax attention of one query per sequence over the cached keys (grouped-query)
 // and the sigmoid output gate. torch's CPU attention copies every cached key (the prefix of a cache row is not
 // contiguous across heads) and took ~14 ms per layer at 8K keys; this reads each cached key and value once, in fp32.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <cmath>
 #include <vector>
 
-#include "vec_math.h"
+#include "simd.h"
 
 namespace {
 
-constexpr int64_t kMaxGroup = 16;  // query heads per key/value head
+using namespace qwenrt::simd;
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+constexpr int64_t kMaxGroup = 16;  // query heads per key/value head
+constexpr int kKeyBlock = kRegisters / 8;  // keys scored together (KB·GB accumulators + GB queries in registers)
+constexpr int kValueChunks = kRegisters / 8;  // output vectors per head held in registers while summing values
+
+inline F load_row(const float* p) { return load(p); }
+inline F load_row(const at::BFloat16* p) { return load_bf16(reinterpret_cast<const uint16_t*>(p)); }
 
 // Scores of query heads [g0, g0 + GB) against keys [s0, s0 + KB): KB·GB dot products over D, each key read once.
 template <int GB, int KB, typename T>
 inline void score_block(const float* q, const T* k, int64_t D, int64_t S, int64_t s0, int64_t g0, float* p) {
-  __m512 acc[KB][GB];
+  F acc[KB][GB];
   for (int j = 0; j < KB; ++j)
-    for (int g = 0; g < GB; ++g) acc[j][g] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) {
-    __m512 qv[GB];
-    for (int g = 0; g < GB; ++g) qv[g] = _mm512_loadu_ps(q + (g0 + g) * D + d);
+    for (int g = 0; g < GB; ++g) acc[j][g] = zero();
+  for (int64_t d = 0; d < D; d += kLanes) {
+    F qv[GB];
+    for (int g = 0; g < GB; ++g) qv[g] = load(q + (g0 + g) * D + d);
     for (int j = 0; j < KB; ++j) {
-      const __m512 kv = load16(k + (s0 + j) * D + d);
-      for (int g = 0; g < GB; ++g) acc[j][g] = _mm512_fmadd_ps(qv[g], kv, acc[j][g]);
+      const F kv = load_row(k + (s0 + j) * D + d);
+      for (int g = 0; g < GB; ++g) acc[j][g] = fmadd(qv[g], kv, acc[j][g]);
     }
   }
   for (int j = 0; j < KB; ++j)
-    for (int g = 0; g < GB; ++g) p[(g0 + g) * S + s0 + j] = _mm512_reduce_add_ps(acc[j][g]);
+    for (int g = 0; g < GB; ++g) p[(g0 + g) * S + s0 + j] = reduce_add(acc[j][g]);
 }
 
 template <int GB, typename T>
 void scores(const float* q, const T* k, int64_t D, int64_t S, int64_t g0, float* p) {
   int64_t s = 0;
-  for (; s + 4 <= S; s += 4) score_block<GB, 4>(q, k, D, S, s, g0, p);
+  for (; s + kKeyBlock <= S; s += kKeyBlock) score_block<GB, kKeyBlock>(q, k, D, S, s, g0, p);
   for (; s < S; ++s) score_block<GB, 1>(q, k, D, S, s, g0, p);
 }
 
-// out[g] = Σ_s p[g][s]·v[s] for heads [g0, g0 + GB): keys in blocks that stay in cache, 64 output dims at a time
-// held in registers.
+// out[g] = Σ_s p[g][s]·v[s] for heads [g0, g0 + GB): keys in blocks that stay in cache, kValueChunks vectors of
+// output dims at a time held in registers.
 template <int GB, typename T>
 void weighted_values(const float* p, const T* v, int64_t D, int64_t S, int64_t g0, float* out) {
   constexpr int64_t kKeys = 64;
+  constexpr int64_t kWidth = kValueChunks * kLanes;
   for (int64_t s0 = 0; s0 < S; s0 += kKeys) {
     const int64_t s1 = std::min(S, s0 + kKeys);
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {
-      const int chunks = static_cast<int>(std::min<int64_t>(4, (D - d0) / 16));
-      __m512 acc[GB][4];
+    for (int64_t d0 = 0; d0 < D; d0 += kWidth) {
+      const int chunks = static_cast<int>(std::min<int64_t>(kValueChunks, (D - d0) / kLanes));
+      F acc[GB][kValueChunks];
       for (int g = 0; g < GB; ++g)
-        for (int c = 0; c < 4; ++c) acc[g][c] = c < chunks ? _mm512_loadu_ps(out + (g0 + g) * D + d0 + 16 * c)
-                                                           : _mm512_setzero_ps();
+        for (int c = 0; c < kValueChunks; ++c)
+          acc[g][c] = c < chunks ? load(out + (g0 + g) * D + d0 + kLanes * c) : zero();
       for (int64_t s = s0; s < s1; ++s) {
-        __m512 vv[4];
-        for (int c = 0; c < 4; ++c) vv[c] = c < chunks ? load16(v + s * D + d0 + 16 * c) : _mm512_setzero_ps();
+        F vv[kValueChunks];
+        for (int c = 0; c < kValueChunks; ++c) vv[c] = c < chunks ? load_row(v + s * D + d0 + kLanes * c) : zero();
         for (int g = 0; g < GB; ++g) {
-          const __m512 pg = _mm512_set1_ps(p[(g0 + g) * S + s]);
-          for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(pg, vv[c], acc[g][c]);
+          const F pg = set1(p[(g0 + g) * S + s]);
+          for (int c = 0; c < kValueChunks; ++c) acc[g][c] = fmadd(pg, vv[c], acc[g][c]);
         }
       }
       for (int g = 0; g < GB; ++g)
-        for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(out + (g0 + g) * D + d0 + 16 * c, acc[g][c]);
+        for (int c = 0; c < chunks; ++c) store(out + (g0 + g) * D + d0 + kLanes * c, acc[g][c]);
     }
   }
 }
 
-template <typename F>
-void by_head_block(int64_t G, F&& f) {  // f(GB, g0) over head blocks of up to 4
+template <typename Fn>
+void by_head_block(int64_t G, Fn&& f) {  // f(GB, g0) over head blocks of up to 4
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     switch (std::min<int64_t>(4, G - g0)) {
       case 1: f(std::integral_constant<int, 1>{}, g0); break;
@@ -102,20 +105,21 @@ void attend(const T* Q, const T* Kc, const T* Vc, const int64_t* valid, T* O, in
         float* pg = p.data() + g * S;
         float mx = -INFINITY;
         for (int64_t s = 0; s < S; ++s) mx = std::max(mx, pg[s]);
-        __m512 sum = _mm512_setzero_ps();
+        F sum = zero();
         int64_t s = 0;
-        for (; s + 16 <= S; s += 16) {
-          const __m512 e = qwenrt::exp_ps(_mm512_sub_ps(_mm512_loadu_ps(pg + s), _mm512_set1_ps(mx)));
-          _mm512_storeu_ps(pg + s, e);
-          sum = _mm512_add_ps(sum, e);
+        for (; s + kLanes <= S; s += kLanes) {
+          const F e = qwenrt::simd::exp(sub(load(pg + s), set1(mx)));
+          store(pg + s, e);
+          sum = add(sum, e);
         }
-        if (s < S) {
-          const __mmask16 tail = static_cast<__mmask16>((1u << (S - s)) - 1);
-          const __m512 e = qwenrt::exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, pg + s), _mm512_set1_ps(mx)));
-          _mm512_mask_storeu_ps(pg + s, tail, e);
-          sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
+        float total = reduce_add(sum);
+        if (s < S) {  // the last S % kLanes scores, through the same vector exp
+          alignas(64) float tail[kLanes] = {};
+          std::copy(pg + s, pg + S, tail);
+          store(tail, qwenrt::simd::exp(sub(load(tail), set1(mx))));
+          for (int64_t t = s; t < S; ++t) total += (pg[t] = tail[t - s]);
         }
-        const float inv = 1.0f / _mm512_reduce_add_ps(sum);
+        const float inv = 1.0f / total;
         for (int64_t t = 0; t < S; ++t) pg[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -185,9 +189,9 @@ void attention_step(const T* QG, const T* Kn, const T* Vn, const float* QW, cons
 // k, v [B, Hkv, Dh], q_norm_w, k_norm_w [Dh] fp32 (stored w; the norm scales by 1 + w), cos, sin [B, R],
 // keys, values [B, Hkv, cap, Dh] (the cache stores, written at position lengths[b]), lengths [B] int64.
 // Returns the gated attention output [B, H·Dh], ready for o_proj.
-torch::Tensor attention_decode_step(torch::Tensor qg, torch::Tensor k, torch::Tensor v, torch::Tensor q_norm_w,
-                                    torch::Tensor k_norm_w, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys,
-                                    torch::Tensor values, torch::Tensor lengths, double eps) {
+at::Tensor attention_decode_step(at::Tensor qg, at::Tensor k, at::Tensor v, at::Tensor q_norm_w,
+                                    at::Tensor k_norm_w, at::Tensor cos, at::Tensor sin, at::Tensor keys,
+                                    at::Tensor values, at::Tensor lengths, double eps) {
   for (auto* t : {&qg, &k, &v, &q_norm_w, &k_norm_w, &cos, &sin, &keys, &values, &lengths})
     TORCH_CHECK(t->is_contiguous(), "attention_decode_step: contiguous inputs only");
   const auto T = qg.scalar_type();
@@ -204,7 +208,7 @@ torch::Tensor attention_decode_step(torch::Tensor qg, torch::Tensor k, torch::Te
               "attention_decode_step: shapes");
   const int64_t* len = lengths.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(len[b] >= 0 && len[b] < cap, "attention_decode_step: cache is full");
-  auto out = torch::empty({B, H * D}, qg.options());
+  auto out = at::empty({B, H * D}, qg.options());
   if (T == at::kBFloat16) {
     using E = at::BFloat16;
     attention_step(qg.data_ptr<E>(), k.data_ptr<E>(), v.data_ptr<E>(), q_norm_w.data_ptr<float>(),

@@ -1,13 +1,14 @@
 // One decode step of a Gated DeltaNet layer, fused: causal conv update + SiLU, q/k L2 norm, the gated delta rule
 // on the fp32 state (updated in place), and the gated RMSNorm of the output. Mirrors qwenrt/deltanet.py, whose
 // torch path is the reference (tests/test_kernels.py holds the two together).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <cmath>
 #include <vector>
 
-#include "vec_math.h"
+#include "simd.h"
 
 namespace {
 
@@ -20,7 +21,7 @@ inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x));
 struct Floats {  // read-only fp32 view of a bf16 or fp32 tensor
   const void* p;
   bool bf16;
-  explicit Floats(const torch::Tensor& t) : p(t.data_ptr()), bf16(t.scalar_type() == at::kBFloat16) {}
+  explicit Floats(const at::Tensor& t) : p(t.data_ptr()), bf16(t.scalar_type() == at::kBFloat16) {}
   float operator[](int64_t i) const {
     return bf16 ? static_cast<float>(static_cast<const at::BFloat16*>(p)[i]) : static_cast<const float*>(p)[i];
   }
@@ -28,50 +29,64 @@ struct Floats {  // read-only fp32 view of a bf16 or fp32 tensor
 
 
 // The gated delta rule for one head on its state s [Dk, Dv]: S ← decay·S; u = Sᵀk; δ = β(v − u); S ← S + kδᵀ;
-// o = Sᵀq. NV = Dv / 16 keeps u and o in vector registers (0: any Dv, plain loops); u is scratch [Dv].
+// o = Sᵀq. Columns are independent: NV vectors of them at a time, u and o held in registers (s, v, o point at the
+// first column; rows of s are Dv apart).
 template <int NV>
+void delta_rule_columns(float* s, const float* k, const float* q, const float* v, float decay, float beta,
+                        int64_t Dk, int64_t Dv, float* o) {
+  using namespace qwenrt::simd;
+  F acc[NV];
+  const F dec = set1(decay);
+  for (int c = 0; c < NV; ++c) acc[c] = zero();
+  for (int64_t i = 0; i < Dk; ++i) {  // decay the state; u = Sᵀk
+    float* si = s + i * Dv;
+    const F ki = set1(k[i]);
+    for (int c = 0; c < NV; ++c) {
+      const F sv = mul(load(si + kLanes * c), dec);
+      store(si + kLanes * c, sv);
+      acc[c] = fmadd(sv, ki, acc[c]);
+    }
+  }
+  F delta[NV];
+  for (int c = 0; c < NV; ++c) delta[c] = mul(set1(beta), sub(load(v + kLanes * c), acc[c]));
+  for (int c = 0; c < NV; ++c) acc[c] = zero();
+  for (int64_t i = 0; i < Dk; ++i) {  // S += k·δᵀ; o = Sᵀq
+    float* si = s + i * Dv;
+    const F ki = set1(k[i]), qi = set1(q[i]);
+    for (int c = 0; c < NV; ++c) {
+      const F sv = fmadd(ki, delta[c], load(si + kLanes * c));
+      store(si + kLanes * c, sv);
+      acc[c] = fmadd(sv, qi, acc[c]);
+    }
+  }
+  for (int c = 0; c < NV; ++c) store(o + kLanes * c, acc[c]);
+}
+
+// The same for the last Dv % kLanes columns [j0, Dv), in plain loops; u is scratch [Dv].
+void delta_rule_tail(float* s, const float* k, const float* q, const float* v, float decay, float beta, int64_t Dk,
+                     int64_t Dv, int64_t j0, float* u, float* o) {
+  std::fill(u + j0, u + Dv, 0.f);
+  for (int64_t i = 0; i < Dk; ++i) {
+    float* si = s + i * Dv;
+    for (int64_t j = j0; j < Dv; ++j) { si[j] *= decay; u[j] += si[j] * k[i]; }
+  }
+  for (int64_t j = j0; j < Dv; ++j) u[j] = beta * (v[j] - u[j]);
+  std::fill(o + j0, o + Dv, 0.f);
+  for (int64_t i = 0; i < Dk; ++i) {
+    float* si = s + i * Dv;
+    for (int64_t j = j0; j < Dv; ++j) { si[j] += k[i] * u[j]; o[j] += si[j] * q[i]; }
+  }
+}
+
 void delta_rule_step(float* s, const float* k, const float* q, const float* v, float decay, float beta, int64_t Dk,
                      int64_t Dv, float* u, float* o) {
-  if constexpr (NV == 0) {
-    std::fill(u, u + Dv, 0.f);
-    for (int64_t i = 0; i < Dk; ++i) {
-      float* si = s + i * Dv;
-      for (int64_t j = 0; j < Dv; ++j) { si[j] *= decay; u[j] += si[j] * k[i]; }
-    }
-    for (int64_t j = 0; j < Dv; ++j) u[j] = beta * (v[j] - u[j]);
-    std::fill(o, o + Dv, 0.f);
-    for (int64_t i = 0; i < Dk; ++i) {
-      float* si = s + i * Dv;
-      for (int64_t j = 0; j < Dv; ++j) { si[j] += k[i] * u[j]; o[j] += si[j] * q[i]; }
-    }
-  } else {
-    __m512 acc[NV];
-    const __m512 dec = _mm512_set1_ps(decay);
-    for (int c = 0; c < NV; ++c) acc[c] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < Dk; ++i) {  // decay the state; u = Sᵀk
-      float* si = s + i * Dv;
-      const __m512 ki = _mm512_set1_ps(k[i]);
-      for (int c = 0; c < NV; ++c) {
-        const __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(si + 16 * c), dec);
-        _mm512_storeu_ps(si + 16 * c, sv);
-        acc[c] = _mm512_fmadd_ps(sv, ki, acc[c]);
-      }
-    }
-    __m512 delta[NV];
-    for (int c = 0; c < NV; ++c)
-      delta[c] = _mm512_mul_ps(_mm512_set1_ps(beta), _mm512_sub_ps(_mm512_loadu_ps(v + 16 * c), acc[c]));
-    for (int c = 0; c < NV; ++c) acc[c] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < Dk; ++i) {  // S += k·δᵀ; o = Sᵀq
-      float* si = s + i * Dv;
-      const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
-      for (int c = 0; c < NV; ++c) {
-        const __m512 sv = _mm512_fmadd_ps(ki, delta[c], _mm512_loadu_ps(si + 16 * c));
-        _mm512_storeu_ps(si + 16 * c, sv);
-        acc[c] = _mm512_fmadd_ps(sv, qi, acc[c]);
-      }
-    }
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + 16 * c, acc[c]);
-  }
+  using qwenrt::simd::kLanes;
+  constexpr int kBlock = qwenrt::simd::kRegisters / 4;  // u and δ (2·kBlock vectors) stay in registers
+  int64_t j = 0;
+  for (; j + kBlock * kLanes <= Dv; j += kBlock * kLanes)
+    delta_rule_columns<kBlock>(s + j, k, q, v + j, decay, beta, Dk, Dv, o + j);
+  for (; j + kLanes <= Dv; j += kLanes) delta_rule_columns<1>(s + j, k, q, v + j, decay, beta, Dk, Dv, o + j);
+  if (j < Dv) delta_rule_tail(s, k, q, v, decay, beta, Dk, Dv, j, u, o);
 }
 
 }  // namespace
@@ -80,9 +95,9 @@ void delta_rule_step(float* s, const float* k, const float* q, const float* v, f
 // A_log, dt_bias [Hv] fp32, state [B, Hv, Dk, Dv] fp32 (in place), z [B, Hv, Dv], norm_w [Dv] fp32
 // -> out [B, Hv·Dv] (gated RMSNorm applied). The projections mixed, a, b, z come in the compute dtype, bf16 or
 // fp32, and so does the output; with bf16 the step rounds where the bf16 reference does.
-torch::Tensor gdn_decode_step(torch::Tensor mixed, torch::Tensor conv_state, torch::Tensor conv_w, torch::Tensor a,
-                              torch::Tensor b, torch::Tensor A_log, torch::Tensor dt_bias, torch::Tensor state,
-                              torch::Tensor z, torch::Tensor norm_w, int64_t num_k_heads, double eps, bool bf16) {
+at::Tensor gdn_decode_step(at::Tensor mixed, at::Tensor conv_state, at::Tensor conv_w, at::Tensor a,
+                              at::Tensor b, at::Tensor A_log, at::Tensor dt_bias, at::Tensor state,
+                              at::Tensor z, at::Tensor norm_w, int64_t num_k_heads, double eps, bool bf16) {
   for (auto* t : {&conv_state, &conv_w, &A_log, &dt_bias, &state, &norm_w}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "gdn_decode_step: contiguous fp32 state/weights");
   }
@@ -94,8 +109,8 @@ torch::Tensor gdn_decode_step(torch::Tensor mixed, torch::Tensor conv_state, tor
   const int64_t Hv = state.size(1), Dk = state.size(2), Dv = state.size(3), Hk = num_k_heads;
   TORCH_CHECK(C == 2 * Hk * Dk + Hv * Dv && conv_state.size(2) == K - 1, "gdn_decode_step: shape mismatch");
   const int64_t r = Hv / Hk;
-  auto conv_out = torch::empty({B, C}, conv_state.options());
-  auto out = torch::empty({B, Hv * Dv}, mixed.options());
+  auto conv_out = at::empty({B, C}, conv_state.options());
+  auto out = at::empty({B, Hv * Dv}, mixed.options());
   std::vector<float> o_buf(B * Hv * Dv);
   auto rd = [bf16](float x) { return bf16 ? round_bf16(x) : x; };
 
@@ -116,9 +131,9 @@ torch::Tensor gdn_decode_step(torch::Tensor mixed, torch::Tensor conv_state, tor
       if (K > 1) s[K - 2] = rd(X[i]);
     }
     int64_t i = i0;  // SiLU, rounded where the reference rounds
-    for (; i + 16 <= i1; i += 16) {
-      const __m512 y = qwenrt::silu_ps(_mm512_loadu_ps(Y + i));
-      _mm512_storeu_ps(Y + i, bf16 ? qwenrt::round_bf16_ps(y) : y);
+    for (; i + qwenrt::simd::kLanes <= i1; i += qwenrt::simd::kLanes) {
+      const auto y = qwenrt::simd::silu(qwenrt::simd::load(Y + i));
+      qwenrt::simd::store(Y + i, bf16 ? qwenrt::simd::round_bf16(y) : y);
     }
     for (; i < i1; ++i) Y[i] = rd(silu(Y[i]));
   });
@@ -148,13 +163,7 @@ torch::Tensor gdn_decode_step(torch::Tensor mixed, torch::Tensor conv_state, tor
       const float beta = rd(1.0f / (1.0f + std::exp(-Bt[bh])));
       float* s = S + bh * Dk * Dv;
       float* o = O + bh * Dv;
-      switch (Dv / 16) {  // the value dimension held in registers where it is a small multiple of 16
-        case 1: delta_rule_step<1>(s, k.data(), q.data(), v, decay, beta, Dk, Dv, u.data(), o); break;
-        case 2: delta_rule_step<2>(s, k.data(), q.data(), v, decay, beta, Dk, Dv, u.data(), o); break;
-        case 4: delta_rule_step<4>(s, k.data(), q.data(), v, decay, beta, Dk, Dv, u.data(), o); break;
-        case 8: delta_rule_step<8>(s, k.data(), q.data(), v, decay, beta, Dk, Dv, u.data(), o); break;
-        default: delta_rule_step<0>(s, k.data(), q.data(), v, decay, beta, Dk, Dv, u.data(), o); break;
-      }
+      delta_rule_step(s, k.data(), q.data(), v, decay, beta, Dk, Dv, u.data(), o);
       // gated RMSNorm: w · round(o·rsqrt(mean(o²)+eps)) · silu(z)
       float ms = 0.f;
       for (int64_t j = 0; j < Dv; ++j) { const float oj = rd(o[j]); ms += oj * oj; }
@@ -217,7 +226,7 @@ void conv_chunk(const T* X, float* CS, const float* W, T* Y, int64_t B, int64_t 
 
 }  // namespace
 
-torch::Tensor causal_conv1d(torch::Tensor x, torch::Tensor conv_state, torch::Tensor conv_w) {
+at::Tensor causal_conv1d(at::Tensor x, at::Tensor conv_state, at::Tensor conv_w) {
   TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "causal_conv1d: x must be contiguous [B, T, C] bf16 or fp32");
   TORCH_CHECK(conv_state.scalar_type() == at::kFloat && conv_state.is_contiguous() &&
@@ -225,7 +234,7 @@ torch::Tensor causal_conv1d(torch::Tensor x, torch::Tensor conv_state, torch::Te
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2), K = conv_w.size(1);
   TORCH_CHECK(conv_w.size(0) == C && conv_state.size(0) == B && conv_state.size(1) == C &&
               conv_state.size(2) == K - 1, "causal_conv1d: shapes");
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   if (x.scalar_type() == at::kBFloat16) {
     conv_chunk(x.data_ptr<at::BFloat16>(), conv_state.data_ptr<float>(), conv_w.data_ptr<float>(),
                y.data_ptr<at::BFloat16>(), B, T, C, K);

@@ -1,6 +1,8 @@
 // Zero-centred RMSNorm, y = x·rsqrt(mean(x²) + eps)·(1 + w), computed in fp32 and rounded to x's dtype once,
 // optionally fused with the residual add that precedes it (x ← x + h, rounded to x's dtype, as torch adds).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 
@@ -30,19 +32,19 @@ void norm_rows(const T* X, const T* H, T* S, const float* W, T* Y, int64_t rows,
 }  // namespace
 
 // x [rows, D] bf16 or fp32, w [D] fp32. With `residual` h: returns (x + h, norm(x + h)); else (x, norm(x)).
-std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor w,
+std::vector<at::Tensor> rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor w,
                                     double eps) {
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && w.scalar_type() == at::kFloat, "rms_norm: bad inputs");
   const int64_t D = x.size(-1), rows = x.numel() / D;
   TORCH_CHECK(w.numel() == D, "rms_norm: weight size");
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   auto sum = x;
   const void* h = nullptr;
   if (residual.has_value()) {
     TORCH_CHECK(residual->is_contiguous() && residual->scalar_type() == x.scalar_type() &&
                 residual->numel() == x.numel(), "rms_norm: residual must match x");
     h = residual->data_ptr();
-    sum = torch::empty_like(x);
+    sum = at::empty_like(x);
   }
   if (x.scalar_type() == at::kBFloat16) {
     using T = at::BFloat16;

@@ -2,7 +2,7 @@
 
 `project` runs several maps that share their input (q/k/v, the DeltaNet input projections) in one native call, and
 `swiglu` the MLP's gate and up projections with its activation, so a decode step makes a few calls per layer
-instead of one per weight and elementwise op.
+instead of one per weight and elementwise op. On CPUs without bf16 arithmetic the GEMM runs in fp32 (`gemm`).
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qwenrt.kernels import inference_kernels
+from qwenrt.kernels import inference_kernels, native_bf16_matmul
 
-MAX_KERNEL_ROWS = 4  # the kernels stream each weight once for up to this many activation rows
+MAX_KERNEL_ROWS = 8  # the kernels stream each weight once for up to this many activation rows
+SLICE = 1 << 24  # weight elements converted to fp32 at a time: bounded temporaries (64 MB) for the biggest
 
 
 def decode_kernels(x: torch.Tensor, *weights: torch.Tensor):
@@ -55,7 +56,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _native(x, [self], "bf16")
-        return y[0] if y is not None else F.linear(x, self.weight)
+        return y[0] if y is not None else gemm(x, self.weight)
 
     @staticmethod
     def decode_many(kernels, x2: torch.Tensor, modules: list[Linear], mode: str) -> list[torch.Tensor] | None:
@@ -71,4 +72,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if kernels is not None and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
         y = kernels.gemv_bf16(x.reshape(-1, x.shape[-1]).contiguous(), [weight], "bf16")[0]
         return y.view(*x.shape[:-1], weight.shape[0])
+    return gemm(x, weight)
+
+
+def emulated_bf16(x: torch.Tensor) -> bool:
+    """Whether x [..., K] is a bf16 CPU input of more than a few rows on a CPU that only emulates bf16 products:
+    then fp32 GEMMs are several times faster (a few rows read the weight once either way: torch's bf16 kernel)."""
+    return (x.dtype == torch.bfloat16 and x.is_cpu and x.numel() > MAX_KERNEL_ROWS * x.shape[-1]
+            and not native_bf16_matmul())
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] · weight [N, K]ᵀ -> [..., N] by torch's GEMM (in fp32 where `emulated_bf16`)."""
+    if emulated_bf16(x):
+        return fp32_gemm(x, weight.shape[0], lambda n0, n1: weight[n0:n1].float())
     return F.linear(x, weight)
+
+
+def fp32_gemm(x: torch.Tensor, N: int, weight_fp32) -> torch.Tensor:
+    """x [..., K] · W [N, K]ᵀ -> [..., N] in x's dtype, computed in fp32 from `weight_fp32(n0, n1)` -> W[n0:n1]
+    fp32, a slice of rows at a time. The sums are torch's fp32 GEMM's, rounded once: as a bf16 GEMM rounds, at the
+    FMA rate of the CPU's fp32 units rather than of emulated bf16 (bench/README.md: ~5x the prefill on AVX2)."""
+    K = x.shape[-1]
+    x32 = x.reshape(-1, K).float()  # [M, K]
+    step = max(1, SLICE // K)
+    if N <= step:
+        return (x32 @ weight_fp32(0, N).t()).to(x.dtype).view(*x.shape[:-1], N)
+    out = torch.empty(x32.shape[0], N, dtype=x.dtype)
+    for n0 in range(0, N, step):
+        n1 = min(N, n0 + step)
+        out[:, n0:n1] = x32 @ weight_fp32(n0, n1).t()
+    return out.view(*x.shape[:-1], N)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from qwenrt.default_model import DEFAULT_MODEL, resolve_model
 from qwenrt.errors import QwenrtError
+from qwenrt.units import add_speculative_option
 
 
 def load_engine(args):
@@ -31,7 +32,7 @@ def load_engine(args):
               "max_batched_tokens": args.max_num_batched_tokens,
               "memory_budget": parse_size(args.kv_cache_memory_bytes) if args.kv_cache_memory_bytes else None,
               "prefix_cache_size": parse_size(args.prefix_cache_size) if args.prefix_cache_size else None,
-              "prefix_cache_dir": args.prefix_cache_dir}
+              "prefix_cache_dir": args.prefix_cache_dir, "speculative_tokens": args.speculative_tokens}
     engine = Engine(model, tokenizer, **{k: v for k, v in limits.items() if v is not None})
     per_token, full = engine.kv_token_bytes, engine.state_bytes + engine.kv_token_bytes * engine.max_model_len
     if full > engine.memory_budget:
@@ -109,6 +110,7 @@ def add_parser(verbs) -> None:
     p.add_argument("--prefix-cache-size", help="memory for reusing computed prompts (shared system prompts, earlier "
                                                 "turns), e.g. 2GiB; 0 = off (default: a tenth of RAM, at most 8GiB)")
     p.add_argument("--prefix-cache-dir", help="also keep reusable prompt states in this folder, across restarts")
+    add_speculative_option(p)
     p.add_argument("--allowed-local-media-path", help="let requests read local image/video files under this "
                                                       "directory (file:// URLs or paths)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))

@@ -4,6 +4,7 @@ servers (or tests) in one process do not share counters."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from qwenrt.engine import RequestOutput
 
@@ -45,8 +46,32 @@ class ServerMetrics:
         self.queue_time = Histogram("qwenrt:request_queue_time_seconds", "Arrival to the first prefill chunk",
                                     buckets=_LATENCY_BUCKETS, registry=r)
 
+        r.register(DraftCollector(state))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class DraftCollector:
+    """Speculative decoding counters (vLLM's spec_decode names), read from the engine's running totals."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def collect(self):
+        engine = self.state.engine
+        counts = engine.draft_counts if engine is not None else None
+        drafts = CounterMetricFamily("qwenrt:spec_decode_num_drafts", "Verifications that carried drafts")
+        tokens = CounterMetricFamily("qwenrt:spec_decode_num_draft_tokens", "Draft tokens proposed")
+        accepted = CounterMetricFamily("qwenrt:spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        per_pos = CounterMetricFamily("qwenrt:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each draft position", labels=["position"])
+        drafts.add_metric([], counts.rounds if counts else 0)
+        tokens.add_metric([], counts.draft_tokens if counts else 0)
+        accepted.add_metric([], counts.accepted_tokens if counts else 0)
+        for i, n in enumerate(counts.accepted if counts else []):
+            per_pos.add_metric([str(i)], n)
+        return [drafts, tokens, accepted, per_pos]
 
 
 class RequestTimer:

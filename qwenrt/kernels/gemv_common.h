@@ -1,0 +1,67 @@
+// What every level's matrix-vector kernels share: the call's weight segments, software prefetch, and activations in
+// 16-bit fixed point for the integer formats.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace qwenrt::gemv {
+
+constexpr int kMaxRows = 8;           // activation rows per call: each weight is streamed once for all of them
+constexpr int64_t kPrefetch = 16384;  // bytes ahead of the weight stream (bf16, AVX-512: 4 KB 38, 8 KB 42.6, 16 KB 43.5 GB/s)
+constexpr int64_t kQ8Block = 256;     // int8: columns per activation scale
+
+struct Segment {  // one weight matrix of a call and where its rows go
+  const uint8_t* w;
+  const uint16_t* scales;  // bf16 scales: int8 [N]; int4 [N, K/G]
+  const uint16_t* zeros;   // int4 [N, K/G]
+  int64_t N;
+  float* out;  // [M, N] fp32 (rounded to bf16 afterwards when asked)
+};
+
+// The hardware prefetchers stop at 4 KB pages; the weight stream is linear, so ask for what comes 16 KB later.
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + kPrefetch + i, 0, 3);
+}
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+struct FixedPoint {  // x in 16-bit fixed point per block of columns, zero padded to whole blocks
+  std::vector<int16_t> q;    // [M, Kp]
+  std::vector<float> scale;  // [M, Kp / block]: x ≈ q·scale
+  int64_t Kp;
+};
+
+// A power-of-two scale per block: exact for every element within 2^8 of its block's largest (8 significant bits
+// fit in 15), the smaller ones off by at most 2^-16 of that largest.
+inline FixedPoint to_fixed_point(const at::Tensor& x, int64_t block) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t Kp = (K + block - 1) / block * block, blocks = Kp / block;
+  const auto* X = reinterpret_cast<const uint16_t*>(x.data_ptr());  // bf16
+  FixedPoint in{std::vector<int16_t>(M * Kp, 0), std::vector<float>(M * blocks), Kp};
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint16_t* xb = X + m * K + b * block;
+      const int64_t width = std::min(block, K - b * block);
+      float amax = 0.f;
+      for (int64_t i = 0; i < width; ++i) amax = std::max(amax, std::fabs(bf16_to_float(xb[i])));
+      int e = 0;
+      std::frexp(amax, &e);  // amax = f·2^e, f in [0.5, 1): |x| / 2^(e-15) < 2^15
+      in.scale[m * blocks + b] = amax > 0.f ? std::ldexp(1.0f, e - 15) : 0.f;
+      const float inv = amax > 0.f ? std::ldexp(1.0f, 15 - e) : 0.f;
+      int16_t* qb = in.q.data() + m * Kp + b * block;
+      for (int64_t i = 0; i < width; ++i)
+        qb[i] = static_cast<int16_t>(std::max(-32767.f, std::min(32767.f, std::nearbyint(bf16_to_float(xb[i]) * inv))));
+    }
+  return in;
+}
+
+}  // namespace qwenrt::gemv

@@ -1,0 +1,282 @@
+// Decode-time matrix-vector kernels written in simd.h's operations: the `avx512` (AVX-512F/BW without BF16),
+// `avx2` (AVX2 + FMA + F16C) and `portable` builds. No instruction here multiplies bf16 or int4 directly:
+//   bf16  each 32-bit lane of a weight load holds two bf16, an even and an odd column; a shift and a mask make them
+//         fp32 (no shuffles), multiplied by x's even and odd columns, split once per call. Exact products, fp32 sums.
+//   int8  x in 16-bit fixed point per block of 256 columns (gemv_common.h); int8 widened to int16 and multiplied by
+//         it with vpmaddwd: int32 sums, exact; each block's sum scaled in fp32.
+//   int4  x in 16-bit fixed point per group. The packed bytes, read as 16-bit words, give four int16 vectors of
+//         nibbles by shifts and masks; x is stored in the matching column order (per call). vpmaddwd sums their
+//         products exactly in int32 (0..15 x int16); per group the sum is scaled in fp32, and the zero points enter
+//         through Σ (z - 8·s)·Σx per group.
+// Rows are processed R at a time with every accumulator in a register; the weight stream is prefetched 16 KB ahead.
+#pragma once
+#include <array>
+
+#include "gemv_common.h"
+#include "simd.h"
+
+namespace qwenrt::gemv {
+
+using namespace qwenrt::simd;
+
+// Weight rows per block for M activation rows: R·M·`accumulators` + M·`inputs` (x, reused across the R rows, so
+// the compiler keeps it in registers) + `temps` vectors within the registers; more spill in the inner loop.
+constexpr int block_rows(int M, int inputs, int accumulators, int temps) {
+  return std::max(1, std::min(8, (kRegisters - temps - inputs * M) / (accumulators * M)));
+}
+
+// Runs block<R>(n) over [n0, n1) in blocks of R rows, the remainder one row at a time.
+template <int R, typename Block>
+inline void over_rows(int64_t n0, int64_t n1, Block&& block) {
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) block(std::integral_constant<int, R>{}, n);
+  for (; n < n1; ++n) block(std::integral_constant<int, 1>{}, n);
+}
+
+// ---- bf16 -------------------------------------------------------------------------------------------------------
+
+constexpr int64_t kBf16Step = 2 * kLanes;  // weight columns per vector load
+
+struct Bf16Input {  // x's even and odd columns in fp32, zero padded to whole steps
+  std::vector<float> even, odd;  // [M, Kh]
+  int64_t Kh;
+};
+
+inline Bf16Input bf16_input(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), Kh = (K + kBf16Step - 1) / kBf16Step * kLanes;
+  const auto* X = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  Bf16Input in{std::vector<float>(M * Kh, 0.f), std::vector<float>(M * Kh, 0.f), Kh};
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) (k % 2 ? in.odd : in.even)[m * Kh + k / 2] = bf16_to_float(X[m * K + k]);
+  return in;
+}
+
+// Σ over columns [full, K) of row n · x row m: the last, partial step, outside the vector loop (whose accumulators
+// stay in registers only while it has no second path).
+[[gnu::noinline]] inline float bf16_tail(const Bf16Input& in, const Segment& s, int64_t K, int64_t full, int64_t n,
+                                         int m) {
+  const auto* w = reinterpret_cast<const uint16_t*>(s.w) + n * K;
+  float sum = 0.f;
+  for (int64_t k = full; k < K; ++k) sum += bf16_to_float(w[k]) * (k % 2 ? in.odd : in.even)[m * in.Kh + k / 2];
+  return sum;
+}
+
+template <int M>
+void bf16_rows(const Bf16Input& in, const Segment& s, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t row_bytes = 2 * K, full = K / kBf16Step * kBf16Step;
+  over_rows<block_rows(M, 2, 1, 4)>(n0, n1, [&](auto rows, int64_t n) {
+    constexpr int R = decltype(rows)::value;
+    F acc[M][R];
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) acc[m][r] = zero();
+    const uint8_t* block = s.w + n * row_bytes;
+    for (int64_t k = 0; k < full; k += kBf16Step) {
+      prefetch_ahead(block + k * 2 * R, 2 * kBf16Step * R);
+      for (int r = 0; r < R; ++r) {
+        const I pairs = load_i(block + r * row_bytes + 2 * k);
+        const F lo = bf16_low(pairs), hi = bf16_high(pairs);
+        for (int m = 0; m < M; ++m) {
+          acc[m][r] = fmadd(lo, load(in.even.data() + m * in.Kh + k / 2), acc[m][r]);
+          acc[m][r] = fmadd(hi, load(in.odd.data() + m * in.Kh + k / 2), acc[m][r]);
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) s.out[m * s.N + n + r] = reduce_add(acc[m][r]) + (full < K ? bf16_tail(in, s, K, full, n + r, m) : 0.f);
+  });
+}
+
+// ---- int8 -------------------------------------------------------------------------------------------------------
+
+constexpr int64_t kQ8Step = 2 * kLanes;  // int8 columns per widened vector
+
+// Columns [full, K) of row n · x row m, unscaled by the row (they lie in the last block).
+[[gnu::noinline]] inline float q8_tail(const FixedPoint& in, const Segment& s, int64_t K, int64_t full, int64_t n,
+                                       int m) {
+  const auto* q = reinterpret_cast<const int8_t*>(s.w) + n * K;
+  int64_t sum = 0;
+  for (int64_t k = full; k < K; ++k) sum += int64_t{q[k]} * in.q[m * in.Kp + k];
+  return static_cast<float>(sum) * in.scale[m * (in.Kp / kQ8Block) + (K - 1) / kQ8Block];
+}
+
+template <int M>
+void q8_rows(const FixedPoint& in, const Segment& s, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t blocks = in.Kp / kQ8Block, full = K / kQ8Step * kQ8Step;
+  over_rows<block_rows(M, 1, 2, 4)>(n0, n1, [&](auto rows, int64_t n) {
+    constexpr int R = decltype(rows)::value;
+    const uint8_t* block = s.w + n * K;
+    F acc[M][R];
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) acc[m][r] = zero();
+    for (int64_t b = 0; b < blocks; ++b) {
+      I iacc[M][R];
+      for (int m = 0; m < M; ++m)
+        for (int r = 0; r < R; ++r) iacc[m][r] = zero_i();
+      const int64_t end = std::min(full, (b + 1) * kQ8Block);
+      for (int64_t k = b * kQ8Block; k < end; k += kQ8Step) {
+        if (k % 64 == 0) prefetch_ahead(block + k * R, 64 * R);
+        for (int r = 0; r < R; ++r) {
+          const I w = widen_i8(reinterpret_cast<const int8_t*>(block + r * K + k));
+          for (int m = 0; m < M; ++m) iacc[m][r] = add_i32(iacc[m][r], madd_i16(w, load_i(in.q.data() + m * in.Kp + k)));
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        const F xs = set1(in.scale[m * blocks + b]);
+        for (int r = 0; r < R; ++r) acc[m][r] = fmadd(to_float(iacc[m][r]), xs, acc[m][r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float row_scale = bf16_to_float(s.scales[n + r]);
+      for (int m = 0; m < M; ++m)
+        s.out[m * s.N + n + r] = (reduce_add(acc[m][r]) + (full < K ? q8_tail(in, s, K, full, n + r, m) : 0.f)) * row_scale;
+    }
+  });
+}
+
+// ---- int4 -------------------------------------------------------------------------------------------------------
+
+constexpr int64_t kQ4UnitBytes = 4 * kLanes;    // packed bytes per vector load
+constexpr int64_t kQ4Unit = 2 * kQ4UnitBytes;  // their columns
+
+struct Q4Input {
+  std::vector<int16_t> x;           // [M, units, 4, 2·kLanes] fixed-point x in the order the nibbles unpack
+  std::vector<float> lane_scale;    // [M, periods, kLanes] the fixed-point scale of each product lane's group
+  std::vector<float> sums;          // [M, groups (+ kLanes)] Σ x per group, of the fixed-point values
+  FixedPoint fp;                    // x in fixed point per group, in column order (for a row's partial last unit)
+  int64_t units, periods, groups;
+  std::array<int32_t, kLanes> lane_group;  // group of product lane j, relative to its period's first
+};
+
+constexpr int64_t q4_units_per_period(int64_t G) { return G > kQ4Unit ? G / kQ4Unit : 1; }
+
+// Product lane j of a unit sums bytes 4j..4j+3 of its kQ4UnitBytes: with G/2 bytes per group, group 8j/G of the
+// unit when a unit spans groups (G < kQ4Unit); otherwise one group per period of G / kQ4Unit units.
+inline Q4Input q4_input(const at::Tensor& x, int64_t G) {
+  const int64_t M = x.size(0), K = x.size(1), groups = K / G, row_bytes = K / 2;
+  Q4Input in;
+  in.fp = to_fixed_point(x, G);
+  const FixedPoint& fp = in.fp;
+  in.units = (row_bytes + kQ4UnitBytes - 1) / kQ4UnitBytes;
+  in.periods = (in.units + q4_units_per_period(G) - 1) / q4_units_per_period(G);
+  in.groups = groups;
+  for (int j = 0; j < kLanes; ++j) in.lane_group[j] = G < kQ4Unit ? static_cast<int32_t>(8 * j / G) : 0;
+  const int64_t groups_per_period = G < kQ4Unit ? kQ4Unit / G : 1;
+  const int half_shift = __builtin_ctzll(G / 2);  // G is a power of two
+  in.x.assign(M * in.units * 4 * 2 * kLanes, 0);
+  in.lane_scale.assign(M * in.periods * kLanes, 0.f);
+  in.sums.assign(M * groups + kLanes, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    const int16_t* q = fp.q.data() + m * fp.Kp;
+    int16_t* xm = in.x.data() + m * in.units * 8 * kLanes;
+    for (int64_t byte = 0; byte < row_bytes; ++byte) {  // its low nibble is column `low`, its high one low + G/2
+      const int64_t u = byte / kQ4UnitBytes, i = byte % kQ4UnitBytes / 2, e = byte % 2 * 2;  // e: low nibble's vector
+      const int64_t low = ((byte >> half_shift) << (half_shift + 1)) + (byte & (G / 2 - 1));
+      xm[(u * 4 + e) * 2 * kLanes + i] = q[low];
+      xm[(u * 4 + e + 1) * 2 * kLanes + i] = q[low + G / 2];
+    }
+    for (int64_t p = 0; p < in.periods; ++p)
+      for (int j = 0; j < kLanes; ++j) {
+        const int64_t g = std::min(groups - 1, p * groups_per_period + in.lane_group[j]);
+        in.lane_scale[(m * in.periods + p) * kLanes + j] = fp.scale[m * groups + g];
+      }
+    for (int64_t g = 0; g < groups; ++g) {
+      int64_t sum = 0;
+      for (int64_t i = 0; i < G; ++i) sum += q[g * G + i];
+      in.sums[m * groups + g] = static_cast<float>(sum) * fp.scale[m * groups + g];
+    }
+  }
+  return in;
+}
+
+// The codes·x of row n's bytes [from, K/2) (a partial last period), scaled per group.
+[[gnu::noinline]] inline float q4_tail(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64_t from,
+                                       int64_t n, int m) {
+  const uint8_t* row = s.w + n * (K / 2);
+  const int16_t* q = in.fp.q.data() + m * in.fp.Kp;
+  float total = 0.f;
+  for (int64_t g = from / (G / 2); g < in.groups; ++g) {
+    int64_t sum = 0;
+    for (int64_t b = std::max(g * G / 2, from); b < (g + 1) * G / 2; ++b)
+      sum += int64_t{row[b] & 15} * q[g * G + b % (G / 2)] + int64_t{row[b] >> 4} * q[g * G + G / 2 + b % (G / 2)];
+    total += static_cast<float>(sum) * in.fp.scale[m * in.groups + g] * bf16_to_float(s.scales[n * in.groups + g]);
+  }
+  return total;
+}
+
+// U units per period (the units of one group when G > kQ4Unit): each period's integer sums are complete in
+// registers, scaled, and added to fp32 accumulators, so nothing but those is carried from period to period.
+template <int M, int U>
+void q4_periods(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64_t n0, int64_t n1) {
+  const int64_t groups = in.groups, row_bytes = K / 2, groups_per_period = G < kQ4Unit ? kQ4Unit / G : 1;
+  const int64_t full_periods = row_bytes / (U * kQ4UnitBytes), tail = full_periods * U * kQ4UnitBytes;
+  I lane_group;
+  std::memcpy(&lane_group, in.lane_group.data(), sizeof lane_group);
+  const I low4 = set1_i16(0x000F);
+  constexpr int kRows = block_rows(M, 4 * U, 1, 10);
+  std::vector<float> sc(kRows * groups + kLanes, 0.f);  // fp32 scales of the block's rows
+  over_rows<kRows>(n0, n1, [&](auto rows, int64_t n) {
+    constexpr int R = decltype(rows)::value;
+    float offset[M][R];  // Σ_g (z - 8·s)·Σx: each weight enters the integer sums as its code q = w/s - z/s + 8
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* sr = s.scales + (n + r) * groups;
+      const uint16_t* zr = s.zeros + (n + r) * groups;
+      float* scr = sc.data() + r * groups;
+      F off[M];
+      for (int m = 0; m < M; ++m) off[m] = zero();
+      int64_t g = 0;
+      for (; g + kLanes <= groups; g += kLanes) {
+        const F sv = load_bf16(sr + g), coef = fnmadd(sv, set1(8.f), load_bf16(zr + g));
+        store(scr + g, sv);
+        for (int m = 0; m < M; ++m) off[m] = fmadd(coef, load(in.sums.data() + m * groups + g), off[m]);
+      }
+      for (int m = 0; m < M; ++m) offset[m][r] = reduce_add(off[m]);
+      for (; g < groups; ++g) {
+        scr[g] = bf16_to_float(sr[g]);
+        for (int m = 0; m < M; ++m) offset[m][r] += (bf16_to_float(zr[g]) - 8.f * scr[g]) * in.sums[m * groups + g];
+      }
+    }
+    F acc[M][R];  // initialised apart from the loops above, so that the compiler keeps it in registers
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) acc[m][r] = zero();
+    const uint8_t* block = s.w + n * row_bytes;
+    for (int64_t p = 0; p < full_periods; ++p) {
+      prefetch_ahead(block + p * U * kQ4UnitBytes * R, U * kQ4UnitBytes * R);
+      I isum[M][R];
+      for (int r = 0; r < R; ++r)
+        for (int u = 0; u < U; ++u) {
+          const I v = load_i(block + r * row_bytes + (p * U + u) * kQ4UnitBytes);
+          const I e0 = and_i(v, low4), e1 = and_i(srli_i16<4>(v), low4), e2 = and_i(srli_i16<8>(v), low4);
+          const I e3 = srli_i16<12>(v);
+          for (int m = 0; m < M; ++m) {
+            const int16_t* xu = in.x.data() + (m * in.units + p * U + u) * 8 * kLanes;
+            const I s01 = add_i32(madd_i16(e0, load_i(xu)), madd_i16(e1, load_i(xu + 2 * kLanes)));
+            const I s23 = add_i32(madd_i16(e2, load_i(xu + 4 * kLanes)), madd_i16(e3, load_i(xu + 6 * kLanes)));
+            isum[m][r] = u == 0 ? add_i32(s01, s23) : add_i32(isum[m][r], add_i32(s01, s23));
+          }
+        }
+      for (int r = 0; r < R; ++r) {
+        const F sl = permute(load(sc.data() + r * groups + p * groups_per_period), lane_group);
+        for (int m = 0; m < M; ++m)
+          acc[m][r] = fmadd(to_float(isum[m][r]), mul(sl, load(in.lane_scale.data() + (m * in.periods + p) * kLanes)),
+                            acc[m][r]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) s.out[m * s.N + n + r] = reduce_add(acc[m][r]) + offset[m][r];
+    if (tail < row_bytes)
+      for (int m = 0; m < M; ++m)
+        for (int r = 0; r < R; ++r) s.out[m * s.N + n + r] += q4_tail(in, s, K, G, tail, n + r, m);
+  });
+}
+
+template <int M>
+void q4_rows(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64_t n0, int64_t n1) {
+  static_assert(128 / kQ4Unit <= 2, "groups of up to 128 columns span at most 2 units");
+  if (q4_units_per_period(G) == 2) {
+    q4_periods<M, 2>(in, s, K, G, n0, n1);
+  } else {
+    q4_periods<M, 1>(in, s, K, G, n0, n1);
+  }
+}
+
+}  // namespace qwenrt::gemv

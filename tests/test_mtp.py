@@ -1,0 +1,259 @@
+"""Speculative decoding in the engine: the MTP head loads with the model and drafts through its own cache; a
+verification of several tokens keeps exactly the accepted ones (DeltaNet state rolled back, KV overwritten); greedy
+output with drafts == without, token for token, and sampling keeps the target distribution."""
+
+import math
+
+import pytest
+import torch
+
+import qwenrt
+from qwenrt import QwenrtError
+from qwenrt.cache import HybridCache
+from qwenrt.engine import Engine, Request
+from qwenrt.engine.request import Sequence
+from qwenrt.engine.runner import ModelRunner
+from qwenrt.engine.speculative import DraftPolicy
+from qwenrt.inspect import inspect_checkpoint
+from qwenrt.mtp import mtp_hidden
+from qwenrt.prompt import prepare_prompt
+from qwenrt.sampling import SamplingParams
+from tests.checkpoints import VOCAB, add_mtp_head
+from tests.test_engine import picture, run, tokens_of
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 100, 200], [5] * 20]
+
+
+@pytest.fixture(scope="module")
+def mtp_dense(dense_ckpt, tmp_path_factory):
+    return add_mtp_head(dense_ckpt[0], tmp_path_factory.mktemp("mtp") / "dense")
+
+
+@pytest.fixture(scope="module")
+def mtp_moe(moe_ckpt, tmp_path_factory):
+    return add_mtp_head(moe_ckpt[0], tmp_path_factory.mktemp("mtp") / "moe")  # per-expert mtp.* names
+
+
+def oracle_drafts(engine: Engine, plain: dict[tuple, list[int]]):
+    """Replace the engine's drafts (still computed by the MTP head) by the plain run's next tokens, one of them made
+    wrong every other step: accepted and rejected drafts both occur."""
+    draft, calls = engine.runner.draft, {}
+
+    def oracle(seqs, ks):
+        real = draft(seqs, ks)
+        out = []
+        for s, r in zip(seqs, real):
+            want = list(plain[tuple(s.prompt.ids)][len(s.tokens):len(s.tokens) + len(r)])
+            calls[s.request_id] = n = calls.get(s.request_id, 0) + 1
+            if want and n % 2:
+                want[n % len(want)] = (want[n % len(want)] + 1) % VOCAB
+            out.append(want)
+        return out
+
+    engine.runner.draft = oracle
+
+
+def generate_all(model, tok, prompts, k, oracle=None, n=30, **engine_options) -> tuple[list[list[int]], list]:
+    engine = Engine(model, tok, speculative_tokens=k, prefix_cache_size=0, **engine_options)
+    if oracle is not None:
+        oracle_drafts(engine, oracle)
+    requests = [Request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)) for p in prompts]
+    outputs = run(engine, {i: [r] for i, r in enumerate(requests)})  # arriving at successive steps
+    assert engine.num_running == 0 and engine.scheduler.reserved == 0
+    return [tokens_of(outputs[r.request_id]) for r in requests], [outputs[r.request_id][-1] for r in requests]
+
+
+def check_lossless(model, tok, prompts, n=30):
+    plain, _ = generate_all(model, tok, prompts, 0, n=n)
+    oracle = {tuple(p): t for p, t in zip(prompts, plain)} if isinstance(prompts[0], list) else None
+    for k in (1, 2, 3):
+        got, last = generate_all(model, tok, prompts, k, oracle=oracle, n=n)
+        assert got == plain, f"k={k}"
+        counts = [o.drafts for o in last]
+        assert all(c is not None and c.rounds > 0 for c in counts)
+        if oracle is not None:  # both paths taken: drafts kept and drafts rejected
+            assert 0 < sum(c.accepted_tokens for c in counts) < sum(c.draft_tokens for c in counts)
+
+
+def test_mtp_head_loads_with_the_model(mtp_dense, mtp_moe, published_ckpt):
+    for path in (mtp_dense, mtp_moe, published_ckpt[0]):
+        model, _ = qwenrt.load(path)
+        assert model.mtp is not None and model.mtp.layers[0].self_attn.layer_idx == 0
+        assert inspect_checkpoint(path)["mtp"] and inspect_checkpoint(path)["params_mtp"] > 0
+    assert hasattr(model.mtp.layers[0].mlp, "experts")  # the published MoE's head is a MoE layer
+    quantized, _ = qwenrt.load(mtp_dense, dtype="bfloat16", quantize="int8")
+    assert type(quantized.mtp.fc).__name__ == "QuantLinear"  # quantized with the rest
+
+
+def test_an_incomplete_mtp_head_is_refused(mtp_dense, tmp_path):
+    from safetensors.torch import load_file, save_file
+    import shutil
+
+    shutil.copytree(mtp_dense, tmp_path / "m")
+    tensors = load_file(tmp_path / "m" / "model.safetensors")
+    del tensors["mtp.norm.weight"]
+    save_file(tensors, tmp_path / "m" / "model.safetensors")
+    with pytest.raises(QwenrtError, match="mtp.norm.weight"):
+        qwenrt.load(tmp_path / "m")
+
+
+def test_mtp_head_with_its_cache_equals_the_whole_sequence(mtp_dense):
+    model, _ = qwenrt.load(mtp_dense, dtype="float32")
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]])
+    whole = mtp_hidden(model, model.mtp, ids)  # [1, 11, D]
+    hidden = model.hidden_states(ids)
+    state = model.mtp.new_state(model.config.text, model.dtype, "cpu", 4, None)  # grows while used
+    parts = []
+    for a, b in ((0, 5), (5, 6), (6, 11)):
+        cos, sin = model.rotary(torch.arange(a, b)[None], model.dtype)
+        parts.append(model.mtp(hidden[:, a:b], model.model.embed_tokens(ids[:, a + 1:b + 1]), cos, sin,
+                               HybridCache([state])))
+    assert torch.allclose(torch.cat(parts, 1), whole, atol=1e-5)
+    assert state.length == 11
+
+
+@pytest.mark.parametrize("dtype,quantize", [("float32", None), ("bfloat16", None), ("bfloat16", "int8"),
+                                            ("bfloat16", "int4")])
+def test_greedy_with_drafts_equals_plain_dense(mtp_dense, dtype, quantize):
+    model, _ = qwenrt.load(mtp_dense, dtype=dtype, quantize=quantize)
+    check_lossless(model, None, PROMPTS)
+
+
+def test_greedy_with_drafts_equals_plain_moe(mtp_moe, published_ckpt):
+    for path, dtype in ((mtp_moe, "float32"), (published_ckpt[0], "bfloat16")):
+        model, _ = qwenrt.load(path, dtype=dtype)
+        check_lossless(model, None, PROMPTS)
+
+
+def test_image_prompt_with_drafts(vlm_chat, tmp_path):
+    _, tok, _, path = vlm_chat
+    model, tok = qwenrt.load(add_mtp_head(path, tmp_path / "vlm-mtp"))
+    image = [{"role": "user", "content": [{"type": "image", "image": picture(64, 96, 0)},
+                                          {"type": "text", "text": "What is this?"}]}]
+    prompts = [image, "Hello there"]
+    plain, _ = generate_all(model, tok, prompts, 0, n=12)
+    for k in (1, 3):
+        got, last = generate_all(model, tok, prompts, k, n=12)
+        assert got == plain
+        assert last[0].drafts.rounds > 0
+
+
+def test_rejected_drafts_leave_the_state_of_the_accepted_tokens(mtp_dense):
+    """A verification of [t, d1, d2, d3] that keeps t and d1 leaves the cache as decoding t, d1 one by one does."""
+    model, _ = qwenrt.load(mtp_dense, dtype="bfloat16")
+    runner = ModelRunner(model, 32)
+    prompt = [11, 22, 33, 44, 55]
+
+    def prefilled():
+        request = Request(prompt, SamplingParams(max_tokens=20))
+        seq = Sequence(request, prepare_prompt(model, None, prompt, None, None, 64, request.media_policy), None,
+                       set(), 64, lambda out: None, model.device)
+        seq.state = runner.allocate(seq)
+        runner.prefill(seq, len(prompt))
+        seq.tokens = [66]
+        return seq
+
+    one_by_one, verified = prefilled(), prefilled()
+    runner.decode([one_by_one])
+    one_by_one.tokens.append(77)
+    logits_after = runner.decode([one_by_one])  # the step after t, d1
+    v = runner.verify([verified], [[77, 88, 99]])[0]
+    runner.commit(verified, v, 2)
+    a, b = one_by_one.state, verified.state
+    assert a.length == b.length == len(prompt) + 2
+    for i in model.config.text.linear_attention_layers:
+        assert torch.allclose(a.conv[i], b.conv[i], atol=1e-6) and torch.allclose(a.recurrent[i], b.recurrent[i],
+                                                                                   atol=1e-6)
+    for i in model.config.text.full_attention_layers:
+        assert torch.equal(a.keys[i][:, :, :a.length], b.keys[i][:, :, :b.length])
+    assert torch.allclose(v.logits[1], logits_after[0], atol=1e-5)  # what the step after d1 predicts
+    for seq in (one_by_one, verified):
+        seq.tokens.append(123)
+    assert torch.allclose(runner.decode([verified]), runner.decode([one_by_one]), atol=1e-5)
+
+
+def test_sampling_with_drafts_keeps_the_distribution(mtp_dense):
+    """With drafts that are often right (the model's own greedy choice), the sampled tokens are distributed as
+    without drafts: a two-sample chi-square over the third generated token, the first one verified (drafts are made
+    from the second step on)."""
+    model, _ = qwenrt.load(mtp_dense, dtype="float32")
+    params = dict(max_tokens=5, temperature=1.0, top_k=3, ignore_eos=True)
+
+    def sample(k: int) -> list[int]:
+        engine = Engine(model, speculative_tokens=k, prefix_cache_size=0, max_running=64, max_queue=400)
+        if k:
+            def greedy_drafts(seqs, ks):
+                out = []
+                for s, kk in zip(seqs, ks):
+                    ids = s.prompt.ids + s.tokens
+                    drafts = []
+                    for _ in range(kk):
+                        drafts.append(int(model(torch.tensor([ids + drafts]))[0, -1].argmax()))
+                    out.append(drafts)
+                return out
+            engine.runner.draft = greedy_drafts
+        requests = [Request([7, 8, 9], SamplingParams(seed=i, **params)) for i in range(300)]
+        outputs = run(engine, {0: requests})
+        return [tokens_of(outputs[r.request_id])[2] for r in requests], engine.draft_counts
+
+    plain, _ = sample(0)
+    drafted, counts = sample(2)
+    assert counts.accepted_tokens > 50  # the accept path is really taken
+    bins = sorted(set(plain) | set(drafted))
+    stat = sum((plain.count(t) - drafted.count(t)) ** 2 / (plain.count(t) + drafted.count(t)) for t in bins)
+    df = len(bins) - 1
+    assert stat < df + 4 * math.sqrt(2 * df) + 6, (stat, df)  # far beyond p = 0.001 for these df
+
+
+def test_prompt_lookup_drafts_without_an_mtp_head(dense_ckpt):
+    model, _ = qwenrt.load(dense_ckpt[0])
+    assert getattr(model, "mtp", None) is None
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3], [5] * 20]
+    plain, _ = generate_all(model, None, prompts, 0)
+    got, last = generate_all(model, None, prompts, 3)
+    assert got == plain and all(o.drafts.rounds > 0 for o in last)
+    auto, last = generate_all(model, None, prompts, "auto")  # auto speculates only with an MTP head
+    assert auto == plain and all(o.drafts is None for o in last)
+
+
+def test_a_cached_prompt_with_drafts(mtp_dense):
+    """A prompt restored whole from the prefix cache has no MTP pairs yet: drafting starts after its first step."""
+    model, _ = qwenrt.load(mtp_dense, dtype="bfloat16")
+    engine = Engine(model, speculative_tokens=2)
+    first, second = (Request(PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True)) for _ in range(2))
+    a = tokens_of(run(engine, {0: [first]})[first.request_id])
+    out = run(engine, {0: [second]})[second.request_id]
+    assert out[-1].cached_tokens == len(PROMPTS[0]) and tokens_of(out) == a
+    assert a == generate_all(model, None, [PROMPTS[0]], 0, n=20)[0][0]
+
+
+def test_auto_turns_speculation_off_where_it_does_not_pay():
+    policy = DraftPolicy(3)
+    step = {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}  # seconds per step with k drafts
+    chosen = []
+    for _ in range(200):
+        k = policy.choose(1)
+        policy.observe(1, k, step[k])
+        if k:
+            policy.record(k, 0)  # nothing accepted
+        chosen.append(k)
+    assert chosen[100:].count(0) > 90  # off, but for a probe now and then
+    policy = DraftPolicy(3)
+    for _ in range(200):
+        k = policy.choose(1)
+        policy.observe(1, k, step[k])
+        if k:
+            policy.record(k, k)  # everything accepted
+        chosen.append(k)
+    assert chosen[-50:].count(3) > 40
+
+
+def test_speculative_tokens_are_checked(mtp_dense):
+    model, _ = qwenrt.load(mtp_dense)
+    for bad in (9, -1, "fast", 1.5, True):
+        with pytest.raises(QwenrtError, match="speculative_tokens"):
+            Engine(model, speculative_tokens=bad)
+        with pytest.raises(QwenrtError, match="speculative_tokens"):
+            qwenrt.generate(model, None, [1, 2], max_tokens=2, speculative_tokens=bad)
+    assert len(qwenrt.complete(model, None, [1, 2, 3], max_tokens=6, ignore_eos=True,
+                               speculative_tokens=2).tokens) == 6
