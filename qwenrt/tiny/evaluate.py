@@ -133,7 +133,8 @@ def quality_report(path, n: int = 200, seed: int = 1234, quant: bool = False) ->
 
 
 def quant_report(path, n: int, seed: int) -> dict:
-    """Per quantization: held-out accuracy (direct add/sub) and mean KL against the bf16 model's greedy answers."""
+    """Per quantization: held-out accuracy (add/sub, thinking on) and mean KL against the bf16 model's greedy
+    answers."""
     import qwenrt
     from qwenrt.quant import QuantSpec
 
@@ -143,8 +144,8 @@ def quant_report(path, n: int, seed: int) -> dict:
     for name, spec in (("bf16", None), ("int8", QuantSpec(8)), ("int4 g32", QuantSpec(4, 32)),
                        ("int4 g64", QuantSpec(4, 64)), ("int4 g128", QuantSpec(4, 128))):
         model = reference if spec is None else qwenrt.load(path, dtype="bfloat16", quantize=spec)[0]
-        out[name] = {"accuracy": answer_accuracy(model, tokenizer, tasks, False),
-                     "kl": mean_kl(model, reference, tokenizer, tasks[: n // 4], False)}
+        out[name] = {"accuracy": answer_accuracy(model, tokenizer, tasks, True),
+                     "kl": mean_kl(model, reference, tokenizer, tasks[: n // 4], True)}
     return out
 
 
