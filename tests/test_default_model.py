@@ -66,7 +66,7 @@ THINKING_FLOORS = {"add": 0.8, "sub": 0.15}
 
 @pytest.mark.parametrize("family", ["add", "sub"])
 def test_arithmetic_with_thinking_on_held_out_operands(tiny, family):
-    tasks = quality_tasks(family, 50, SEED)
+    tasks = quality_tasks(family, 30, SEED)
     assert all(held_out(*_operands(t)) for t in tasks)
     assert answer_accuracy(*tiny, tasks, True) >= THINKING_FLOORS[family]
 
@@ -74,7 +74,7 @@ def test_arithmetic_with_thinking_on_held_out_operands(tiny, family):
 def test_direct_answers_restate_the_held_out_question(tiny):
     """Without thinking the model answers in the trained form `a op b = c` with the operands copied right (the
     value c itself is rarely right: see the model card)."""
-    tasks = quality_tasks("add", 25, SEED) + quality_tasks("sub", 25, SEED)
+    tasks = quality_tasks("add", 15, SEED) + quality_tasks("sub", 15, SEED)
     out = qwenrt.batch_generate(*tiny, [t.messages for t in tasks], enable_thinking=False, temperature=0,
                                 max_tokens=30)
     right = sum(c.content.startswith(t.answer.split(" = ")[0] + " = ") for t, c in zip(tasks, out))
@@ -86,17 +86,16 @@ def _operands(task):
     return int(a), op, int(b)
 
 
-@pytest.mark.parametrize("thinking", [False, True], ids=["direct", "thinking"])
-def test_calculator_calls_and_answers(tiny, thinking):
+def test_calculator_calls_and_answers(tiny):
     """Issue 10's bar holds for the calculator (not for get_capital on held-out countries: see the model card)."""
-    tasks = quality_tasks("calculator", 30, SEED)
-    quality = tool_quality(*tiny, tasks, thinking)
+    tasks = quality_tasks("calculator", 20, SEED)
+    quality = tool_quality(*tiny, tasks, False)
     assert quality["call"] >= 0.9 and quality["answer"] >= 0.85, quality
 
 
 def test_mtp_head_predicts_the_models_own_token(tiny):
     model, tokenizer = tiny
-    tasks = quality_tasks("add", 20, SEED) + quality_tasks("sub", 20, SEED)
+    tasks = quality_tasks("add", 10, SEED) + quality_tasks("sub", 10, SEED)
     assert mtp_agreement(model, load_mtp_head(model), tokenizer, tasks, False) >= 0.6
 
 
