@@ -56,7 +56,8 @@ def check_same(engine, rec, model, tok, request, monkeypatch, tokens):
     assert tokens[request.request_id] == ref_tokens
     ours = rec.logits[request.request_id]
     assert len(ours) == len(ref_logits)
-    assert max(rel_err(a, b) for a, b in zip(ours, ref_logits)) <= 1e-5
+    # fp32; a prompt cut at other points sums its chunks in another order (the project's bound: 1e-4 of the largest)
+    assert max(rel_err(a, b) for a, b in zip(ours, ref_logits)) <= 1e-4
 
 
 @pytest.fixture

@@ -72,8 +72,10 @@ def native_bf16_matmul() -> bool:
 def _build(level: str):
     from torch.utils.cpp_extension import load
 
-    # torch rebuilds when a source changes, not a header: the name carries a hash of every file
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS)).hexdigest()[:10]
+    # torch rebuilds when a source changes, not a header: the name carries a hash of every file. And of where the
+    # sources and torch lie: two checkouts sharing the cache would rewrite one build file in turn, rebuilding each time
+    where = f"{_DIR}|{torch.__file__}".encode()
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS) + where).hexdigest()[:10]
     notice = threading.Timer(3.0, lambda: print(f"qwenrt: compiling the native CPU kernels for {level} (once per "
                                                 "qwenrt version, about a minute)...", file=sys.stderr, flush=True))
     notice.start()  # a cached build loads in well under a second and says nothing
