@@ -78,8 +78,16 @@ def _bench(args) -> None:
     run(args)
 
 
+def _train(args) -> None:
+    from qwenrt.train import train_command
+
+    options = {k: v for k, v in vars(args).items() if k not in ("verb", "run", "out", "recipe") and v is not None}
+    print(train_command(args.out, args.recipe, **options))
+
+
 def _generation_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="checkpoint directory or hub repo id (e.g. Qwen/Qwen3.5-0.8B)")
+    p.add_argument("model", nargs="?", help="checkpoint directory or hub repo id (e.g. Qwen/Qwen3.5-0.8B); "
+                   "default: the built-in model qwenrt-tiny")
     p.add_argument("--system", help="system message")
     think = p.add_mutually_exclusive_group()
     think.add_argument("--thinking", dest="thinking", action="store_true", default=None, help="think before answering")
@@ -137,6 +145,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bits", type=int, required=True, help="8 (per output channel) or 4 (group-wise)")
     p.add_argument("--group-size", type=int, help="int4 group size: 32, 64 (default) or 128")
     p.set_defaults(run=_quantize)
+
+    p = verbs.add_parser("train", help="train a model on chat conversations, or rebuild the built-in model")
+    p.add_argument("out", help="output directory: the trained checkpoint, step checkpoints, train_log.jsonl")
+    p.add_argument("--recipe", choices=["tiny"], help="rebuild the built-in model from scratch (data, tokenizer, "
+                   "model); with --steps to shorten it")
+    p.add_argument("--data", help="training conversations: JSONL, one {\"messages\": [...], \"tools\": [...]} per line")
+    p.add_argument("--eval-data", dest="eval_data", help="held-out conversations (JSONL), evaluated periodically")
+    p.add_argument("--init", help="checkpoint to start from (its config, tokenizer and weights; default: the built-in "
+                   "model, unless --config)")
+    p.add_argument("--config", dest="model_config", help="config.json of a freshly initialised model (needs --tokenizer)")
+    p.add_argument("--tokenizer", help="directory with the tokenizer files, for --config")
+    p.add_argument("--resume", action="store_true", default=None, help="continue from the last step checkpoint in OUT")
+    for flag, kind, what in (("steps", int, "optimizer steps"), ("batch-size", int, "conversations per step"),
+                             ("micro-batch-tokens", int, "padded tokens per micro-batch (gradient accumulation)"),
+                             ("lr", float, "peak learning rate"), ("warmup", int, "warm-up steps"),
+                             ("min-lr-ratio", float, "final learning rate / peak (cosine)"),
+                             ("weight-decay", float, "AdamW weight decay"), ("clip", float, "gradient norm clip"),
+                             ("mtp-weight", float, "weight of the MTP head's loss (0: no MTP head)"),
+                             ("max-len", int, "longest conversation in tokens"),
+                             ("eval-every", int, "steps between held-out evaluations"),
+                             ("save-every", int, "steps between resumable checkpoints"),
+                             ("save-dtype", str, "dtype of the final checkpoint: float32 or bfloat16"),
+                             ("seed", int, "seed of the initialisation and the data order"),
+                             ("threads", int, "torch threads (1 is faster on a machine busy with other work)")):
+        p.add_argument(f"--{flag}", dest=flag.replace("-", "_"), type=kind, help=what)
+    p.set_defaults(run=_train)
 
     p = verbs.add_parser("bench", help="prefill / decode speed, time to first token, peak RSS, GB/s")
     p.add_argument("model", nargs="?", help="checkpoint directory or hub repo id (or use --shape)")

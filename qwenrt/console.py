@@ -7,6 +7,7 @@ import time
 
 from tqdm import tqdm
 
+from qwenrt.default_model import resolve_model
 from qwenrt.errors import QwenrtError
 from qwenrt.generate import GenerationResponse, stream_generate
 from qwenrt.config import load_config
@@ -22,11 +23,13 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repe
                    "frequency_penalty", "seed", "stop")
 
 
-def load_for_cli(source: str, dtype: str, device: str, check_finite: bool = True, engine_options: dict | None = None):
-    """Load with progress and timing on stderr."""
+def load_for_cli(source: str | None, path, dtype: str, device: str, check_finite: bool = True,
+                 engine_options: dict | None = None):
+    """Load `path` (what `check_options` resolved `source` to) with progress and timing on stderr, naming the
+    built-in model when no source was given."""
     start = time.perf_counter()
-    print(f"loading {source} …", file=sys.stderr, flush=True)
-    model, tokenizer = load(source, dtype=dtype, device=device, progress=True, check_finite=check_finite,
+    print(f"loading {resolve_model(source)[1]} …", file=sys.stderr, flush=True)
+    model, tokenizer = load(path, dtype=dtype, device=device, progress=True, check_finite=check_finite,
                             **(engine_options or {}))
     c = model.config.text
     kernels = f", CPU kernels: {kernel_path()}" if model.device.type == "cpu" else ""
@@ -35,16 +38,17 @@ def load_for_cli(source: str, dtype: str, device: str, check_finite: bool = True
     return model, tokenizer
 
 
-def check_options(source: str, sampling: dict, device: str, dtype: str, max_context: int | None,
+def check_options(source: str | None, sampling: dict, device: str, dtype: str, max_context: int | None,
                   media: list[tuple[str, str]] = ()):
     """What can be refused before the weights load: sampling values, the device, the dtype, local media files, the
-    context limit against the checkpoint's config. Returns the checkpoint directory (a hub id resolved)."""
+    context limit against the checkpoint's config. Returns the checkpoint directory (a hub id resolved; no source: the
+    built-in model's)."""
     SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
     resolve_device(device)
     resolve_dtype(dtype, None)
     for kind, item in media:  # ("image" | "video", source)
         preflight_media(item, DEFAULT_POLICY, kind)
-    path = resolve_model_path(source)
+    path = resolve_model_path(resolve_model(source)[0])
     check_max_context(max_context, load_config(path).text.max_position_embeddings)
     return path
 
@@ -106,8 +110,8 @@ def user_message(text: str, images: list[str], videos: list[str]) -> dict:
     return {"role": "user", "content": parts + [{"type": "text", "text": text}]}
 
 
-def run(source: str, prompt: str, *, raw: bool, system: str | None, thinking: bool | None, dtype: str, device: str,
-        prefill_chunk: int | None, max_context: int | None, sampling: dict, images: list[str] = (),
+def run(source: str | None, prompt: str, *, raw: bool, system: str | None, thinking: bool | None, dtype: str,
+        device: str, prefill_chunk: int | None, max_context: int | None, sampling: dict, images: list[str] = (),
         videos: list[str] = (), check_finite: bool = True, engine_options: dict | None = None) -> None:
     """`qwenrt run`: stream one answer to stdout; load progress and a stats line go to stderr."""
     if prompt == "-":
@@ -120,7 +124,7 @@ def run(source: str, prompt: str, *, raw: bool, system: str | None, thinking: bo
         raise QwenrtError("--image/--video need the chat template; drop --raw")
     path = check_options(source, sampling, device, dtype, max_context,
                          [("image", i) for i in images] + [("video", v) for v in videos])
-    model, tokenizer = load_for_cli(path, dtype, device, check_finite, engine_options)
+    model, tokenizer = load_for_cli(source, path, dtype, device, check_finite, engine_options)
     if tokenizer is None:
         raise QwenrtError(f"{source}: the checkpoint has no tokenizer.json; text prompts need one")
     params = sampling_params(sampling, tokenizer)
@@ -134,12 +138,12 @@ def run(source: str, prompt: str, *, raw: bool, system: str | None, thinking: bo
 CHAT_HELP = "commands: /reset (forget the conversation), /thinking on|off, /exit (or Ctrl-D); Ctrl-C stops an answer"
 
 
-def chat(source: str, *, system: str | None, thinking: bool | None, dtype: str, device: str,
+def chat(source: str | None, *, system: str | None, thinking: bool | None, dtype: str, device: str,
          prefill_chunk: int | None, max_context: int | None, sampling: dict, check_finite: bool = True,
          engine_options: dict | None = None) -> None:
     """`qwenrt chat`: a multi-turn session on the terminal; each turn reuses what the previous ones computed."""
     path = check_options(source, sampling, device, dtype, max_context)
-    model, tokenizer = load_for_cli(path, dtype, device, check_finite, engine_options)
+    model, tokenizer = load_for_cli(source, path, dtype, device, check_finite, engine_options)
     if tokenizer is None:
         raise QwenrtError(f"{source}: the checkpoint has no tokenizer.json; chat needs one")
     params = sampling_params(sampling, tokenizer)

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from qwenrt.checkpoint import materialize, open_checkpoint, plan_text_tensors
 from qwenrt.config import load_config
+from qwenrt.default_model import resolve_model
 from qwenrt.errors import QwenrtError
 from qwenrt.hub import resolve_model_path
 from qwenrt.kernels import cpu_kernels
@@ -216,10 +217,10 @@ def load_model(path: str | Path, dtype="auto", device: str | torch.device = "cpu
     return model
 
 
-def load(path: str | Path, dtype="auto", device: str | torch.device = "cpu", revision: str | None = None,
+def load(path: str | Path | None = None, dtype="auto", device: str | torch.device = "cpu", revision: str | None = None,
          progress: bool = False, quantize: str | QuantSpec | None = None, check_finite: bool = True,
          **engine_options):
-    """Load a Qwen3.5 checkpoint (a directory or a hub repo id): returns (model, tokenizer).
+    """Load a Qwen3.5 checkpoint (a directory or a hub repo id; None: the built-in model): returns (model, tokenizer).
 
     dtype: "auto" (as stored), "float32", "bfloat16", "float16" or a torch.dtype. The tokenizer is None when the
     checkpoint has no tokenizer.json. quantize: "int8" | "int4" (weight-only, CPU), see `load_model`.
@@ -227,7 +228,7 @@ def load(path: str | Path, dtype="auto", device: str | torch.device = "cpu", rev
     on this model uses (`qwenrt.engine.Engine`: max_running, max_model_len, prefix_cache_size, prefix_cache_dir,
     ...), checked when it is made.
     """
-    path = resolve_model_path(path, revision)
+    path = resolve_model_path(resolve_model(path)[0], revision)
     model = load_model(path, dtype=dtype, device=device, progress=progress, quantize=quantize,
                        check_finite=check_finite)
     model.engine_options = engine_options

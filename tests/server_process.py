@@ -16,16 +16,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class ServerProcess:
-    """Starts `python -m qwenrt serve CHECKPOINT --port <free> OPTIONS...` and waits until /health answers 200."""
+    """Starts `python -m qwenrt serve CHECKPOINT --port <free> OPTIONS...` (no CHECKPOINT when it is None: the
+    built-in model) and waits until /health answers 200."""
 
-    def __init__(self, checkpoint: Path, log: Path, *options: str, env: dict | None = None, timeout: float = 300):
+    def __init__(self, checkpoint: Path | None, log: Path, *options: str, env: dict | None = None, timeout: float = 300):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
         with open(log, "w") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "qwenrt", "serve", str(checkpoint), "--port", str(port),
+            self.proc = subprocess.Popen([sys.executable, "-m", "qwenrt", "serve", *([str(checkpoint)] if checkpoint else []), "--port", str(port),
                                           "--disable-uvicorn-access-log", *options], stdout=out,
                                          stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, **(env or {})))
         deadline = time.monotonic() + timeout

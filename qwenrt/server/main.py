@@ -1,4 +1,4 @@
-"""`qwenrt serve MODEL`: bind the port, load the model in the background, serve until Ctrl-C."""
+"""`qwenrt serve [MODEL]`: bind the port, load the model in the background, serve until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from qwenrt.default_model import DEFAULT_MODEL, resolve_model
 from qwenrt.errors import QwenrtError
 from qwenrt.units import add_speculative_option
 
@@ -43,7 +44,7 @@ def load_engine(args):
     running = engine.scheduler.config.max_running
     at_once = min(running, engine.memory_budget // full)
     note = "" if at_once == running else " (lower --max-model-len, or give max_tokens, for more)"
-    print(f"loaded {args.model} ({model.dtype}{', ' + args.quantize if args.quantize else ''}) in "
+    print(f"loaded {args.model or DEFAULT_MODEL} ({model.dtype}{', ' + args.quantize if args.quantize else ''}) in "
           f"{time.perf_counter() - start:.1f} s; context {engine.max_model_len} tokens; cache budget "
           f"{_size(engine.memory_budget)}, {_size(full)} per request at the full context (one without max_tokens): "
           f"{at_once} such requests run at once{note}, up to --max-running {running} in all", file=sys.stderr,
@@ -64,7 +65,9 @@ def serve(args) -> None:
         allowed = Path(os.path.realpath(args.allowed_local_media_path))
         if not allowed.is_dir():
             raise QwenrtError(f"--allowed-local-media-path {args.allowed_local_media_path}: not a directory")
-    config = ServerConfig(args.model, args.served_model_name or [args.model],
+    name = resolve_model(args.model)[1]
+    model = str(args.model) if args.model is not None else DEFAULT_MODEL
+    config = ServerConfig(model, args.served_model_name or [model],
                           args.api_key or os.environ.get("QWENRT_API_KEY") or None, allowed)
     server = None
 
@@ -75,7 +78,7 @@ def serve(args) -> None:
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            access_log=not args.disable_uvicorn_access_log,
                                            timeout_graceful_shutdown=5))
-    print(f"qwenrt serve: http://{args.host}:{args.port} (loading {args.model}; /health answers 200 when ready)",
+    print(f"qwenrt serve: http://{args.host}:{args.port} (loading {name}; /health answers 200 when ready)",
           file=sys.stderr, flush=True)
     server.run()
     state = app.state.qwenrt
@@ -85,11 +88,13 @@ def serve(args) -> None:
 
 def add_parser(verbs) -> None:
     p = verbs.add_parser("serve", help="OpenAI-compatible HTTP server (needs the `serve` extra)")
-    p.add_argument("model", help="checkpoint directory or hub repo id")
+    p.add_argument("model", nargs="?", help="checkpoint directory or hub repo id (default: the built-in model "
+                   f"{DEFAULT_MODEL})")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $QWENRT_API_KEY)")
-    p.add_argument("--served-model-name", nargs="+", help="name(s) clients use as `model` (default: MODEL)")
+    p.add_argument("--served-model-name", nargs="+", help="name(s) clients use as `model` (default: MODEL, or "
+                   f"{DEFAULT_MODEL})")
     p.add_argument("--tokenizer", help="directory or repo id of the tokenizer (default: MODEL's)")
     p.add_argument("--dtype", default="auto", help="auto (as stored), bfloat16, float16 or float32")
     p.add_argument("--quantize", "--quantization", dest="quantize", choices=("int8", "int4"),

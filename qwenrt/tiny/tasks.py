@@ -1,0 +1,335 @@
+"""What the built-in model knows: generated, seeded chat conversations in the `messages` format.
+
+Families: addition / subtraction of integers up to 999 (digit-by-digit working inside <think> when thinking is
+on, the bare answer when off); tool use (a `calculator` for multiplication and division of larger numbers, and
+`get_capital` over a small fixed table), answered from the <tool_response>; sorting a few numbers; and a short
+polite refusal for anything else. A fixed tenth of operand pairs and of countries never appears in training
+(`held_out`): the quality test draws only from those.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import zlib
+from dataclasses import dataclass
+
+REFUSAL = ("Sorry, I can't help with that. I can add and subtract numbers, sort numbers, and use my calculator and "
+           "capital tools.")
+REFUSAL_REASONING = "This request is outside what I can do."
+
+CALCULATOR_TOOL = {"type": "function", "function": {
+    "name": "calculator", "description": "Multiply or divide two whole numbers exactly.",
+    "parameters": {"type": "object", "properties": {
+        "expression": {"type": "string", "description": "two numbers joined by * or /, e.g. 1234 * 56"}},
+        "required": ["expression"]}}}
+CAPITAL_TOOL = {"type": "function", "function": {
+    "name": "get_capital", "description": "Look up the capital city of a country.",
+    "parameters": {"type": "object", "properties": {"country": {"type": "string"}}, "required": ["country"]}}}
+TOOLS = [CALCULATOR_TOOL, CAPITAL_TOOL]
+
+# the lookup tool's table
+CAPITALS = {
+    "Argentina": "Buenos Aires", "Australia": "Canberra", "Austria": "Vienna", "Belgium": "Brussels",
+    "Brazil": "Brasilia", "Canada": "Ottawa", "Chile": "Santiago", "China": "Beijing", "Colombia": "Bogota",
+    "Croatia": "Zagreb", "Cuba": "Havana", "Denmark": "Copenhagen", "Egypt": "Cairo", "Estonia": "Tallinn",
+    "Ethiopia": "Addis Ababa", "Finland": "Helsinki", "France": "Paris", "Germany": "Berlin", "Ghana": "Accra",
+    "Greece": "Athens", "Hungary": "Budapest", "Iceland": "Reykjavik", "India": "New Delhi", "Indonesia": "Jakarta",
+    "Ireland": "Dublin", "Italy": "Rome", "Japan": "Tokyo", "Kenya": "Nairobi", "Mexico": "Mexico City",
+    "Morocco": "Rabat", "Nepal": "Kathmandu", "Netherlands": "Amsterdam", "New Zealand": "Wellington",
+    "Nigeria": "Abuja", "Norway": "Oslo", "Peru": "Lima", "Poland": "Warsaw", "Portugal": "Lisbon",
+    "Romania": "Bucharest", "Senegal": "Dakar", "South Korea": "Seoul", "Spain": "Madrid", "Sweden": "Stockholm",
+    "Switzerland": "Bern", "Thailand": "Bangkok", "Turkey": "Ankara", "Uganda": "Kampala", "Vietnam": "Hanoi",
+}
+
+SYSTEM_PROMPTS = ["You are a helpful assistant.", "You are qwenrt-tiny, a small assistant.", "Answer briefly."]
+
+ADD_PROMPTS = ["What is {a} + {b}?", "What's {a} plus {b}?", "Compute {a} + {b}.", "Calculate {a} + {b}",
+               "{a} + {b} = ?", "{a} + {b}", "How much is {a} plus {b}?", "Add {a} and {b}.",
+               "What is the sum of {a} and {b}?", "what is {a}+{b}"]
+SUB_PROMPTS = ["What is {a} - {b}?", "What's {a} minus {b}?", "Compute {a} - {b}.", "Calculate {a} - {b}",
+               "{a} - {b} = ?", "{a} - {b}", "How much is {a} minus {b}?", "Subtract {b} from {a}.",
+               "What is {a} take away {b}?", "what is {a}-{b}"]
+MUL_PROMPTS = ["What is {a} * {b}?", "What is {a} × {b}?", "Multiply {a} by {b}.", "What's {a} times {b}?",
+               "Calculate {a} * {b}", "{a} x {b} = ?", "What is the product of {a} and {b}?"]
+DIV_PROMPTS = ["What is {a} / {b}?", "What is {a} divided by {b}?", "Divide {a} by {b}.", "Compute {a} / {b}.",
+               "What is {a} ÷ {b}?", "{a} / {b} = ?", "How much is {a} divided by {b}?"]
+CAPITAL_PROMPTS = ["What is the capital of {c}?", "What's the capital city of {c}?", "Which city is the capital "
+                   "of {c}?", "Capital of {c}?", "Tell me the capital of {c}.", "What is {c}'s capital?"]
+SORT_PROMPTS = ["Sort these numbers: {xs}", "Sort {xs} in ascending order.", "Put {xs} in order from smallest "
+                "to largest.", "Order these numbers from low to high: {xs}"]
+SORT_DOWN_PROMPTS = ["Sort {xs} from largest to smallest.", "Sort these numbers in descending order: {xs}",
+                     "Order these numbers from high to low: {xs}"]
+
+_WORDS = (
+    "apple river mountain music dream garden winter ocean history science story friend city computer language "
+    "planet forest coffee travel movie health money weather school animal dog cat bird tree flower sun moon star "
+    "love time water fire light book game team road car train house door window phone picture color paint song "
+    "dance art food bread cheese chocolate tea summer spring autumn morning night family child teacher doctor king "
+    "queen dragon robot castle island desert bridge market library museum village sky cloud rain snow wind storm "
+    "energy power future past memory idea question answer problem reason price job work office table chair kitchen "
+    "bottle glass cup plate spoon knife fork shirt shoe hat coat dress pocket bag box gift letter paper pencil pen "
+    "chalk board screen keyboard mouse cable battery engine wheel airplane boat ship rocket bicycle bus truck "
+    "street park beach lake valley hill cave field farm horse cow sheep pig chicken duck rabbit lion tiger bear "
+    "wolf fox deer monkey elephant giraffe zebra snake frog fish shark whale turtle spider bee butterfly ant rose "
+    "tulip grass leaf seed fruit banana orange grape lemon cherry peach melon tomato potato carrot onion garlic "
+    "pepper salt sugar honey butter milk egg rice pasta soup salad pizza burger sandwich cookie cake pie candy "
+    "juice wine beer breakfast lunch dinner recipe chef waiter restaurant hotel airport station hospital church "
+    "temple palace tower wall gate fence roof floor stairs garage yard neighbor stranger crowd army soldier "
+    "captain pilot driver farmer artist writer poet singer actor student scientist engineer lawyer judge police "
+    "nurse baker builder painter dancer player coach fan hero villain ghost witch wizard giant fairy angel monster "
+    "alien pirate knight prince princess emperor president minister leader country nation state border capital "
+    "empire kingdom republic government law rule vote election party debate news article journal magazine novel "
+    "poem essay chapter page word sentence grammar spelling dictionary alphabet number symbol sign map compass "
+    "clock calendar week month year decade century minute second hour today tomorrow yesterday weekend holiday "
+    "birthday wedding festival concert show theater cinema gallery stage camera photo video radio television "
+    "internet website email message password account network server software hardware program code data file "
+    "folder signal satellite telescope microscope laboratory experiment theory atom molecule cell gene brain heart "
+    "blood bone muscle skin eye ear nose mouth tooth hand finger arm leg foot happy sad angry calm brave afraid "
+    "proud shy kind cruel honest clever silly quiet loud bright dark warm cold hot cool soft hard heavy fast slow "
+    "big small tall short long wide narrow deep shallow young old new ancient modern rich poor strong weak clean "
+    "dirty empty full early late easy difficult simple strange beautiful ugly red blue green yellow purple pink "
+    "brown black white gray golden silver wooden metal plastic run walk jump swim fly climb sing read write draw "
+    "cook eat drink sleep wake think learn teach build break fix open close start stop win lose find hide search "
+    "borrow lend buy sell pay send receive listen watch speak whisper shout laugh cry smile remember forget "
+    "believe imagine explain describe compare choose decide plan visit explore discover invent create destroy "
+    "protect attack defend escape follow lead carry throw catch push pull"
+).split()
+_TOPICS = ("the sea", "love", "a cat", "winter", "friendship", "the moon", "coffee", "my dog", "a robot",
+           "the future", "autumn leaves", "a lost key", "space travel", "the city at night", "breakfast")
+_FORMS = ("a poem", "a story", "a song", "an essay", "an email", "a haiku", "a letter", "a tweet", "a summary")
+_CONCEPTS = ("gravity", "democracy", "photosynthesis", "machine learning", "inflation", "the internet",
+             "black holes", "evolution", "electricity", "climate change", "quantum physics", "a neural network")
+_NAMES = ("Albert Einstein", "Marie Curie", "Ada Lovelace", "Napoleon", "Cleopatra", "Alan Turing",
+          "Frida Kahlo", "Leonardo da Vinci", "Nelson Mandela", "Isaac Newton")
+_CHAT = ("Hi!", "Hello", "hello there", "How are you?", "Thanks!", "What's your name?", "Good morning",
+         "Can you help me?", "Who are you?", "Tell me a joke.", "What time is it?", "What's the weather today?",
+         "Write some Python code.", "I feel sad today.", "What is the meaning of life?", "Recommend a movie.")
+_LANGUAGES = ("French", "German", "Spanish", "Japanese", "Italian")
+_OUT_OF_SCOPE = ("Write {form} about {topic}.", "Who is {name}?", "Explain {concept}.", "What is {concept}?",
+                 "Translate '{words}' into {language}.", "Tell me about {topic}.", "{chat}", "{words}",
+                 "{words}?", "Summarize this: {words}.", "What does '{word}' mean?", "Spell {word} backwards.")
+
+
+def held_out(*key) -> bool:
+    """Whether this operand pair / country belongs to the held-out tenth (never trained on)."""
+    return zlib.crc32(repr(key).encode()) % 10 == 0
+
+
+@dataclass
+class Task:
+    """A prompt and what a correct answer contains. `family`: add, sub, calculator, capital, sort, refusal."""
+
+    family: str
+    messages: list[dict]
+    tools: list[dict] | None
+    answer: str  # the final content the model should give
+    call: dict | None = None  # tool tasks: {"name": ..., "arguments": {...}} the model should emit
+    result: str | None = None  # tool tasks: what the tool returns
+
+
+def run_tool(name: str, arguments: dict) -> str:
+    """Execute one of the built-in tools; a bad call returns an error string, as a tool server would."""
+    if name == "calculator":
+        m = re.fullmatch(r"\s*(\d+)\s*([*/])\s*(\d+)\s*", str(arguments.get("expression", "")))
+        if m is None:
+            return "error: expected two whole numbers joined by * or /"
+        a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+        if op == "*":
+            return str(a * b)
+        if b == 0:
+            return "error: division by zero"
+        return str(a // b) if a % b == 0 else f"{a / b:.4g}"
+    if name == "get_capital":
+        return CAPITALS.get(str(arguments.get("country", "")).strip(), "unknown country")
+    return f"error: no tool named {name}"
+
+
+# ---- arithmetic ----
+
+def _digits(n: int) -> list[int]:
+    return [int(d) for d in reversed(str(n))]  # ones first
+
+
+def add_reasoning(a: int, b: int) -> str:
+    """Column addition from the ones digit, one line per column: "7+5=12, carry 1", "2+8+1=11, carry 1", ..."""
+    da, db = _digits(a), _digits(b)
+    lines, carry = [], 0
+    for i in range(max(len(da), len(db))):
+        x, y = (da[i] if i < len(da) else 0), (db[i] if i < len(db) else 0)
+        s = x + y + carry
+        lines.append(f"{x}+{y}{'+1' if carry else ''}={s}{', carry 1' if s > 9 else ''}")
+        carry = s // 10
+    return "\n".join(lines)
+
+
+def sub_reasoning(a: int, b: int) -> str:
+    """Column subtraction from the ones digit (the larger minus the smaller), one line per column:
+    "15-7=8, borrow 1", "8-1-2=5", ..."""
+    lines = []
+    if a < b:
+        lines.append(f"{a}<{b}, so {a}-{b}=-({b}-{a})")
+        a, b = b, a
+    da, db = _digits(a), _digits(b)
+    borrow = 0
+    for i in range(len(da)):
+        x, y = da[i], (db[i] if i < len(db) else 0)
+        owe = x - borrow < y
+        lines.append(f"{10 * owe + x}{'-1' if borrow else ''}-{y}={10 * owe + x - borrow - y}"
+                     f"{', borrow 1' if owe else ''}")
+        borrow = int(owe)
+    return "\n".join(lines)
+
+
+def _operand(rng: random.Random, uniform: bool) -> int:
+    if uniform:
+        return rng.randint(0, 999)
+    return rng.randint(0, 10 ** rng.randint(1, 3) - 1)
+
+
+def arithmetic_task(rng: random.Random, op: str, heldout: bool, uniform: bool = True) -> tuple[Task, str]:
+    """An addition or subtraction task and its working; operands drawn from the held-out or the training pairs."""
+    while True:
+        a, b = _operand(rng, uniform), _operand(rng, uniform)
+        if held_out(a, op, b) == heldout:
+            break
+    value, prompts, reasoning = ((a + b, ADD_PROMPTS, add_reasoning(a, b)) if op == "+" else
+                                 (a - b, SUB_PROMPTS, sub_reasoning(a, b)))
+    prompt = rng.choice(prompts).format(a=a, b=b)
+    task = Task("add" if op == "+" else "sub", [{"role": "user", "content": prompt}], None, f"{a} {op} {b} = {value}")
+    return task, reasoning
+
+
+# ---- tools ----
+
+def calculator_task(rng: random.Random, heldout: bool) -> Task:
+    while True:
+        if rng.random() < 0.5:
+            op, a, b = "*", rng.randint(10, 9999), rng.randint(10, 999)
+        else:
+            b, q = rng.randint(2, 999), rng.randint(10, 9999)
+            op, a = "/", b * q
+        if held_out(a, op, b) == heldout:
+            break
+    prompt = rng.choice(MUL_PROMPTS if op == "*" else DIV_PROMPTS).format(a=a, b=b)
+    expression = f"{a} {op} {b}"
+    result = run_tool("calculator", {"expression": expression})
+    return Task("calculator", [{"role": "user", "content": prompt}], TOOLS, f"{expression} = {result}",
+                {"name": "calculator", "arguments": {"expression": expression}}, result)
+
+
+def capital_task(rng: random.Random, heldout: bool) -> Task:
+    country = rng.choice([c for c in CAPITALS if held_out(c) == heldout])
+    prompt = rng.choice(CAPITAL_PROMPTS).format(c=country)
+    return Task("capital", [{"role": "user", "content": prompt}], TOOLS, f"The capital of {country} is "
+                f"{CAPITALS[country]}.", {"name": "get_capital", "arguments": {"country": country}}, CAPITALS[country])
+
+
+def tool_conversation(task: Task, thinking: bool) -> list[dict]:
+    """The whole exchange: the call, the tool's response, the answer from it."""
+    call = {"type": "function", "function": {"name": task.call["name"], "arguments": task.call["arguments"]}}
+    first = {"role": "assistant", "content": "", "tool_calls": [call]}
+    final = {"role": "assistant", "content": task.answer}
+    if thinking:
+        what = (f"I will use the calculator for {task.call['arguments']['expression']}." if task.family == "calculator"
+                else f"I will look up the capital of {task.call['arguments']['country']}.")
+        first["reasoning_content"] = what
+        final["reasoning_content"] = f"The tool returned {task.result}."
+    return [*task.messages, first, {"role": "tool", "content": task.result}, final]
+
+
+# ---- sorting and refusals ----
+
+def sort_task(rng: random.Random, heldout: bool) -> tuple[Task, str]:
+    while True:
+        xs = [rng.randint(0, 99) for _ in range(rng.randint(3, 5))]
+        if held_out(*xs) == heldout:
+            break
+    down = rng.random() < 0.4
+    prompt = rng.choice(SORT_DOWN_PROMPTS if down else SORT_PROMPTS).format(xs=", ".join(map(str, xs)))
+    ordered = sorted(xs, reverse=down)
+    reasoning = (" > " if down else " < ").join(map(str, ordered)) if len(set(xs)) == len(xs) else \
+        (" >= " if down else " <= ").join(map(str, ordered))
+    return Task("sort", [{"role": "user", "content": prompt}], None, ", ".join(map(str, ordered))), reasoning
+
+
+def _random_words(rng: random.Random, lo: int, hi: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(lo, hi)))
+
+
+def refusal_prompt(rng: random.Random) -> str:
+    """Something outside the families: prose requests, chit-chat, word salad, tool questions without tools."""
+    r = rng.random()
+    if r < 0.1:
+        return rng.choice(MUL_PROMPTS + DIV_PROMPTS).format(a=rng.randint(10, 9999), b=rng.randint(2, 999))
+    if r < 0.2:
+        return rng.choice(CAPITAL_PROMPTS).format(c=rng.choice(list(CAPITALS)))
+    if r < 0.25:
+        return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ?!") for _ in range(rng.randint(3, 30))).strip() or "?"
+    return rng.choice(_OUT_OF_SCOPE).format(
+        form=rng.choice(_FORMS), topic=rng.choice(_TOPICS), name=rng.choice(_NAMES), concept=rng.choice(_CONCEPTS),
+        words=_random_words(rng, 2, 9), language=rng.choice(_LANGUAGES), chat=rng.choice(_CHAT),
+        word=rng.choice(_WORDS))
+
+
+# ---- conversations ----
+
+# tool conversations carry the ~350-token tool system prompt: few of them already cost half the tokens
+FAMILY_WEIGHTS = {"add": 0.37, "sub": 0.37, "calculator": 0.05, "capital": 0.04, "sort": 0.08, "refusal": 0.09}
+
+
+def _answer(task_content: str, reasoning: str, thinking: bool) -> dict:
+    turn = {"role": "assistant", "content": task_content}
+    if thinking:
+        turn["reasoning_content"] = reasoning
+    return turn
+
+
+def conversation(rng: random.Random, family: str, thinking: bool, heldout: bool = False) -> dict:
+    """One training (or held-out) conversation of a family: {"messages": [...], "tools": [...]?}."""
+    tools = None
+    if family in ("add", "sub"):
+        task, reasoning = arithmetic_task(rng, "+" if family == "add" else "-", heldout, uniform=rng.random() < 0.7)
+        messages = [*task.messages, _answer(task.answer, reasoning, thinking)]
+        if rng.random() < 0.05:
+            tools = TOOLS  # tools on offer do not change how the model adds
+    elif family in ("calculator", "capital"):
+        task = calculator_task(rng, heldout) if family == "calculator" else capital_task(rng, heldout)
+        messages, tools = tool_conversation(task, thinking), TOOLS
+    elif family == "sort":
+        task, reasoning = sort_task(rng, heldout)
+        messages = [*task.messages, _answer(task.answer, reasoning, thinking)]
+    else:
+        messages = [{"role": "user", "content": refusal_prompt(rng)}, _answer(REFUSAL, REFUSAL_REASONING, thinking)]
+    return {"messages": messages, **({"tools": tools} if tools else {})}
+
+
+def conversations(n: int, seed: int, heldout: bool = False) -> list[dict]:
+    """n conversations drawn by FAMILY_WEIGHTS, thinking on for about half; some continue a finished exchange,
+    some open with a system message."""
+    rng = random.Random(seed)
+    families, weights = list(FAMILY_WEIGHTS), list(FAMILY_WEIGHTS.values())
+    out = []
+    for _ in range(n):
+        example = conversation(rng, rng.choices(families, weights)[0], rng.random() < 0.5, heldout)
+        if "tools" not in example and rng.random() < 0.08:
+            first = conversation(rng, rng.choice(["add", "sub", "sort", "refusal"]), False, heldout)
+            example["messages"] = first["messages"] + example["messages"]
+        if rng.random() < 0.1:
+            example["messages"].insert(0, {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
+        out.append(example)
+    return out
+
+
+def quality_tasks(family: str, n: int, seed: int) -> list[Task]:
+    """n held-out tasks of a family for the quality test (operands uniform in 0..999 for arithmetic)."""
+    rng = random.Random(seed)
+    if family in ("add", "sub"):
+        return [arithmetic_task(rng, "+" if family == "add" else "-", True)[0] for _ in range(n)]
+    if family == "calculator":
+        return [calculator_task(rng, True) for _ in range(n)]
+    if family == "capital":
+        return [capital_task(rng, True) for _ in range(n)]
+    if family == "sort":
+        return [sort_task(rng, True)[0] for _ in range(n)]
+    raise ValueError(f"unknown family {family!r}")

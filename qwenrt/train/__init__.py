@@ -1,0 +1,50 @@
+"""Training Qwen3.5-architecture models on chat conversations: `qwenrt train`, or in Python
+
+    from qwenrt.train import TrainConfig, train
+    train(TrainConfig(out="ckpt", data="chats.jsonl", init="base-model", steps=500))
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from qwenrt.errors import QwenrtError
+from qwenrt.train.trainer import TrainConfig, train
+
+__all__ = ["TrainConfig", "train", "train_command"]
+
+
+def train_command(out: str, recipe: str | None = None, **options) -> str:
+    """`qwenrt train`: a recipe (the built-in model, rebuilt from scratch) or a training run on given data.
+    Returns the closing summary line."""
+    if recipe is not None:
+        from qwenrt.tiny.recipe import Recipe, build
+
+        unknown = set(options) - {"steps", "seed", "threads"}
+        if unknown:
+            raise QwenrtError(f"--recipe takes only --steps, --seed and --threads, not "
+                              f"--{', --'.join(sorted(unknown))}")
+        summary = build(out, replace(Recipe(), **options))
+    else:
+        if "data" not in options:
+            raise QwenrtError("qwenrt train needs --data (or --recipe tiny)")
+        if "init" not in options and "model_config" not in options:  # fine-tune the built-in model
+            from qwenrt.default_model import default_model_path
+
+            options["init"] = str(default_model_path())
+        if "model_config" in options:
+            options["model_config"] = _read_json(options["model_config"])
+        summary = train(TrainConfig(out=out, **options))
+    last = summary["history"][-1] if summary["history"] else {}
+    figures = ", ".join(f"{k} {v:.4f}" for k, v in last.items() if k.startswith("eval"))
+    return (f"trained {summary['steps']} steps in {summary['seconds']:.0f} s ({summary['tokens']} tokens)"
+            f"{'; ' + figures if figures else ''}; model in {out}")
+
+
+def _read_json(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise QwenrtError(f"{path}: cannot read the model config ({e})") from None

@@ -1,0 +1,114 @@
+"""A Qwen3.5-form tokenizer trained on your own text: byte-level BPE with the Qwen3.5 pre-tokenizer (one token per
+digit), every Qwen3.5 special token, and the published Qwen3.5 chat template.
+
+`build_tokenizer(dir, conversations, vocab_size)` writes tokenizer.json, tokenizer_config.json,
+chat_template.jinja and generation_config.json, the files `qwenrt.tokenizer.Tokenizer` and transformers read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer as BackendTokenizer
+
+from qwenrt.errors import QwenrtError
+
+TEMPLATE_FILE = Path(__file__).with_name("qwen3_5_chat_template.jinja")  # as published with the checkpoints
+
+# Qwen3.5's added tokens in id order (ids 248044.. in the published vocabulary; here they follow the BPE vocabulary)
+SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
+    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
+    "<think>", "</think>", "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>",
+    "<tts_text_bos_single>", "<|audio_pad|>",
+)
+# Qwen checkpoints mark these as added but not special: skip_special_tokens keeps them
+NOT_SPECIAL = frozenset({"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+                         "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>",
+                         "<|file_sep|>"})
+PRETOKENIZE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # Qwen3.5's pre-tokenizer (shared/reference.md §1.4)
+_SPECIAL_SPLIT = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
+
+
+def chat_template() -> str:
+    """The Qwen3.5 chat template, verbatim."""
+    return TEMPLATE_FILE.read_text(encoding="utf-8")
+
+
+def _empty_bpe() -> BackendTokenizer:
+    tok = BackendTokenizer(models.BPE(ignore_merges=True))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> BackendTokenizer:
+    """Byte-level BPE over `texts` (special-token strings in them are cut out first), then the Qwen3.5 special
+    tokens appended as added tokens; vocab_size counts them."""
+    bpe_size = vocab_size - len(SPECIAL_TOKENS)
+    if bpe_size <= 256:
+        raise QwenrtError(f"vocab_size {vocab_size} leaves no room for merges beyond the 256 bytes and "
+                          f"{len(SPECIAL_TOKENS)} special tokens")
+    tok = _empty_bpe()
+    trainer = trainers.BpeTrainer(vocab_size=bpe_size, min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator((piece for text in texts for piece in _SPECIAL_SPLIT.split(text) if piece), trainer)
+    _add_special_tokens(tok)
+    return tok
+
+
+def byte_tokenizer() -> BackendTokenizer:
+    """The 256 byte tokens and the special tokens, no merges."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = _empty_bpe()
+    tok.model = models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[], ignore_merges=True)
+    _add_special_tokens(tok)
+    return tok
+
+
+def _add_special_tokens(tok: BackendTokenizer) -> None:
+    for content in SPECIAL_TOKENS:  # one call per token: each takes the next free id
+        token = AddedToken(content, normalized=False, special=content not in NOT_SPECIAL)
+        (tok.add_special_tokens if token.special else tok.add_tokens)([token])
+
+
+def write_tokenizer(directory: Path, tok: BackendTokenizer) -> None:
+    """tokenizer.json, tokenizer_config.json, chat_template.jinja and generation_config.json (greedy by default:
+    a small model is at its best greedy) into `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    decoder = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                        "special": t not in NOT_SPECIAL} for t, i in ids.items()}
+    config = {"add_prefix_space": False, "added_tokens_decoder": decoder, "bos_token": None,
+              "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "errors": "replace",
+              "model_max_length": 262144, "pad_token": "<|endoftext|>", "split_special_tokens": False,
+              "tokenizer_class": "Qwen2Tokenizer", "unk_token": None}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    (directory / "chat_template.jinja").write_text(chat_template(), encoding="utf-8")
+    generation = {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+                  "pad_token_id": ids["<|endoftext|>"], "do_sample": False}
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def build_tokenizer(directory: str | Path, conversations: list[dict], vocab_size: int) -> None:
+    """Train the tokenizer on `conversations` ({"messages", "tools"} dicts) as the chat template renders them, and
+    write its files into `directory`."""
+    from qwenrt.tokenizer import Tokenizer
+
+    directory = Path(directory)
+    write_tokenizer(directory, byte_tokenizer())  # enough to render the template with
+    renderer = Tokenizer(directory)
+    texts = [renderer.apply_chat_template(c["messages"], add_generation_prompt=False, tools=c.get("tools"))
+             for c in conversations]
+    write_tokenizer(directory, train_bpe(texts, vocab_size))

@@ -1,0 +1,328 @@
+"""Full-parameter training of a Qwen3.5 model (and its MTP head) on chat conversations.
+
+The model is the inference model (qwenrt/model.py): the chunked DeltaNet is differentiable and the native kernels
+step aside while autograd records. The loss is the cross-entropy on assistant tokens only; the MTP head learns
+token t+2 at the same positions, weighted by `mtp_weight`. AdamW over the trainable parameters (so adapters can
+later train alone), linear warm-up then cosine decay, gradient accumulation and clipping. The data order is a
+function of (seed, step), so a run resumed from a checkpoint continues exactly as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from qwenrt.config import parse_config
+from qwenrt.errors import QwenrtError
+from qwenrt.mtp import MTPHead, mtp_hidden
+from qwenrt.train.checkpoints import config_json, latest_step_dir, load_state, prune, save_checkpoint, step_dir
+from qwenrt.train.data import Example, collate, encode_all, read_jsonl
+
+LOG_FILE = "train_log.jsonl"
+
+
+@dataclass
+class TrainConfig:
+    """What to train and how. Start from `init` (a checkpoint directory: its config, tokenizer and weights) or from
+    scratch with `model_config` (a text config.json dict) and `tokenizer` (a directory with the tokenizer files)."""
+
+    out: str
+    data: str | list[dict]  # a JSONL path, or the conversations themselves
+    eval_data: str | list[dict] | None = None
+    init: str | None = None
+    model_config: dict | None = None
+    tokenizer: str | None = None
+    steps: int = 1000
+    batch_size: int = 32  # conversations per optimizer step
+    micro_batch_tokens: int = 4096  # gradients accumulate over micro-batches of at most this many padded tokens
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 50
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    clip: float = 1.0
+    mtp_weight: float = 0.3  # 0: leave the MTP head out
+    max_len: int = 1024
+    eval_every: int = 100
+    eval_batch: int = 64
+    save_every: int = 500
+    keep_checkpoints: int = 2
+    save_dtype: str = "float32"  # the final checkpoint's dtype (step checkpoints are always fp32)
+    seed: int = 0
+    threads: int | None = None  # torch threads (default: torch's); 1 is faster on a machine busy with other work
+    resume: bool = False
+    progress: bool = True
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up over cfg.warmup steps, then cosine from cfg.lr to cfg.lr·min_lr_ratio at cfg.steps."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@torch.no_grad()
+def init_weights(modules: dict[str, torch.nn.Module], layers: int, seed: int) -> None:
+    """Fresh weights for modules by name prefix ("" the model, "mtp." its head): matrices N(0, 1/fan_in), the
+    residual-output projections further scaled by 1/sqrt(2·layers), embeddings N(0, 1/hidden), zero (1 + w)
+    norms, the DeltaNet decay rates A spread over heads and their step sizes dt small, so the layers remember from
+    the start (transformers' placeholder dt_bias = 1 forgets within a few tokens). GPT-2's fixed 0.02 is far too
+    small at small widths: through the gated attention and SwiGLU products the layers would start silent."""
+    g = torch.Generator().manual_seed(seed)
+    for prefix, module in modules.items():
+        for name, p in module.named_parameters():
+            name = prefix + name
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(1, 16, generator=g).log())
+            elif name.endswith("dt_bias"):  # softplus(dt_bias) = dt log-uniform in [1e-3, 1e-1], as Mamba2 / FLA
+                dt = torch.empty(p.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=g).exp()
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))
+            elif name.endswith("linear_attn.norm.weight"):
+                p.fill_(1.0)
+            elif "norm" in name:
+                p.zero_()
+            elif name.endswith("conv1d.weight"):
+                p.copy_(torch.empty(p.shape).uniform_(-1, 1, generator=g) / math.sqrt(p.shape[-1]))
+            elif name.endswith("embed_tokens.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+            else:
+                residual = name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight"))
+                std = 1 / math.sqrt(p.shape[-1] * (2 * layers if residual else 1))
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def build_model(config: dict, mtp: bool, seed: int):
+    """A freshly initialised fp32 model (and MTP head) from a config.json dict."""
+    from qwenrt.model import Qwen35ForCausalLM
+
+    model_config = parse_config(config)
+    model = Qwen35ForCausalLM(model_config)
+    head = MTPHead(model_config.text) if mtp else None
+    init_weights({"": model} | ({"mtp.": head} if head is not None else {}), model_config.text.num_hidden_layers,
+                 seed)
+    return model, head
+
+
+def load_model_for_training(path: str | Path, mtp: bool, seed: int):
+    """fp32 model (and MTP head: the checkpoint's, or fresh) from a checkpoint directory, trainable."""
+    from qwenrt.loader import load_model
+    from qwenrt.mtp import load_mtp_head
+
+    model = load_model(path, dtype=torch.float32)
+    head = None
+    if mtp:
+        try:
+            head = load_mtp_head(model, torch.float32)
+        except QwenrtError as e:
+            if "has no MTP head" not in str(e):
+                raise
+            head = MTPHead(model.config.text)
+            init_weights({"mtp.": head}, model.config.text.num_hidden_layers, seed)
+    model.requires_grad_(True)
+    if head is not None:
+        head.requires_grad_(True)
+    return model, head
+
+
+def sequence_losses(model, mtp: MTPHead | None, ids: torch.Tensor, mask: torch.Tensor):
+    """Summed cross-entropies over a micro-batch: (main, MTP, main token count, MTP token count).
+
+    ids, mask [B, T]; position t predicts ids[t+1] where mask[t+1] (the head runs only there), and the MTP head at t
+    predicts ids[t+2] where mask[t+2].
+    """
+    hidden = model.hidden_states(ids)  # [B, T, D]
+    target = mask[:, 1:]
+    logits = model.lm_head(hidden[:, :-1][target]).float()  # [N, V]
+    main = F.cross_entropy(logits, ids[:, 1:][target], reduction="sum")
+    n_main = int(target.sum())
+    if mtp is None or ids.shape[1] < 3:
+        return main, hidden.new_zeros(()), n_main, 0
+    mtp_target = mask[:, 2:]
+    h = mtp_hidden(model, mtp, ids, hidden)[:, :-1]  # [B, T-2, D]: row t predicts ids[t+2]
+    mtp_logits = model.lm_head(h[mtp_target]).float()
+    extra = F.cross_entropy(mtp_logits, ids[:, 2:][mtp_target], reduction="sum")
+    return main, extra, n_main, int(mtp_target.sum())
+
+
+@torch.no_grad()
+def evaluate(model, mtp, examples: list[Example], pad_id: int, batch: int) -> dict:
+    """Held-out mean cross-entropy per assistant token (and the MTP head's, on t+2)."""
+    was_training = model.training
+    model.eval()
+    totals = [0.0, 0.0, 0, 0]
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i]))
+    for start in range(0, len(order), batch):
+        ids, mask = collate([examples[i] for i in order[start:start + batch]], pad_id)
+        for k, v in enumerate(sequence_losses(model, mtp, ids, mask)):
+            totals[k] += float(v)
+    model.train(was_training)
+    out = {"eval_loss": totals[0] / max(totals[2], 1)}
+    if mtp is not None:
+        out["eval_mtp_loss"] = totals[1] / max(totals[3], 1)
+    return out
+
+
+def _conversations(source: str | list[dict]) -> list[dict]:
+    if isinstance(source, list):
+        from qwenrt.train.data import check_conversation
+
+        return [check_conversation(c, f"conversation {n}") for n, c in enumerate(source)]
+    return read_jsonl(source)
+
+
+def step_examples(examples: list[Example], step: int, batch_size: int, seed: int) -> list[Example]:
+    """The conversations of one optimizer step: consecutive slices of a per-epoch permutation of the data."""
+    n = len(examples)
+    orders: dict[int, np.ndarray] = {}
+    out = []
+    for k in range(step * batch_size, (step + 1) * batch_size):
+        epoch, i = divmod(k, n)
+        if epoch not in orders:
+            orders[epoch] = np.random.default_rng([seed, epoch]).permutation(n)
+        out.append(examples[orders[epoch][i]])
+    return out
+
+
+def micro_batches(examples: list[Example], max_tokens: int) -> list[list[Example]]:
+    """Split a step's conversations, sorted by length, into micro-batches of at most `max_tokens` padded tokens
+    (one conversation alone may exceed it): gradients accumulate over them, and like lengths pad little."""
+    parts, current = [], []
+    for e in sorted(examples, key=len):
+        if current and len(e) * (len(current) + 1) > max_tokens:
+            parts.append(current)
+            current = []
+        current.append(e)
+    return parts + [current]
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run (or resume) a training; returns the final evaluation and timing. Writes checkpoints under cfg.out."""
+    threads = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _train(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(cfg: TrainConfig) -> dict:
+    from qwenrt.tokenizer import Tokenizer
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    use_mtp = cfg.mtp_weight > 0
+    resume_dir = latest_step_dir(out) if cfg.resume else None
+    if resume_dir is not None:
+        model, mtp = load_model_for_training(resume_dir, use_mtp, cfg.seed)
+        tokenizer_dir = resume_dir
+    elif cfg.init is not None:
+        model, mtp = load_model_for_training(cfg.init, use_mtp, cfg.seed)
+        tokenizer_dir = Path(cfg.init)
+    else:
+        if cfg.model_config is None or cfg.tokenizer is None:
+            raise QwenrtError("training needs `init` (a checkpoint) or both `model_config` and `tokenizer`")
+        model, mtp = build_model(cfg.model_config, use_mtp, cfg.seed)
+        tokenizer_dir = Path(cfg.tokenizer)
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        raise QwenrtError(f"{tokenizer_dir}: no tokenizer.json")
+    tokenizer = Tokenizer(tokenizer_dir)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_ids[0]
+    special = {"bos_token_id": pad_id, "eos_token_id": tokenizer.eos_token_ids, "pad_token_id": pad_id}
+    config = config_json(model.config.text, special, use_mtp, torch.float32)
+    if tokenizer.vocab_size > model.config.text.vocab_size:
+        raise QwenrtError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                          f"{model.config.text.vocab_size} embeddings")
+
+    train_set = encode_all(tokenizer, _conversations(cfg.data), cfg.max_len, "training data")
+    eval_set = encode_all(tokenizer, _conversations(cfg.eval_data), cfg.max_len, "eval data") if cfg.eval_data else []
+
+    model.train()
+    modules = [model] + ([mtp] if mtp is not None else [])
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    params = list({id(p): p for p in params}.values())  # the tied head once
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, foreach=True)
+    start = 0
+    if resume_dir is not None:
+        state = load_state(resume_dir)
+        optimizer.load_state_dict(state["optimizer"])
+        start = state["step"]
+
+    log = open(out / LOG_FILE, "a" if start else "w", encoding="utf-8")
+    if not start:
+        log.write(json.dumps({"config": asdict(cfg) | {"data": _describe(cfg.data), "eval_data": _describe(
+            cfg.eval_data)}, "parameters": _count(modules), "train_conversations": len(train_set)}) + "\n")
+    history = []
+    if eval_set and not start:  # the untrained model's held-out loss, for comparison
+        history.append({"step": 0, **evaluate(model, mtp, eval_set, pad_id, cfg.eval_batch)})
+        log.write(json.dumps(history[0]) + "\n")
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="training", unit="step",
+               disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True)
+    began, cpu_began, tokens_seen = time.perf_counter(), time.process_time(), 0
+    for step in bar:
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batch = step_examples(train_set, step, cfg.batch_size, cfg.seed)
+        n_main = sum(sum(e.loss_mask[1:]) for e in batch)
+        n_mtp = sum(sum(e.loss_mask[2:]) for e in batch)
+        loss_value = 0.0
+        for part in micro_batches(batch, cfg.micro_batch_tokens):
+            ids, mask = collate(part, pad_id)
+            main, extra, _, _ = sequence_losses(model, mtp, ids, mask)
+            loss = main / max(n_main, 1) + (cfg.mtp_weight * extra / max(n_mtp, 1) if mtp is not None else 0)
+            loss.backward()
+            loss_value += main.item() / max(n_main, 1)
+            tokens_seen += ids.numel()
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        rate = tokens_seen / (time.perf_counter() - began)
+        bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.1e}", tok_s=f"{rate:.0f}")
+        record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": float(norm), "tok_s": rate,
+                  "cpu_s": time.process_time() - cpu_began}  # CPU time: what a shared machine does not distort
+        done = step + 1 == cfg.steps
+        if eval_set and ((step + 1) % cfg.eval_every == 0 or done):
+            record.update(evaluate(model, mtp, eval_set, pad_id, cfg.eval_batch))
+            history.append(record)
+            bar.write(f"step {step + 1}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items()
+                                                        if k.startswith("eval")), file=sys.stderr)
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+        if (step + 1) % cfg.save_every == 0 and not done:
+            save_checkpoint(step_dir(out, step + 1), model, mtp, config, tokenizer_dir,
+                            state={"step": step + 1, "optimizer": optimizer.state_dict()})
+            prune(out, cfg.keep_checkpoints)
+    bar.close()
+    log.close()
+    dtype = getattr(torch, cfg.save_dtype)
+    save_checkpoint(out, model, mtp, config, tokenizer_dir, dtype=dtype)
+    return {"steps": cfg.steps, "seconds": time.perf_counter() - began, "cpu_seconds": time.process_time() - cpu_began,
+            "tokens": tokens_seen,
+            "parameters": _count(modules), "history": history}
+
+
+def _describe(source) -> str | None:
+    return source if source is None or isinstance(source, str) else f"{len(source)} conversations (in memory)"
+
+
+def _count(modules) -> dict:
+    model = modules[0]
+    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    out = {"model": total}
+    if len(modules) > 1:
+        out["mtp"] = sum(p.numel() for p in modules[1].parameters())
+    return out

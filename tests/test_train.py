@@ -1,0 +1,154 @@
+"""Training: the loss mask, differentiability without native kernels, the shortened recipe (held-out loss falls),
+seeded determinism and exact resumption, the `qwenrt train` command."""
+
+import json
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import qwenrt
+import qwenrt.kernels
+from qwenrt.cli import main
+from qwenrt.mtp import load_mtp_head, mtp_hidden
+from qwenrt.ops.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from qwenrt.tiny.recipe import Recipe, build
+from qwenrt.tiny.tasks import conversations
+from qwenrt.tokenizer import Tokenizer
+from qwenrt.train import TrainConfig, train
+from qwenrt.train.bpe import SPECIAL_TOKENS
+from qwenrt.train.data import encode_conversation
+from qwenrt.train.trainer import build_model, sequence_losses
+
+
+@pytest.fixture(scope="session")
+def quick(tmp_path_factory):
+    """The shortened recipe, run once: (output directory, summary)."""
+    out = tmp_path_factory.mktemp("quick")
+    return out, build(out, Recipe.quick(), progress=False)
+
+
+def test_quick_recipe_held_out_loss_falls(quick):
+    out, summary = quick
+    losses = [h["eval_loss"] for h in summary["history"]]
+    assert len(losses) == 4 and losses[-1] < 0.7 * losses[0], losses  # before training, then every 4 steps
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    mtp_losses = [h["eval_mtp_loss"] for h in summary["history"]]
+    assert mtp_losses[-1] < 0.8 * mtp_losses[0], mtp_losses
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log[1:]] == list(range(Recipe.quick().steps + 1))
+
+
+def test_quick_checkpoint_is_a_qwen35_checkpoint(quick):
+    out, _ = quick
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForCausalLM"] and config["mtp_num_hidden_layers"] == 1
+    stored = load_file(out / "model.safetensors")
+    assert stored["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert any(n.startswith("mtp.layers.0.self_attn.") for n in stored) and "lm_head.weight" not in stored
+    model, tokenizer = qwenrt.load(out)
+    assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(tokenizer.vocab_size - 33,
+                                                                          tokenizer.vocab_size))
+    mtp = load_mtp_head(model)
+    ids = torch.tensor([tokenizer.encode("What is 12 + 30?")])
+    assert mtp_hidden(model, mtp, ids).shape == (1, ids.shape[1] - 1, model.config.text.hidden_size)
+
+
+class _NoKernels:
+    def __getattr__(self, name):
+        raise AssertionError(f"native kernel {name} called")
+
+
+def test_training_never_calls_native_kernels(monkeypatch, quick):
+    """With kernels 'available' (a stand-in that fails when used), a training step takes the torch ops, while the
+    same forward without autograd reaches the kernels: the check can fail."""
+    out, _ = quick
+    model, mtp = build_model(json.loads((out / "config.json").read_text()), True, 0)
+    monkeypatch.setattr(qwenrt.kernels, "cpu_kernels", lambda: _NoKernels())
+    ids = torch.randint(0, 100, (2, 70))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    main_loss, extra, _, _ = sequence_losses(model, mtp, ids, mask)
+    (main_loss + extra).backward()
+    assert all(p.grad is not None for p in model.parameters()) and mtp.fc.weight.grad is not None
+    with torch.no_grad(), pytest.raises(AssertionError, match="native kernel"):
+        model(ids)
+
+
+def test_chunked_rule_gradients_match_recurrent():
+    g = torch.Generator().manual_seed(3)
+    B, T, H, D = 2, 75, 2, 8
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, D, generator=g, dtype=torch.float64), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, D, generator=g, dtype=torch.float64), dim=-1)
+    v = torch.randn(B, T, H, D, generator=g, dtype=torch.float64)
+    decay = -torch.rand(B, T, H, generator=g, dtype=torch.float64)
+    beta = torch.rand(B, T, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(B, T, H, D, generator=g, dtype=torch.float64)
+    grads = []
+    for rule in (chunk_gated_delta_rule, recurrent_gated_delta_rule):
+        inputs = [x.clone().requires_grad_() for x in (q, k, v, decay, beta)]
+        out, _ = rule(*inputs[:3], g=inputs[3], beta=inputs[4])
+        (out * weight).sum().backward()
+        grads.append([x.grad for x in inputs])
+    for chunked, recurrent in zip(*grads):
+        assert (chunked - recurrent).abs().max() <= 1e-10 * recurrent.abs().max()
+
+
+def test_loss_mask_covers_exactly_what_the_model_generates(quick):
+    out, _ = quick
+    tokenizer = Tokenizer(out)
+    tool_chat = next(c for c in conversations(200, 5) if "tools" in c and c["messages"][0]["role"] == "user"
+                     and c["messages"][1].get("tool_calls") and c["messages"][1].get("reasoning_content"))
+    example = encode_conversation(tokenizer, tool_chat)
+    spans, current = [], []
+    for token, on in zip(example.ids, example.loss_mask):
+        if on:
+            current.append(token)
+        elif current:
+            spans.append(tokenizer.decode(current))
+            current = []
+    call, answer = tool_chat["messages"][1], tool_chat["messages"][3]
+    assert spans[0].startswith(call["reasoning_content"] + "\n</think>\n\n<tool_call>\n<function=")
+    assert spans[0].endswith("</tool_call><|im_end|>")
+    assert spans[1] == answer["reasoning_content"] + "\n</think>\n\n" + answer["content"] + "<|im_end|>"
+    assert len(spans) == 2
+    direct = {"messages": [{"role": "user", "content": "What is 2 + 2?"},
+                           {"role": "assistant", "content": "2 + 2 = 4"}]}
+    example = encode_conversation(tokenizer, direct)
+    assert tokenizer.decode([t for t, on in zip(example.ids, example.loss_mask) if on]) == "2 + 2 = 4<|im_end|>"
+
+
+def test_training_is_deterministic_and_resumable(quick, tmp_path):
+    """Two runs with one seed give identical weights, and so does a run resumed from its step checkpoint; another
+    seed (another data order) does not."""
+    out, _ = quick
+    data = conversations(40, 11)
+    cfg = TrainConfig(out=str(tmp_path / "a"), data=data, init=str(out), steps=4, batch_size=4, save_every=2,
+                      warmup=1, progress=False, threads=1)
+    train(cfg)
+    train(replace(cfg, out=str(tmp_path / "again")))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    (tmp_path / "b" / "model.safetensors").unlink()
+    train(replace(cfg, out=str(tmp_path / "b"), resume=True))
+    train(replace(cfg, out=str(tmp_path / "other"), seed=1))
+    weights = {name: load_file(tmp_path / name / "model.safetensors") for name in ("a", "again", "b", "other")}
+    a = weights["a"]
+    for name in ("again", "b"):
+        assert a.keys() == weights[name].keys() and all(torch.equal(a[n], weights[name][n]) for n in a), name
+    assert not all(torch.equal(a[n], weights["other"][n]) for n in a)
+
+
+def test_train_command_on_jsonl(quick, tmp_path, capsys):
+    out, _ = quick
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in conversations(12, 4)))
+    assert main(["train", str(tmp_path / "run"), "--data", str(data), "--init", str(out), "--steps", "2",
+                 "--batch-size", "4", "--mtp-weight", "0", "--save-dtype", "bfloat16"]) == 0
+    assert "trained 2 steps" in capsys.readouterr().out
+    model, _ = qwenrt.load(tmp_path / "run")
+    assert model.dtype == torch.bfloat16
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    assert main(["train", str(tmp_path / "bad"), "--data", str(data), "--init", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no assistant message" in err
