@@ -303,9 +303,10 @@ def load_table(rows: list[dict]) -> str:
     lines = ["| configuration | clients | requests | generated tok/s | × 1 client | TTFT p50 s | TTFT p95 s | "
              "ITL p50 s | ITL p95 s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        single = next(x for x in rows if x["configuration"] == r["configuration"] and x["clients"] == 1)
+        single = next((x for x in rows if x["configuration"] == r["configuration"] and x["clients"] == 1), None)
+        ratio = f"{r['tok_s'] / single['tok_s']:.2f}" if single else "—"  # without a 1-client phase
         lines.append(f"| {r['configuration']} | {r['clients']} | {r['requests']} | {r['tok_s']:.1f} | "
-                     f"{r['tok_s'] / single['tok_s']:.2f} | {r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} | "
+                     f"{ratio} | {r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} | "
                      f"{r['itl_p50']:.3f} | {r['itl_p95']:.3f} |")
     return "\n".join(lines)
 
