@@ -402,20 +402,25 @@ class Engine:
         self._emit(seq, "", [], outputs, error=message)
 
     def _decode(self, seqs: list[Sequence], outputs: list) -> None:
-        if not any(s.max_drafts for s in seqs):
+        start = time.perf_counter()
+        auto = any(s.auto_drafts for s in seqs)
+        choice = self.draft_policy.choose(len(seqs)) if auto else 0  # drafts `auto` makes for the next step
+        drafts = [s.drafts for s in seqs]
+        if not (choice or any(drafts) or any(s.max_drafts and not s.auto_drafts for s in seqs)):
+            # nothing to verify and nothing to draft: a plain step (the MTP head skips these positions)
+            for s in seqs:
+                s.mtp_pending = None
             logits = self.runner.decode(seqs)  # [B, V]
             for b, seq in enumerate(seqs):
                 self._run(outputs, [seq], lambda s=seq, row=logits[b:b + 1]: self._sample(s, row, outputs))
-            return
-        start = time.perf_counter()
-        drafts = [s.drafts for s in seqs]
-        verified = self.runner.verify(seqs, drafts)
-        for seq, d, v in zip(seqs, drafts, verified):
-            self._run(outputs, [seq], lambda s=seq, d=d, v=v: self._take_verified(s, d, v, outputs))
-        live = [s for s in seqs if s.status is Status.RUNNING and s.max_drafts]
-        if live:
-            self._run(outputs, live, lambda: self._propose(live, len(seqs)))
-        if any(s.auto_drafts for s in seqs):
+        else:
+            verified = self.runner.verify(seqs, drafts)
+            for seq, d, v in zip(seqs, drafts, verified):
+                self._run(outputs, [seq], lambda s=seq, d=d, v=v: self._take_verified(s, d, v, outputs))
+            live = [s for s in seqs if s.status is Status.RUNNING and s.max_drafts]
+            if live:
+                self._run(outputs, live, lambda: self._propose(live, choice))
+        if auto:
             self.draft_policy.observe(len(seqs), max(len(d) for d in drafts), time.perf_counter() - start)
 
     def _take_verified(self, seq: Sequence, drafts: list[int], verified: Verified, outputs: list) -> None:
@@ -452,10 +457,9 @@ class Engine:
             seq.first_token_time = time.perf_counter()
         self._emit(seq, text, taken, outputs, logprobs=logprobs)
 
-    def _propose(self, seqs: list[Sequence], batch: int) -> None:
-        """Drafts for each sequence's next step: as many as it asks (`auto`: the policy's choice), within its
+    def _propose(self, seqs: list[Sequence], choice: int) -> None:
+        """Drafts for each sequence's next step: as many as it asks (`auto`: `choice`, the policy's), within its
         token limit and what it may still generate."""
-        choice = self.draft_policy.choose(batch) if any(s.auto_drafts for s in seqs) else 0
         ks = []
         for s in seqs:
             k = choice if s.auto_drafts else s.max_drafts
