@@ -87,8 +87,10 @@ def test_chat_ctrl_c_stops_the_answer_not_the_session(chat_ckpt):
     import threading
     import time
 
+    # as from a terminal: a suite started in the background of a shell passes SIGINT on ignored
     chat = subprocess.Popen([sys.executable, "-m", "qwenrt", "chat", str(chat_ckpt[0]), "-n", "100000", "--temp", "0"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     err = []
     reader = threading.Thread(target=lambda: err.extend(iter(chat.stderr.readline, "")), daemon=True)
     reader.start()
