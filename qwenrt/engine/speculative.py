@@ -58,16 +58,18 @@ def accept(logits: torch.Tensor, drafts: list[int], params: SamplingParams, hist
 
 class DraftPolicy:
     """`auto`: how many drafts to verify next, from the measured acceptance per draft position and the measured
-    time of a step with k drafts at this batch size; 0 where speculation does not pay. Every PROBE_EVERY steps it
-    tries another count, so both figures stay current (a probe costs one step's difference)."""
+    time of a step with k drafts at this batch size; 0 where speculation does not pay. Now and then it tries another
+    count, so both figures stay current: while off, one draft every PROBE_OFF steps; while on, the other counts in
+    turn every PROBE_ON steps (a probe costs one step's difference)."""
 
-    PROBE_EVERY = 32
+    PROBE_ON, PROBE_OFF = 32, 64
     MIN_SAMPLES = 3  # step times measured before they are trusted
-    ALPHA = 0.2  # moving-average weight of a new figure
+    ALPHA = 0.3  # moving-average weight of a new figure
+    PRIOR = 0.5  # acceptance assumed before any is seen
 
     def __init__(self, max_k: int):
         self.max_k = max_k
-        self.acceptance = [1.0] * max_k  # P(draft i accepted | drafts before it accepted), optimistic until seen
+        self.acceptance = [self.PRIOR] * max_k  # P(draft i accepted | drafts before it accepted)
         self.cost: dict[tuple[int, int], tuple[float, int]] = {}  # (batch, k) -> (seconds per step, samples)
         self.steps = 0
 
@@ -92,9 +94,12 @@ class DraftPolicy:
         for k in (1, 0):  # measure speculation and plain decoding first
             if self._seconds(batch, k) is None:
                 return k
-        if self.steps % self.PROBE_EVERY == 0:
-            return (self.steps // self.PROBE_EVERY) % (self.max_k + 1)
-        return max(range(self.max_k + 1), key=lambda k: self.expected_tokens(k) / self._seconds(batch, k))
+        best = max(range(self.max_k + 1), key=lambda k: self.expected_tokens(k) / self._seconds(batch, k))
+        if best == 0 and self.steps % self.PROBE_OFF == 0:
+            return 1
+        if best > 0 and self.steps % self.PROBE_ON == 0:
+            return (best + self.steps // self.PROBE_ON) % (self.max_k + 1)
+        return best
 
     def observe(self, batch: int, k: int, seconds: float) -> None:
         """A step of `batch` sequences with k drafts each took `seconds`."""
