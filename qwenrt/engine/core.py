@@ -81,6 +81,12 @@ def _size(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
+def _start_history(seq: Sequence, logits: torch.Tensor) -> None:
+    """The penalties' token counts, made at a sequence's first sample (logits [T, V])."""
+    if seq.params.uses_penalties and seq.history is None:
+        seq.history = TokenCounts.from_prompts([seq.prompt.ids], logits.shape[-1], logits.device)
+
+
 def _speculative_tokens(value) -> int | str:
     if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_DRAFTS):
         return value
@@ -427,9 +433,7 @@ class Engine:
         """Emit what a verification decided for seq (its accepted drafts and one more token), keep those in its
         cache, and queue the new (hidden, next token) pairs for the MTP head."""
         first = seq.prompt_len + len(seq.tokens) - 1  # index of the verification's first input
-        if seq.params.uses_penalties and seq.history is None:
-            seq.history = TokenCounts.from_prompts([seq.prompt.ids], verified.logits.shape[-1],
-                                                   verified.logits.device)
+        _start_history(seq, verified.logits)
         emitted, kept = accept(verified.logits, drafts, seq.params, seq.history, seq.generator)
         if seq.draft_counts is not None:
             seq.draft_counts.add(len(drafts), kept)
@@ -512,8 +516,7 @@ class Engine:
     def _sample(self, seq: Sequence, logits: torch.Tensor, outputs: list) -> None:
         """Sample seq's next token from logits [1, V], take it, and emit the output."""
         params = seq.params
-        if params.uses_penalties and seq.history is None:
-            seq.history = TokenCounts.from_prompts([seq.prompt.ids], logits.shape[-1], logits.device)
+        _start_history(seq, logits)
         token = sample(logits, params, seq.history, seq.generator)  # [1]
         if seq.history is not None:
             seq.history.update(token)

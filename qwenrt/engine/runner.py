@@ -197,12 +197,13 @@ class ModelRunner:
             s.mtp_index += len(s.mtp_pending)
             s.draft_state.length = s.mtp_entries = s.mtp_entries + len(s.mtp_pending)
             s.mtp_pending = None
-        for step in range(max(ks[b] for b in ready)):
+        most = max(ks[b] for b in ready)
+        for step in range(most):
             token = self.draft_logits(last).argmax(-1)  # [R]
             for j, b in enumerate(ready):
                 if step < ks[b]:
                     drafts[b].append(int(token[j]))
-            if step + 1 == max(ks[b] for b in ready):
+            if step + 1 == most:
                 break
             # the next draft: the head's own output stands for the hidden state at the drafted position
             cos, sin = model.rotary(torch.tensor(where, device=dev)[:, None] + step, model.dtype)
