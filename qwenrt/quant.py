@@ -23,7 +23,7 @@ from torch import nn
 from qwenrt.errors import QwenrtError
 from qwenrt.kernels import cpu_kernels
 from qwenrt.mlp import Experts, dispatch_experts
-from qwenrt.ops.linear import MAX_KERNEL_ROWS, emulated_bf16, fp32_gemm
+from qwenrt.ops.linear import GEMV_GEMM_ROWS, MAX_KERNEL_ROWS, emulated_bf16, fp32_gemm
 
 BITS = (8, 4)
 GROUP_SIZES = (32, 64, 128)
@@ -219,10 +219,13 @@ class QuantLinear(nn.Module):
         w, s, z = self._weights(expert)
         x2 = x.reshape(-1, self.in_features).contiguous()  # [M, K]
         kernels = cpu_kernels()
-        if x2.shape[0] <= MAX_KERNEL_ROWS and kernels is not None:
-            y = self._native(kernels, x2, [(w, s, z)], "bf16")
-            if y is not None:
-                return y[0].reshape(*x.shape[:-1], self.out_features)
+        rows = x2.shape[0]
+        if kernels is not None and (rows <= MAX_KERNEL_ROWS or (rows <= GEMV_GEMM_ROWS and emulated_bf16(x2))):
+            groups = [self._native(kernels, x2[i:i + MAX_KERNEL_ROWS], [(w, s, z)], "bf16")
+                      for i in range(0, rows, MAX_KERNEL_ROWS)]
+            if groups[0] is not None:
+                y = groups[0][0] if len(groups) == 1 else torch.cat([g[0] for g in groups])
+                return y.reshape(*x.shape[:-1], self.out_features)
         if self.torch_int4:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, w, self.spec.group_size, s.to(x.dtype))
         elif self.spec.bits == 8 and x2.shape[0] <= SMALL_M:

@@ -273,11 +273,15 @@ def test_leaving_a_stream_early_cancels(chat_model):
 
 
 def test_prompt_chunks_follow_the_step_target(chat_model, monkeypatch):
-    """After the first chunk has measured the prefill speed, chunks are sized to the step target (at least one
-    DeltaNet chunk); without a target, to max_batched_tokens."""
+    """After the first chunk has measured the prefill speed, chunks are sized to the step target (at least
+    MIN_CHUNK tokens); without a target, to max_batched_tokens."""
+    from qwenrt.engine.core import MIN_CHUNK
+
     model, tok, _ = chat_model
     prompt = tok.encode("word " * 700)[:700]
-    for target, expected in ((1e-6, [512, 64, 64, 60]), (None, [512, 188])):
+    rest = 700 - 512
+    small = [MIN_CHUNK] * (rest // MIN_CHUNK) + ([rest % MIN_CHUNK] if rest % MIN_CHUNK else [])
+    for target, expected in ((1e-6, [512, *small]), (None, [512, rest])):
         engine = Engine(model, tok, step_target=target, snapshot_interval=10**6)
         chunks, progress = [], []
         real = engine.runner.prefill

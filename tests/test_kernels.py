@@ -101,7 +101,9 @@ def test_linear_dispatch_equals_f_linear():
     g = torch.Generator().manual_seed(0)
     layer = qwenrt.ops.linear.Linear(256, 300)
     layer.weight.data = torch.randn(300, 256, generator=g).bfloat16()
-    for shape in [(1, 256), (2, 1, 256), (4, 256), (5, 256), (3, 7, 256)]:
+    # up to 8 rows the kernel; up to GEMV_GEMM_ROWS where bf16 products are emulated, the kernel 8 rows at a time;
+    # beyond, torch's GEMM (in fp32 there)
+    for shape in [(1, 256), (2, 1, 256), (4, 256), (5, 256), (3, 7, 256), (40, 256), (3, 30, 256)]:
         x = torch.randn(*shape, generator=g).bfloat16()
         ours, ref = layer(x), F.linear(x, layer.weight)
         assert ours.shape == ref.shape and ours.dtype == torch.bfloat16

@@ -14,6 +14,8 @@ from torch import nn
 from qwenrt.kernels import inference_kernels, native_bf16_matmul
 
 MAX_KERNEL_ROWS = 8  # the kernels stream each weight once for up to this many activation rows
+GEMV_GEMM_ROWS = 64  # where bf16 products are emulated, up to this many rows go through the kernels 8 at a time:
+# faster than widening the whole weight to fp32 for torch's GEMM (bench/README.md: 85 vs 70 GFLOP/s at 64 rows)
 SLICE = 1 << 24  # weight elements converted to fp32 at a time: bounded temporaries (64 MB) for the biggest
 
 
@@ -83,8 +85,16 @@ def emulated_bf16(x: torch.Tensor) -> bool:
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] · weight [N, K]ᵀ -> [..., N] by torch's GEMM (in fp32 where `emulated_bf16`)."""
-    if emulated_bf16(x):
+    """x [..., K] · weight [N, K]ᵀ -> [..., N] by torch's GEMM (in fp32 where `emulated_bf16`; up to
+    GEMV_GEMM_ROWS rows there by the native kernels, a group of MAX_KERNEL_ROWS rows per weight pass)."""
+    if emulated_bf16(x) and weight.dtype == torch.bfloat16:
+        x2 = x.reshape(-1, x.shape[-1])
+        kernels = inference_kernels(x, weight) if x2.shape[0] <= GEMV_GEMM_ROWS else None
+        if kernels is not None:
+            x2 = x2.contiguous()
+            y = torch.cat([kernels.gemv_bf16(x2[i:i + MAX_KERNEL_ROWS], [weight], "bf16")[0]
+                           for i in range(0, x2.shape[0], MAX_KERNEL_ROWS)])
+            return y.view(*x.shape[:-1], weight.shape[0])
         return fp32_gemm(x, weight.shape[0], lambda n0, n1: weight[n0:n1].float())
     return F.linear(x, weight)
 
