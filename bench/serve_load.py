@@ -346,13 +346,9 @@ def tokenizer_dir(args) -> Path:
     if args.model and (Path(args.model) / "tokenizer.json").is_file():
         return Path(args.model)
     from qwenrt.bench import cache_dir
-    from tests.tokenizer_fixture import build_qwen35_tokenizer
+    from tests.tokenizer_fixture import cached_qwen35_tokenizer
 
-    path = cache_dir() / "qwen35-tokenizer"
-    if not (path / "tokenizer.json").is_file():
-        path.mkdir(parents=True, exist_ok=True)
-        build_qwen35_tokenizer(path)
-    return path
+    return cached_qwen35_tokenizer(cache_dir())
 
 
 def ordinary_tokens(tokenizer: Path) -> tuple[int, int]:

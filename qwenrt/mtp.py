@@ -89,7 +89,8 @@ def draft_head(lm_head: nn.Module, vocab: int) -> nn.Module:
     if vocab >= lm_head.out_features:
         return lm_head
     if type(lm_head) is Linear:
-        head = Linear(lm_head.in_features, vocab).requires_grad_(False)
+        with torch.device("meta"):  # no random initialisation of a weight that is replaced at once
+            head = Linear(lm_head.in_features, vocab).requires_grad_(False)
         head.weight = nn.Parameter(lm_head.weight.data[:vocab], requires_grad=False)
         return head
     if isinstance(lm_head, QuantLinear) and not lm_head.torch_int4 and lm_head.qweight.dim() == 2:

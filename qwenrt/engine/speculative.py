@@ -9,6 +9,9 @@ filters; on rejection the token is drawn from p with x removed, which leaves eve
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 import torch
 
 from qwenrt.sampling import SamplingParams, TokenCounts, probabilities, sample
@@ -58,31 +61,42 @@ def accept(logits: torch.Tensor, drafts: list[int], params: SamplingParams, hist
 
 class DraftPolicy:
     """`auto`: how many drafts to verify next, from the measured acceptance per draft position and the measured
-    time of a step with k drafts at this batch size; 0 where speculation does not pay. Now and then it tries another
-    count, so both figures stay current: while off, one draft every PROBE_OFF steps; while on, the other counts in
-    turn every PROBE_ON steps (a probe costs one step's difference)."""
+    time of a step with k drafts at this batch size; 0 where speculation does not pay.
+
+    A step verifies the drafts chosen one step earlier and drafts the ones chosen now, so only a step whose two
+    counts agree times a cycle of k (one that switches is not counted). A count's time is the median of its last
+    WINDOW such steps: one slow step (a first call, the machine busy for a moment) does not settle the choice.
+    Now and then it tries another count for PROBE_STEPS steps, so that every figure stays current: while off, one
+    draft every PROBE_OFF steps; while on, the other counts in turn every PROBE_ON steps."""
 
     PROBE_ON, PROBE_OFF = 32, 64
-    MIN_SAMPLES = 3  # step times measured before they are trusted
-    ALPHA = 0.3  # moving-average weight of a new figure
+    PROBE_STEPS = 2  # a probe's first step drafts, its second verifies and drafts again: one counted cycle
+    MIN_SAMPLES = 3  # steps timed before a count's time is trusted
+    WINDOW = 5  # its time: the median of this many latest steps
+    ALPHA = 0.3  # moving-average weight of a new acceptance figure
     PRIOR = 0.5  # acceptance assumed before any is seen
+    MARGIN = 0.02  # speculation must promise this much more speed than plain decoding
 
     def __init__(self, max_k: int):
         self.max_k = max_k
         self.acceptance = [self.PRIOR] * max_k  # P(draft i accepted | drafts before it accepted)
-        self.cost: dict[tuple[int, int], tuple[float, int]] = {}  # (batch, k) -> (seconds per step, samples)
+        self.cost: dict[tuple[int, int], deque[float]] = {}  # (batch, k) -> latest seconds per step
         self.steps = 0
 
     def expected_tokens(self, k: int) -> float:
-        """Tokens one step with k drafts yields on average (the sampled one, then each accepted draft)."""
-        tokens, reach = 1.0, 1.0
+        """Tokens one step with k drafts yields on average (the sampled one, then each accepted draft). A later
+        draft is taken to be accepted no more often than the one before it (so a position not yet reached does not
+        keep its prior while the first is seen to fail)."""
+        tokens, reach, a = 1.0, 1.0, 1.0
         for i in range(k):
-            reach *= self.acceptance[i]
+            a = min(a, self.acceptance[i])
+            reach *= a
             tokens += reach
         return tokens
 
     def _seconds(self, batch: int, k: int) -> float | None:
-        known = {j: c for (b, j), (c, n) in self.cost.items() if b == batch and n >= self.MIN_SAMPLES}
+        known = {j: statistics.median(c) for (b, j), c in self.cost.items()
+                 if b == batch and len(c) >= self.MIN_SAMPLES}
         if k in known:
             return known[k]
         if 0 in known and 1 in known:  # verification grows about linearly in its tokens
@@ -94,17 +108,23 @@ class DraftPolicy:
         for k in (1, 0):  # measure speculation and plain decoding first
             if self._seconds(batch, k) is None:
                 return k
-        best = max(range(self.max_k + 1), key=lambda k: self.expected_tokens(k) / self._seconds(batch, k))
-        if best == 0 and self.steps % self.PROBE_OFF == 0:
+        plain = self._seconds(batch, 0)
+        # a step with drafts never costs less than a plain one (a faster sample is noise); it must gain MARGIN
+        rate = {k: self.expected_tokens(k) / max(self._seconds(batch, k), plain) for k in range(1, self.max_k + 1)}
+        best = max(rate, key=rate.get)
+        if rate[best] < (1 + self.MARGIN) / plain:
+            best = 0
+        if best == 0 and self.steps % self.PROBE_OFF < self.PROBE_STEPS:
             return 1
-        if best > 0 and self.steps % self.PROBE_ON == 0:
+        if best > 0 and self.steps % self.PROBE_ON < self.PROBE_STEPS:
             return (best + self.steps // self.PROBE_ON) % (self.max_k + 1)
         return best
 
-    def observe(self, batch: int, k: int, seconds: float) -> None:
-        """A step of `batch` sequences with k drafts each took `seconds`."""
-        old, n = self.cost.get((batch, k), (seconds, 0))
-        self.cost[(batch, k)] = (seconds if n == 0 else (1 - self.ALPHA) * old + self.ALPHA * seconds, n + 1)
+    def observe(self, batch: int, verified: int, drafted: int, seconds: float) -> None:
+        """A step of `batch` sequences verified `verified` drafts each and drafted `drafted` for the next one in
+        `seconds`; it times a cycle of k drafts when the two agree."""
+        if verified == drafted:
+            self.cost.setdefault((batch, verified), deque(maxlen=self.WINDOW)).append(seconds)
 
     def record(self, drafted: int, accepted: int) -> None:
         """One sequence's verification: `accepted` of its `drafted` drafts kept."""
