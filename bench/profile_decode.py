@@ -1,4 +1,5 @@
-"""Where the milliseconds of one decode step go: the native kernels (timed per call) and torch's ops (profiler).
+"""Where the milliseconds of one decode step go: the native kernels (timed per call) and torch's ops (profiler), on
+the engine's decode path (the native decode plan where there is one, else the modules).
 
     python bench/profile_decode.py CKPT [--prompt-len 512 --steps 32 --threads 2 --dtype bfloat16]
 
@@ -16,10 +17,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import qwenrt
+import qwenrt.decode_plan
 import qwenrt.deltanet
 import qwenrt.model
 import qwenrt.ops.linear
 import qwenrt.quant
+from qwenrt.engine.runner import decode_step
 from qwenrt.kernels import cpu_kernels
 
 
@@ -54,8 +57,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     timed = TimedKernels(cpu_kernels()) if cpu_kernels() is not None else None
     if timed is not None:
-        for module in (qwenrt.model, qwenrt.deltanet, qwenrt.ops.linear, qwenrt.quant):
-            module.cpu_kernels = lambda: timed
+        for module in (qwenrt.model, qwenrt.deltanet, qwenrt.ops.linear, qwenrt.quant, qwenrt.decode_plan):
+            if hasattr(module, "cpu_kernels"):
+                module.cpu_kernels = lambda: timed
+            if hasattr(module, "inference_kernels"):
+                module.inference_kernels = lambda *tensors: timed
     model, _ = qwenrt.load(args.checkpoint, dtype=args.dtype)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.text.vocab_size, (1, args.prompt_len), generator=g)
@@ -64,14 +70,14 @@ def main() -> None:
         logits = model(ids, cache=cache, logits_to_keep=1)
         token = logits[:, -1].argmax(-1, keepdim=True)
         for _ in range(args.steps):  # warm-up
-            token = model(token, cache=cache)[:, -1].argmax(-1, keepdim=True)
+            token = decode_step(model, token, cache)[:, -1].argmax(-1, keepdim=True)
         if timed is not None:
             timed.seconds.clear(), timed.calls.clear()
         wall = []
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(args.steps):
                 start = time.perf_counter()
-                token = model(token, cache=cache)[:, -1].argmax(-1, keepdim=True)
+                token = decode_step(model, token, cache)[:, -1].argmax(-1, keepdim=True)
                 wall.append(time.perf_counter() - start)
     per_token = sum(wall) / len(wall) * 1e3
     native = timed.seconds if timed is not None else {}
