@@ -212,7 +212,10 @@ void q4_periods(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64
   I lane_group;
   std::memcpy(&lane_group, in.lane_group.data(), sizeof lane_group);
   const I low4 = set1_i16(0x000F);
-  constexpr int kRows = block_rows(M, 4 * U, 1, 10);
+  // One unit per period with several activation rows: each row's unit sum is scaled into its accumulator at once
+  // (x read from L1 as it is used), so only the accumulators stay live across the rows.
+  constexpr bool kFused = U == 1 && M > 1;
+  constexpr int kRows = kFused ? block_rows(M, 0, 1, 9) : block_rows(M, 4 * U, 1, 10);
   std::vector<float> sc(kRows * groups + kLanes, 0.f);  // fp32 scales of the block's rows
   over_rows<kRows>(n0, n1, [&](auto rows, int64_t n) {
     constexpr int R = decltype(rows)::value;
@@ -241,6 +244,22 @@ void q4_periods(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64
     const uint8_t* block = s.w + n * row_bytes;
     for (int64_t p = 0; p < full_periods; ++p) {
       prefetch_ahead(block + p * U * kQ4UnitBytes * R, U * kQ4UnitBytes * R);
+      if constexpr (kFused) {
+        for (int r = 0; r < R; ++r) {
+          const I v = load_i(block + r * row_bytes + p * kQ4UnitBytes);
+          const I e0 = and_i(v, low4), e1 = and_i(srli_i16<4>(v), low4), e2 = and_i(srli_i16<8>(v), low4);
+          const I e3 = srli_i16<12>(v);
+          const F sl = permute(load(sc.data() + r * groups + p * groups_per_period), lane_group);
+          for (int m = 0; m < M; ++m) {
+            const int16_t* xu = in.x.data() + (m * in.units + p) * 8 * kLanes;
+            const I s01 = add_i32(madd_i16(e0, load_i(xu)), madd_i16(e1, load_i(xu + 2 * kLanes)));
+            const I s23 = add_i32(madd_i16(e2, load_i(xu + 4 * kLanes)), madd_i16(e3, load_i(xu + 6 * kLanes)));
+            acc[m][r] = fmadd(to_float(add_i32(s01, s23)),
+                              mul(sl, load(in.lane_scale.data() + (m * in.periods + p) * kLanes)), acc[m][r]);
+          }
+        }
+        continue;
+      }
       I isum[M][R];
       for (int r = 0; r < R; ++r)
         for (int u = 0; u < U; ++u) {
