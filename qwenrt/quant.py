@@ -221,10 +221,11 @@ class QuantLinear(nn.Module):
         kernels = cpu_kernels()
         rows = x2.shape[0]
         if kernels is not None and (rows <= MAX_KERNEL_ROWS or (rows <= GEMV_GEMM_ROWS and emulated_bf16(x2))):
-            groups = [self._native(kernels, x2[i:i + MAX_KERNEL_ROWS], [(w, s, z)], "bf16")
-                      for i in range(0, rows, MAX_KERNEL_ROWS)]
-            if groups[0] is not None:
-                y = groups[0][0] if len(groups) == 1 else torch.cat([g[0] for g in groups])
+            first = self._native(kernels, x2[:MAX_KERNEL_ROWS], [(w, s, z)], "bf16")
+            if first is not None:  # more than MAX_KERNEL_ROWS rows: the rest a group at a time
+                rest = [self._native(kernels, x2[i:i + MAX_KERNEL_ROWS], [(w, s, z)], "bf16")[0]
+                        for i in range(MAX_KERNEL_ROWS, rows, MAX_KERNEL_ROWS)]
+                y = torch.cat(first + rest) if rest else first[0]
                 return y.reshape(*x.shape[:-1], self.out_features)
         if self.torch_int4:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, w, self.spec.group_size, s.to(x.dtype))

@@ -89,7 +89,8 @@ def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     GEMV_GEMM_ROWS rows there by the native kernels, a group of MAX_KERNEL_ROWS rows per weight pass)."""
     if emulated_bf16(x) and weight.dtype == torch.bfloat16:
         x2 = x.reshape(-1, x.shape[-1])
-        kernels = inference_kernels(x, weight) if x2.shape[0] <= GEMV_GEMM_ROWS else None
+        small = x2.shape[0] <= GEMV_GEMM_ROWS and weight.is_contiguous()
+        kernels = inference_kernels(x, weight) if small else None
         if kernels is not None:
             x2 = x2.contiguous()
             y = torch.cat([kernels.gemv_bf16(x2[i:i + MAX_KERNEL_ROWS], [weight], "bf16")[0]
