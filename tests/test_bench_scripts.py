@@ -1,0 +1,48 @@
+"""The measurement scripts in bench/ still run: each starts (imports, arguments), and the two that need no large
+checkpoint run end to end on small ones. They are benchmarks, so only their working is checked here, not figures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = sorted((ROOT / "bench").glob("*.py"))
+
+
+def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_bench_script_starts(script):
+    done = run(str(script), "--help", timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("usage:")
+
+
+def test_serve_load_runs_its_phases_on_the_built_in_model(tmp_path):
+    """Load phase, the short-during-long prefill phase and a small soak against a live server."""
+    out = tmp_path / "load.json"
+    done = run("bench/serve_load.py", "--model", "qwenrt/tiny/model", "--quantize", "none", "--clients", "1,2",
+               "--requests-per-client", "1", "--prompt-len", "16", "--gen-len", "8", "--long-prompt", "256",
+               "--soak", "12", "--soak-concurrency", "4", "--max-model-len", "1024", "--serve-args",
+               "--prefix-cache-size 1MiB", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert [row["clients"] for row in figures["load"]] == [1, 2]
+    assert all(row["tokens"] == 8 * row["clients"] and row["decode_tok_s"] > 0 for row in figures["load"])
+    assert figures["prefill"][0]["long_prompt"] == 256
+    soak = next(iter(figures["soak"].values()))
+    assert soak["requests"] == 12 and not soak["failures"] and soak["running_after"] == 0
+    assert "| configuration | clients |" in done.stdout
+
+
+def test_profile_decode_times_the_engine_decode_path(dense_ckpt):
+    done = run("bench/profile_decode.py", str(dense_ckpt[0]), "--prompt-len", "16", "--steps", "4")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ms per token" in done.stdout and "| native kernel / torch op |" in done.stdout
