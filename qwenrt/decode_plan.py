@@ -18,7 +18,7 @@ from torch import nn
 
 from qwenrt.cache import HybridCache, SequenceState
 from qwenrt.kernels import cpu_kernels
-from qwenrt.ops.linear import MAX_KERNEL_ROWS, Linear
+from qwenrt.ops.linear import MAX_KERNEL_ROWS, Linear, by_row_groups
 from qwenrt.ops.rope import rope_cos_sin
 from qwenrt.quant import QuantLinear
 
@@ -55,10 +55,9 @@ def _bind(kernels, modules: list[nn.Module]):
 def _batched(call):
     """`call` for any batch: the kernels take up to MAX_KERNEL_ROWS rows, a larger batch goes in groups of them."""
     def run(x: torch.Tensor, mode: str) -> list[torch.Tensor]:
-        if x.shape[0] <= MAX_KERNEL_ROWS:
+        if x.shape[0] <= MAX_KERNEL_ROWS:  # every decode step of up to 8 sequences: the call itself
             return call(x, mode=mode)
-        groups = [call(x[i:i + MAX_KERNEL_ROWS], mode=mode) for i in range(0, x.shape[0], MAX_KERNEL_ROWS)]
-        return [torch.cat(outs) for outs in zip(*groups)]
+        return by_row_groups(functools.partial(call, mode=mode), x)
 
     return run
 

@@ -23,7 +23,7 @@ from torch import nn
 from qwenrt.errors import QwenrtError
 from qwenrt.kernels import cpu_kernels
 from qwenrt.mlp import Experts, dispatch_experts
-from qwenrt.ops.linear import GEMV_GEMM_ROWS, MAX_KERNEL_ROWS, emulated_bf16, fp32_gemm
+from qwenrt.ops.linear import GEMV_GEMM_ROWS, MAX_KERNEL_ROWS, by_row_groups, emulated_bf16, fp32_gemm
 
 BITS = (8, 4)
 GROUP_SIZES = (32, 64, 128)
@@ -221,12 +221,9 @@ class QuantLinear(nn.Module):
         kernels = cpu_kernels()
         rows = x2.shape[0]
         if kernels is not None and (rows <= MAX_KERNEL_ROWS or (rows <= GEMV_GEMM_ROWS and emulated_bf16(x2))):
-            first = self._native(kernels, x2[:MAX_KERNEL_ROWS], [(w, s, z)], "bf16")
-            if first is not None:  # more than MAX_KERNEL_ROWS rows: the rest a group at a time
-                rest = [self._native(kernels, x2[i:i + MAX_KERNEL_ROWS], [(w, s, z)], "bf16")[0]
-                        for i in range(MAX_KERNEL_ROWS, rows, MAX_KERNEL_ROWS)]
-                y = torch.cat(first + rest) if rest else first[0]
-                return y.reshape(*x.shape[:-1], self.out_features)
+            y = by_row_groups(lambda part: self._native(kernels, part, [(w, s, z)], "bf16"), x2)
+            if y is not None:
+                return y[0].reshape(*x.shape[:-1], self.out_features)
         if self.torch_int4:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, w, self.spec.group_size, s.to(x.dtype))
         elif self.spec.bits == 8 and x2.shape[0] <= SMALL_M:

@@ -94,23 +94,24 @@ class DraftPolicy:
             tokens += reach
         return tokens
 
-    def _seconds(self, batch: int, k: int) -> float | None:
-        known = {j: statistics.median(c) for (b, j), c in self.cost.items()
+    def _times(self, batch: int) -> dict[int, float]:
+        """Seconds per step with k drafts at this batch size, for the counts with MIN_SAMPLES timed steps; once 0 and
+        1 are timed, the others not yet timed follow from them (verification grows about linearly in its tokens)."""
+        known = {k: statistics.median(c) for (b, k), c in self.cost.items()
                  if b == batch and len(c) >= self.MIN_SAMPLES}
-        if k in known:
-            return known[k]
-        if 0 in known and 1 in known:  # verification grows about linearly in its tokens
-            return known[0] + k * (known[1] - known[0])
-        return None
+        if 0 in known and 1 in known:
+            return {k: known.get(k, known[0] + k * (known[1] - known[0])) for k in range(self.max_k + 1)}
+        return known
 
     def choose(self, batch: int) -> int:
         self.steps += 1
+        times = self._times(batch)
         for k in (1, 0):  # measure speculation and plain decoding first
-            if self._seconds(batch, k) is None:
+            if k not in times:
                 return k
-        plain = self._seconds(batch, 0)
+        plain = times[0]
         # a step with drafts never costs less than a plain one (a faster sample is noise); it must gain MARGIN
-        rate = {k: self.expected_tokens(k) / max(self._seconds(batch, k), plain) for k in range(1, self.max_k + 1)}
+        rate = {k: self.expected_tokens(k) / max(times[k], plain) for k in range(1, self.max_k + 1)}
         best = max(rate, key=rate.get)
         if rate[best] < (1 + self.MARGIN) / plain:
             best = 0

@@ -19,6 +19,19 @@ GEMV_GEMM_ROWS = 64  # where bf16 products are emulated, up to this many rows go
 SLICE = 1 << 24  # weight elements converted to fp32 at a time: bounded temporaries (64 MB) for the biggest
 
 
+def by_row_groups(call, x2: torch.Tensor) -> list[torch.Tensor] | None:
+    """call(rows [<= MAX_KERNEL_ROWS, K]) -> a list of outputs [rows, N_i] (or None), over x2 [M, K] a group of
+    MAX_KERNEL_ROWS rows at a time (each group one pass over the weights): the outputs [M, N_i], or None where the
+    call has no kernel for these inputs."""
+    if x2.shape[0] <= MAX_KERNEL_ROWS:
+        return call(x2)
+    first = call(x2[:MAX_KERNEL_ROWS])
+    if first is None:
+        return None
+    groups = [first] + [call(x2[i:i + MAX_KERNEL_ROWS]) for i in range(MAX_KERNEL_ROWS, x2.shape[0], MAX_KERNEL_ROWS)]
+    return [torch.cat(outs) for outs in zip(*groups)]
+
+
 def decode_kernels(x: torch.Tensor, *weights: torch.Tensor):
     """The native kernels when x [..., K] is a decode-sized CPU input (at most MAX_KERNEL_ROWS rows) and autograd
     need not see through x or `weights`, else None."""
@@ -92,9 +105,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         small = x2.shape[0] <= GEMV_GEMM_ROWS and weight.is_contiguous()
         kernels = inference_kernels(x, weight) if small else None
         if kernels is not None:
-            x2 = x2.contiguous()
-            y = torch.cat([kernels.gemv_bf16(x2[i:i + MAX_KERNEL_ROWS], [weight], "bf16")[0]
-                           for i in range(0, x2.shape[0], MAX_KERNEL_ROWS)])
+            y = by_row_groups(lambda rows: kernels.gemv_bf16(rows, [weight], "bf16"), x2.contiguous())[0]
             return y.view(*x.shape[:-1], weight.shape[0])
         return fp32_gemm(x, weight.shape[0], lambda n0, n1: weight[n0:n1].float())
     return F.linear(x, weight)
