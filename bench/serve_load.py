@@ -180,9 +180,10 @@ async def prefill_phase(server: ServerProcess, long_len: int, rng: random.Random
         for _ in range(rounds):
             long = asyncio.create_task(request(client, "/v1/completions",
                                                completion_body(token_prompt(rng, long_len), 2)))
-            while not await asyncio.to_thread(server.metric, "num_requests_running"):
+            # (a small model may finish the long prompt before it is ever seen running)
+            while not long.done() and not await asyncio.to_thread(server.metric, "num_requests_running"):
                 await asyncio.sleep(0.02)
-            await asyncio.sleep(0.3)  # well inside the long prefill (several engine steps)
+            await asyncio.sleep(0.3)  # well inside the long prefill (several engine steps) of a large model
             short = await request(client, "/v1/completions", completion_body(token_prompt(rng, 16), 4))
             long = await long
             during.append(short.ttft)
