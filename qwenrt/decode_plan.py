@@ -3,8 +3,9 @@
 It computes what the modules compute on their native paths (tests/test_kernels.py holds the two together) without
 the per-module Python work (module calls, attribute lookups, format checks): ~2 ms of a 17-45 ms step on a 0.8B
 model. The weight reads are shared by the batch; the token mixers run one native call per sequence on its own state.
-Built at the first decode step and rebuilt after any module, parameter or buffer is registered anywhere in the
-process (quantization swaps modules in, load_state_dict(assign=True) replaces parameters) or the dtype changes.
+The MTP head's draft step has a plan of its own (MTPPlan, held to its modules by tests/test_mtp.py). Built at the
+first step and rebuilt after any module, parameter or buffer is registered anywhere in the process (quantization
+swaps modules in, load_state_dict(assign=True) replaces parameters) or the dtype changes.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from qwenrt.ops.rope import rope_cos_sin
 from qwenrt.quant import QuantLinear
 
 _generation = [0]  # bumped by every module / parameter / buffer registration
-_plans = weakref.WeakKeyDictionary()  # model -> ((generation, dtype), plan or None); not in the model: it pickles
+_plans = weakref.WeakKeyDictionary()  # model -> {what: ((generation, dtype), plan)}; not in the model: it pickles
 
 
 def _registered(*_args) -> None:
@@ -75,6 +76,87 @@ class _Layer(NamedTuple):
     mlp: nn.Module
 
 
+def _bind_layer(kernels, layer: nn.Module) -> _Layer | None:
+    """A decoder layer's native calls, or None where some projection has none."""
+    if layer.is_linear:
+        m = layer.linear_attn
+        project = _bind(kernels, [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
+        out = _bind(kernels, [m.out_proj])
+    else:
+        m = layer.self_attn
+        project, out = _bind(kernels, [m.q_proj, m.k_proj, m.v_proj]), _bind(kernels, [m.o_proj])
+    dense = hasattr(layer.mlp, "gate_proj")
+    gate_up = _bind(kernels, [layer.mlp.gate_proj, layer.mlp.up_proj]) if dense else None
+    down = _bind(kernels, [layer.mlp.down_proj]) if dense else None
+    if project is None or out is None or (dense and (gate_up is None or down is None)):
+        return None
+    return _Layer(layer.layer_idx, m, layer.is_linear, layer.input_layernorm.weight.float(),
+                  layer.post_attention_layernorm.weight.float(), project, out, gate_up, down, layer.mlp)
+
+
+def _cached(model: nn.Module, what, build):
+    """build(kernels) for `model`, kept per `what` until a registration or a dtype change; None without the native
+    kernels."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        return None
+    key = (_generation[0], model.dtype)
+    plans = _plans.setdefault(model, {})
+    cached = plans.get(what)
+    if cached is None or cached[0] != key:
+        cached = plans[what] = (key, build(kernels))
+    return cached[1]
+
+
+class _Rows(NamedTuple):
+    """Where each of N rows goes: counts[b] tokens continuing sequences[b], in sequence order."""
+
+    rows: list[tuple[int, SequenceState, int]]  # (sequence index, its state, token offset t)
+    cos: torch.Tensor  # [N, R] bf16 rotary tables at each row's position
+    sin: torch.Tensor
+    lengths: list[torch.Tensor]  # the cache slot each row writes
+
+
+def _rows(sequences: list[SequenceState], counts: list[int], inv_freq, mrope, device,
+          firsts: list[int] | None = None) -> _Rows:
+    """firsts[b]: the position of sequence b's first row (default its length + rope_delta)."""
+    rows = [(b, s, t) for b, (s, n) in enumerate(zip(sequences, counts)) for t in range(n)]
+    if firsts is None:
+        firsts = [s.length + s.rope_delta for s in sequences]
+    starts = torch.tensor([firsts[b] + t for b, _, t in rows], device=device)
+    cos, sin = rope_cos_sin(starts[:, None], inv_freq, *mrope)
+    lengths = [torch.tensor([s.length + t]) if t else s.length_tensor() for _, s, t in rows]
+    return _Rows(rows, cos[:, 0].to(torch.bfloat16), sin[:, 0].to(torch.bfloat16), lengths)
+
+
+def _run_layers(k, layers: list[_Layer], x: torch.Tensor, delta, where: _Rows, eps: float, counts: list[int],
+                saved: list[list] | None = None):
+    """The residual stream x [N, D] (plus delta, the MLP output still to add, or None) through `layers`; returns
+    (x, delta) after the last. saved: as in DecodePlan.hidden."""
+    rows = where.rows
+    for layer in layers:
+        x, h = k.rms_norm(x, delta, layer.input_norm, eps)
+        i = layer.index
+        if layer.linear:
+            mixed, z, b, a = layer.project(h, mode="bf16")
+            out = []
+            for r, (seq, s, t) in enumerate(rows):
+                out.append(layer.mixer.native_step(k, mixed[r:r + 1], z[r:r + 1], b[r:r + 1], a[r:r + 1],
+                                                   s.conv[i], s.recurrent[i]))
+                if saved is not None and t < counts[seq] - 1:
+                    saved[seq][t][i] = (s.conv[i].clone(), s.recurrent[i].clone())
+            o = out[0] if len(out) == 1 else torch.cat(out)
+        else:
+            o = layer.mixer.native_step(k, *layer.project(h, mode="bf16"), where.cos, where.sin,
+                                        [s for _, s, _ in rows], where.lengths)
+        x, h = k.rms_norm(x, layer.out(o, mode="bf16")[0], layer.post_norm, eps)
+        if layer.gate_up is not None:
+            delta = layer.down(layer.gate_up(h, mode="swiglu")[0], mode="bf16")[0]
+        else:
+            delta = layer.mlp(h[:, None])[:, 0]
+    return x, delta
+
+
 class DecodePlan:
     def __init__(self, model: nn.Module, kernels, layers: list[_Layer], head):
         text, c = model.model, model.config.text
@@ -87,37 +169,15 @@ class DecodePlan:
         """The plan for a bf16 model on the CPU, or None where some part has no native decode path."""
         if model.dtype != torch.bfloat16 or model.device.type != "cpu":
             return None
-        layers = []
-        for layer in model.model.layers:
-            if layer.is_linear:
-                m = layer.linear_attn
-                project = _bind(kernels, [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
-                out = _bind(kernels, [m.out_proj])
-            else:
-                m = layer.self_attn
-                project, out = _bind(kernels, [m.q_proj, m.k_proj, m.v_proj]), _bind(kernels, [m.o_proj])
-            dense = hasattr(layer.mlp, "gate_proj")
-            gate_up = _bind(kernels, [layer.mlp.gate_proj, layer.mlp.up_proj]) if dense else None
-            down = _bind(kernels, [layer.mlp.down_proj]) if dense else None
-            if project is None or out is None or (dense and (gate_up is None or down is None)):
-                return None
-            layers.append(_Layer(layer.layer_idx, m, layer.is_linear, layer.input_layernorm.weight,
-                                 layer.post_attention_layernorm.weight, project, out, gate_up, down, layer.mlp))
+        layers = [_bind_layer(kernels, layer) for layer in model.model.layers]
         head = _bind(kernels, [model.lm_head])
-        return None if head is None else cls(model, kernels, layers, head)
+        return None if head is None or None in layers else cls(model, kernels, layers, head)
 
     @classmethod
     def for_model(cls, model: nn.Module) -> DecodePlan | None:
         """The model's plan, built at its first decode step and kept until a registration or a dtype change; None
         without the native kernels or where some part of the model has no native decode path."""
-        kernels = cpu_kernels()
-        if kernels is None:
-            return None
-        key = (_generation[0], model.dtype)
-        cached = _plans.get(model)
-        if cached is None or cached[0] != key:
-            cached = _plans[model] = (key, cls.build(model, kernels))
-        return cached[1]
+        return _cached(model, "decode", lambda kernels: cls.build(model, kernels))
 
     def __call__(self, input_ids: torch.Tensor, cache: HybridCache) -> torch.Tensor:
         """input_ids [B, 1] continuing the B sequences of `cache` -> logits [B, 1, V] fp32; the cache advances."""
@@ -139,36 +199,60 @@ class DecodePlan:
         saved: a list per sequence; it receives, after each of that sequence's tokens but the last, the DeltaNet
         state of every layer as {layer: (conv, recurrent)} copies (speculative verification commits one of them).
         """
-        k, eps = self.kernels, self.eps
-        rows = [(b, s, t) for b, (s, n) in enumerate(zip(sequences, counts)) for t in range(n)]  # one per token
-        starts = torch.tensor([s.length + s.rope_delta + t for _, s, t in rows], device=input_ids.device)
-        cos, sin = rope_cos_sin(starts[:, None], self.inv_freq, *self.mrope)
-        cos, sin = cos[:, 0].to(torch.bfloat16), sin[:, 0].to(torch.bfloat16)  # [N, R]
-        lengths = [torch.tensor([s.length + t]) if t else s.length_tensor() for _, s, t in rows]
+        k = self.kernels
+        where = _rows(sequences, counts, self.inv_freq, self.mrope, input_ids.device)
         if saved is not None:
             for b, n in enumerate(counts):
                 saved[b].extend({} for _ in range(n - 1))
         x = self.embed(input_ids)  # [N, D] (an nn.Embedding or a quantized lookup)
-        delta = None  # the previous layer's MLP output, added in the next norm
-        for layer in self.layers:
-            x, h = k.rms_norm(x, delta, layer.input_norm, eps)
-            i = layer.index
-            if layer.linear:
-                mixed, z, b, a = layer.project(h, mode="bf16")
-                out = []
-                for r, (seq, s, t) in enumerate(rows):
-                    out.append(layer.mixer.native_step(k, mixed[r:r + 1], z[r:r + 1], b[r:r + 1], a[r:r + 1],
-                                                       s.conv[i], s.recurrent[i]))
-                    if saved is not None and t < counts[seq] - 1:
-                        saved[seq][t][i] = (s.conv[i].clone(), s.recurrent[i].clone())
-                o = out[0] if len(out) == 1 else torch.cat(out)
-            else:
-                o = layer.mixer.native_step(k, *layer.project(h, mode="bf16"), cos, sin,
-                                            [s for _, s, _ in rows], lengths)
-            x, h = k.rms_norm(x, layer.out(o, mode="bf16")[0], layer.post_norm, eps)
-            if layer.gate_up is not None:
-                delta = layer.down(layer.gate_up(h, mode="swiglu")[0], mode="bf16")[0]
-            else:
-                delta = layer.mlp(h[:, None])[:, 0]
-        return k.rms_norm(x, delta, self.final_norm, eps)[1]
+        x, delta = _run_layers(k, self.layers, x, None, where, self.eps, counts, saved)
+        return k.rms_norm(x, delta, self.final_norm, self.eps)[1]
 
+
+class MTPPlan:
+    """The MTP head's step (mtp.py: fc over the normed embedding and hidden state, one attention layer, a norm)
+    and its draft logits over the first `draft_vocab` ids as native kernel calls, like DecodePlan: ~10 calls per
+    draft instead of the modules' Python work, which costs more than the step's arithmetic on a small model."""
+
+    def __init__(self, model: nn.Module, kernels, fc, layer: _Layer, head):
+        mtp, c = model.mtp, model.config.text
+        self.kernels, self.fc, self.layers, self.head = kernels, fc, [layer], head
+        self.embed, self.eps = model.model.embed_tokens, mtp.norm.eps
+        # fp32 norm weights (the kernels' form): the head's may be stored in the model's dtype
+        self.norm_embed = mtp.pre_fc_norm_embedding.weight.float()
+        self.norm_hidden = mtp.pre_fc_norm_hidden.weight.float()
+        self.final_norm = mtp.norm.weight.float()
+        self.inv_freq, self.mrope = model.inv_frequencies(model.device), (c.mrope_section, c.mrope_interleaved)
+
+    @classmethod
+    def for_model(cls, model: nn.Module, draft_vocab: int) -> MTPPlan | None:
+        """The plan of `model.mtp` with draft logits over the first draft_vocab ids; None without an MTP head, the
+        native kernels, or a native path for some part (the modules run then)."""
+        from qwenrt.mtp import draft_head
+
+        def build(kernels):
+            mtp = getattr(model, "mtp", None)
+            if mtp is None or model.dtype != torch.bfloat16 or model.device.type != "cpu":
+                return None
+            fc, layer = _bind(kernels, [mtp.fc]), _bind_layer(kernels, mtp.layers[0])
+            head = _bind(kernels, [draft_head(model.lm_head, draft_vocab)])
+            return None if None in (fc, layer, head) else cls(model, kernels, fc, layer, head)
+
+        return _cached(model, ("mtp", draft_vocab), build)
+
+    def hidden(self, hidden: torch.Tensor, next_ids: torch.Tensor, sequences: list[SequenceState],
+               counts: list[int], firsts: list[int]) -> torch.Tensor:
+        """hidden [N, D] (the model's final-normed h_t) and next_ids [N] (token t+1), counts[b] rows continuing the
+        head's cache sequences[b] from position firsts[b] -> the head's normed output [N, D]. The caller reserves
+        room and moves `length` on, as for DecodePlan.hidden."""
+        k = self.kernels
+        where = _rows(sequences, counts, self.inv_freq, self.mrope, hidden.device, firsts)
+        e = k.rms_norm(self.embed(next_ids), None, self.norm_embed, self.eps)[1]
+        h = k.rms_norm(hidden, None, self.norm_hidden, self.eps)[1]
+        z = self.fc(torch.cat([e, h], dim=-1), mode="bf16")[0]
+        x, delta = _run_layers(k, self.layers, z, None, where, self.eps, counts)
+        return k.rms_norm(x, delta, self.final_norm, self.eps)[1]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The head's outputs h [R, D] -> logits [R, draft_vocab] bf16 (an argmax needs no more)."""
+        return self.head(h, mode="bf16")[0]

@@ -15,7 +15,9 @@ from qwenrt.engine.request import Sequence
 from qwenrt.engine.runner import ModelRunner
 from qwenrt.engine.speculative import DraftPolicy
 from qwenrt.inspect import inspect_checkpoint
-from qwenrt.mtp import mtp_hidden
+from qwenrt.decode_plan import MTPPlan
+from qwenrt.kernels import cpu_kernels
+from qwenrt.mtp import draft_head, mtp_hidden
 from qwenrt.prompt import prepare_prompt
 from qwenrt.sampling import SamplingParams
 from tests.checkpoints import VOCAB, add_mtp_head
@@ -110,6 +112,36 @@ def test_mtp_head_with_its_cache_equals_the_whole_sequence(mtp_dense):
                                HybridCache([state])))
     assert torch.allclose(torch.cat(parts, 1), whole, atol=1e-5)
     assert state.length == 11
+
+
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+def test_native_draft_plan_equals_the_heads_modules(mtp_dense, quantize):
+    """The MTP head's bound native plan (what the engine drafts with on the CPU) runs the kernels the modules run
+    one position at a time: the same outputs and draft logits, several rows per sequence or one."""
+    model, _ = qwenrt.load(mtp_dense, dtype="bfloat16", quantize=quantize)
+    plan = MTPPlan.for_model(model, VOCAB // 2)
+    if cpu_kernels() is None:
+        assert plan is None
+        return
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]])
+    hidden, n = model.hidden_states(ids)[0], ids.shape[1] - 1  # [T, D]
+    modules, planned = (model.mtp.new_state(model.config.text, model.dtype, "cpu", 16, None) for _ in range(2))
+    expected = []
+    for t in range(n):
+        cos, sin = model.rotary(torch.tensor([[t]]), model.dtype)
+        expected.append(model.mtp(hidden[None, t:t + 1], model.model.embed_tokens(ids[:, t + 1:t + 2]), cos, sin,
+                                  HybridCache([modules]))[0, 0])
+    planned.reserve(n)
+    first = plan.hidden(hidden[:5], ids[0, 1:6], [planned], [5], [0])  # five rows of one sequence
+    planned.length += 5
+    rest = []
+    for t in range(5, n):
+        rest.append(plan.hidden(hidden[t:t + 1], ids[0, t + 1:t + 2], [planned], [1], [t])[0])
+        planned.length += 1
+    out = torch.cat([first, torch.stack(rest)])
+    assert torch.equal(out, torch.stack(expected))
+    assert torch.equal(plan.logits(out), draft_head(model.lm_head, VOCAB // 2)(out))
+    assert plan.logits(out).shape == (n, VOCAB // 2)
 
 
 @pytest.mark.parametrize("dtype,quantize", [("float32", None), ("bfloat16", None), ("bfloat16", "int8"),

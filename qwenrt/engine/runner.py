@@ -9,7 +9,7 @@ import torch
 from dataclasses import dataclass
 
 from qwenrt.cache import HybridCache, SequenceState
-from qwenrt.decode_plan import DecodePlan
+from qwenrt.decode_plan import DecodePlan, MTPPlan
 from qwenrt.engine.request import Sequence
 from qwenrt.mtp import draft_head
 from qwenrt.multimodal import vision_embeddings
@@ -169,43 +169,91 @@ class ModelRunner:
         """Up to ks[b] draft tokens per sequence from the MTP head: one forward over each sequence's pending
         (hidden, next token) pairs (its cache first rewound past earlier drafts' entries) gives the first; each
         further one reuses the head on its own output. A sequence without pending pairs gets none."""
-        model, mtp = self.model, self.mtp
         ready = [b for b, s in enumerate(seqs) if ks[b] > 0 and s.mtp_pending is not None and len(s.mtp_pending)]
         drafts: list[list[int]] = [[] for _ in seqs]
         if not ready:
             return drafts
-        width = max(len(seqs[b].mtp_pending) for b in ready)
-        hidden, nxt, pos = [], [], []
-        for b in ready:  # pad each sequence's pairs to `width` by repeating its last: the padding is rolled back
-            s = seqs[b]
-            m, full = len(s.mtp_pending), s.prompt.ids + s.tokens
-            s.draft_state.length = s.mtp_entries
-            pad = [m - 1] * (width - m)
-            hidden.append(s.mtp_pending[list(range(m)) + pad])
-            tokens = full[s.mtp_index + 1:s.mtp_index + 1 + m]
-            nxt.append(tokens + [tokens[-1]] * (width - m))
-            first = s.mtp_index + s.state.rope_delta
-            pos.append(list(range(first, first + m)) + [first + m - 1] * (width - m))
-        dev = model.device
-        cache = HybridCache([seqs[b].draft_state for b in ready])
-        cos, sin = model.rotary(torch.tensor(pos, device=dev), model.dtype)
-        out = mtp(torch.stack(hidden), model.model.embed_tokens(torch.tensor(nxt, device=dev)), cos, sin, cache)
-        last = torch.stack([out[j, len(seqs[b].mtp_pending) - 1] for j, b in enumerate(ready)])  # [R, D]
-        where = [seqs[b].mtp_index + len(seqs[b].mtp_pending) + seqs[b].state.rope_delta for b in ready]
-        for j, b in enumerate(ready):
-            s = seqs[b]
-            s.mtp_index += len(s.mtp_pending)
-            s.draft_state.length = s.mtp_entries = s.mtp_entries + len(s.mtp_pending)
+        plan = MTPPlan.for_model(self.model, self.draft_vocab) if self.model.device.type == "cpu" else None
+        run = self._draft_native if plan is not None else self._draft_modules
+        for j, row in enumerate(run([seqs[b] for b in ready], [ks[b] for b in ready], plan)):
+            drafts[ready[j]] = row
+        return drafts
+
+    @staticmethod
+    def _catch_up(s: Sequence) -> tuple[list[int], int]:
+        """A sequence's pending pairs: (their next tokens, the position of the first); its head cache is rewound past
+        earlier drafts' entries and marked as holding the pairs."""
+        m = len(s.mtp_pending)
+        tokens = (s.prompt.ids + s.tokens)[s.mtp_index + 1:s.mtp_index + 1 + m]
+        first = s.mtp_index + s.state.rope_delta
+        s.draft_state.length = s.mtp_entries
+        s.mtp_index += m
+        s.mtp_entries += m
+        return tokens, first
+
+    def _draft_native(self, seqs: list[Sequence], ks: list[int], plan: MTPPlan) -> list[list[int]]:
+        """The MTP plan over every sequence's pending pairs (no padding: each its own count), then one row per
+        sequence per further draft."""
+        dev = self.model.device
+        counts = [len(s.mtp_pending) for s in seqs]
+        caught = [self._catch_up(s) for s in seqs]
+        states = [s.draft_state for s in seqs]
+        for state, n in zip(states, counts):
+            state.reserve(state.length + n + max(ks) - 1)
+        ids = torch.tensor([t for tokens, _ in caught for t in tokens], device=dev)  # [N]
+        out = plan.hidden(torch.cat([s.mtp_pending for s in seqs]), ids, states, counts,
+                          [first for _, first in caught])  # [N, D]
+        for state, n in zip(states, counts):
+            state.length += n
+        last = out[torch.tensor(counts).cumsum(0) - 1]  # [R, D]: each sequence's newest pair
+        where = [first + n for (_, first), n in zip(caught, counts)]
+        for s in seqs:
             s.mtp_pending = None
-        most = max(ks[b] for b in ready)
-        for step in range(most):
-            token = self.draft_logits(last).argmax(-1)  # [R]
-            for j, b in enumerate(ready):
-                if step < ks[b]:
-                    drafts[b].append(int(token[j]))
-            if step + 1 == most:
+        drafts: list[list[int]] = [[] for _ in seqs]
+        for step in range(max(ks)):
+            token = plan.logits(last).argmax(-1)  # [R]
+            for j, k in enumerate(ks):
+                if step < k:
+                    drafts[j].append(int(token[j]))
+            if step + 1 == max(ks):
                 break
             # the next draft: the head's own output stands for the hidden state at the drafted position
+            last = plan.hidden(last, token, states, [1] * len(seqs), [w + step for w in where])
+            for state in states:
+                state.length += 1
+        return drafts
+
+    def _draft_modules(self, seqs: list[Sequence], ks: list[int], _plan=None) -> list[list[int]]:
+        """The same through the head's modules (other dtypes and devices): the pending pairs padded to one width by
+        repeating each sequence's last (the padding is rolled back)."""
+        model, mtp = self.model, self.mtp
+        width = max(len(s.mtp_pending) for s in seqs)
+        hidden, nxt, pos, counts = [], [], [], []
+        for s in seqs:
+            m = len(s.mtp_pending)
+            pad = [m - 1] * (width - m)
+            hidden.append(s.mtp_pending[list(range(m)) + pad])
+            tokens, first = self._catch_up(s)
+            nxt.append(tokens + [tokens[-1]] * (width - m))
+            pos.append(list(range(first, first + m)) + [first + m - 1] * (width - m))
+            counts.append(m)
+        dev = model.device
+        cache = HybridCache([s.draft_state for s in seqs])
+        cos, sin = model.rotary(torch.tensor(pos, device=dev), model.dtype)
+        out = mtp(torch.stack(hidden), model.model.embed_tokens(torch.tensor(nxt, device=dev)), cos, sin, cache)
+        last = torch.stack([out[j, m - 1] for j, m in enumerate(counts)])  # [R, D]
+        where = [p[m - 1] + 1 for p, m in zip(pos, counts)]
+        for s in seqs:
+            s.draft_state.length = s.mtp_entries
+            s.mtp_pending = None
+        drafts: list[list[int]] = [[] for _ in seqs]
+        for step in range(max(ks)):
+            token = self.draft_logits(last).argmax(-1)  # [R]
+            for j, k in enumerate(ks):
+                if step < k:
+                    drafts[j].append(int(token[j]))
+            if step + 1 == max(ks):
+                break
             cos, sin = model.rotary(torch.tensor(where, device=dev)[:, None] + step, model.dtype)
             last = mtp(last[:, None], model.model.embed_tokens(token[:, None]), cos, sin, cache)[:, 0]
         return drafts
