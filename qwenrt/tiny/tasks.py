@@ -17,6 +17,7 @@ from dataclasses import dataclass
 REFUSAL = ("Sorry, I can't help with that. I can add and subtract numbers, sort numbers, and use my calculator and "
            "capital tools.")
 REFUSAL_REASONING = "This request is outside what I can do."
+NO_TOOL_REASONING = "No tool to look up capitals is on offer."
 
 CALCULATOR_TOOL = {"type": "function", "function": {
     "name": "calculator", "description": "Multiply or divide two whole numbers exactly.",
@@ -152,32 +153,43 @@ def _digits(n: int) -> list[int]:
 
 
 def add_reasoning(a: int, b: int) -> str:
-    """Column addition from the ones digit, one line per column: "7+5=12, carry 1", "2+8+1=11, carry 1", ..."""
+    """Column addition from the ones digit, one line per column with the answer's digits so far after the colon:
+    "7+5=12, carry 1: 2", "2+8+1=11, carry 1: 12", "1+3+1=5: 512" (each line copies the last and puts one digit in
+    front, so the final answer is a copy of the last line)."""
     da, db = _digits(a), _digits(b)
-    lines, carry = [], 0
+    lines, carry, done = [], 0, ""
     for i in range(max(len(da), len(db))):
         x, y = (da[i] if i < len(da) else 0), (db[i] if i < len(db) else 0)
         s = x + y + carry
-        lines.append(f"{x}+{y}{'+1' if carry else ''}={s}{', carry 1' if s > 9 else ''}")
+        done = str(s % 10) + done
+        lines.append(f"{x}+{y}{'+1' if carry else ''}={s}{', carry 1' if s > 9 else ''}: {done}")
         carry = s // 10
+    if carry:
+        lines.append(f"carry 1: 1{done}")
     return "\n".join(lines)
 
 
 def sub_reasoning(a: int, b: int) -> str:
-    """Column subtraction from the ones digit (the larger minus the smaller), one line per column:
-    "15-7=8, borrow 1", "8-1-2=5", ..."""
+    """Column subtraction from the ones digit (the larger minus the smaller), one line per column: the column's digits
+    first, then whether it borrows, then the digits so far after the colon: "2-4 needs a borrow: 12-4=8: 8",
+    "0-1-7 needs a borrow: 10-1-7=2: 28", "9-1-1=7: 728"; leading zeros dropped on a last line."""
     lines = []
     if a < b:
         lines.append(f"{a}<{b}, so {a}-{b}=-({b}-{a})")
         a, b = b, a
     da, db = _digits(a), _digits(b)
-    borrow = 0
+    borrow, done = 0, ""
     for i in range(len(da)):
         x, y = da[i], (db[i] if i < len(db) else 0)
         owe = x - borrow < y
-        lines.append(f"{10 * owe + x}{'-1' if borrow else ''}-{y}={10 * owe + x - borrow - y}"
-                     f"{', borrow 1' if owe else ''}")
+        d = 10 * owe + x - borrow - y
+        done = str(d) + done
+        less = f"{'-1' if borrow else ''}-{y}"
+        step = f"{x}{less} needs a borrow: {10 + x}{less}" if owe else f"{x}{less}"
+        lines.append(f"{step}={d}: {done}")
         borrow = int(owe)
+    if done != str(a - b):
+        lines.append(f"without leading zeros: {a - b}")
     return "\n".join(lines)
 
 
@@ -218,11 +230,36 @@ def calculator_task(rng: random.Random, heldout: bool) -> Task:
                 {"name": "calculator", "arguments": {"expression": expression}}, result)
 
 
-def capital_task(rng: random.Random, heldout: bool) -> Task:
-    country = rng.choice([c for c in CAPITALS if held_out(c) == heldout])
+_SYLLABLES = ("ba", "co", "da", "fe", "gi", "ka", "lo", "ma", "ne", "ri", "sa", "to", "vi", "zu", "mor", "tan",
+              "vel", "dor", "lin", "ska", "bur", "quo", "wen", "hal", "ir", "os", "un", "el")
+_PREFIXES = ("New", "North", "South", "East", "West", "San", "Port", "Saint")
+_SUFFIXES = ("ia", "land", "stan", "a", "o", "burg", "ville", "")
+
+
+def invented_place(rng: random.Random) -> str:
+    """A made-up place name ("Velmoria", "North Tandor", "Port Kasa"): training conversations look up invented
+    countries too, so the model learns to copy names from the prompt and the tool's response instead of learning
+    the table by heart."""
+    while True:
+        name = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3))) + rng.choice(_SUFFIXES)
+        name = name.capitalize()
+        if rng.random() < 0.2:
+            name = f"{rng.choice(_PREFIXES)} {name}"
+        if len(name) >= 4 and name not in CAPITALS and name not in CAPITALS.values():
+            return name
+
+
+def capital_task(rng: random.Random, heldout: bool, invented: bool = False) -> Task:
+    """A get_capital task over the table, or (`invented`, training only) over a made-up country whose made-up
+    capital is what the tool's response says."""
+    if invented:
+        country, capital = invented_place(rng), invented_place(rng)
+    else:
+        country = rng.choice([c for c in CAPITALS if held_out(c) == heldout])
+        capital = CAPITALS[country]
     prompt = rng.choice(CAPITAL_PROMPTS).format(c=country)
-    return Task("capital", [{"role": "user", "content": prompt}], TOOLS, f"The capital of {country} is "
-                f"{CAPITALS[country]}.", {"name": "get_capital", "arguments": {"country": country}}, CAPITALS[country])
+    return Task("capital", [{"role": "user", "content": prompt}], TOOLS, f"The capital of {country} is {capital}.",
+                {"name": "get_capital", "arguments": {"country": country}}, capital)
 
 
 def tool_conversation(task: Task, thinking: bool) -> list[dict]:
@@ -258,13 +295,11 @@ def _random_words(rng: random.Random, lo: int, hi: int) -> str:
 
 
 def refusal_prompt(rng: random.Random) -> str:
-    """Something outside the families: prose requests, chit-chat, word salad, tool questions without tools."""
+    """Something outside the families: prose requests, chit-chat, word salad, calculator questions without tools."""
     r = rng.random()
     if r < 0.1:
         return rng.choice(MUL_PROMPTS + DIV_PROMPTS).format(a=rng.randint(10, 9999), b=rng.randint(2, 999))
-    if r < 0.2:
-        return rng.choice(CAPITAL_PROMPTS).format(c=rng.choice(list(CAPITALS)))
-    if r < 0.25:
+    if r < 0.15:
         return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ?!") for _ in range(rng.randint(3, 30))).strip() or "?"
     return rng.choice(_OUT_OF_SCOPE).format(
         form=rng.choice(_FORMS), topic=rng.choice(_TOPICS), name=rng.choice(_NAMES), concept=rng.choice(_CONCEPTS),
@@ -272,10 +307,23 @@ def refusal_prompt(rng: random.Random) -> str:
         word=rng.choice(_WORDS))
 
 
+def no_tool_capital(rng: random.Random, heldout: bool) -> tuple[str, str]:
+    """A capital question with no tools on offer: the answer names the country (copying names is what the tool
+    calls need too), about a training country or, mostly, a made-up one. Returns (prompt, answer)."""
+    if not heldout and rng.random() < INVENTED_COUNTRIES:
+        country = invented_place(rng)
+    else:
+        country = rng.choice([c for c in CAPITALS if held_out(c) == heldout])
+    return (rng.choice(CAPITAL_PROMPTS).format(c=country),
+            f"I can't look up the capital of {country} without my get_capital tool.")
+
+
 # ---- conversations ----
 
 # tool conversations carry the ~350-token tool system prompt: few of them already cost half the tokens
-FAMILY_WEIGHTS = {"add": 0.37, "sub": 0.37, "calculator": 0.05, "capital": 0.04, "sort": 0.08, "refusal": 0.09}
+FAMILY_WEIGHTS = {"add": 0.34, "sub": 0.36, "calculator": 0.04, "capital": 0.06, "sort": 0.07, "refusal": 0.08,
+                  "capital without tools": 0.05}
+INVENTED_COUNTRIES = 0.6  # share of training get_capital conversations about made-up countries
 
 
 def _answer(task_content: str, reasoning: str, thinking: bool) -> dict:
@@ -294,8 +342,12 @@ def conversation(rng: random.Random, family: str, thinking: bool, heldout: bool 
         if rng.random() < 0.05:
             tools = TOOLS  # tools on offer do not change how the model adds
     elif family in ("calculator", "capital"):
-        task = calculator_task(rng, heldout) if family == "calculator" else capital_task(rng, heldout)
+        task = (calculator_task(rng, heldout) if family == "calculator" else
+                capital_task(rng, heldout, invented=not heldout and rng.random() < INVENTED_COUNTRIES))
         messages, tools = tool_conversation(task, thinking), TOOLS
+    elif family == "capital without tools":
+        prompt, answer = no_tool_capital(rng, heldout)
+        messages = [{"role": "user", "content": prompt}, _answer(answer, NO_TOOL_REASONING, thinking)]
     elif family == "sort":
         task, reasoning = sort_task(rng, heldout)
         messages = [*task.messages, _answer(task.answer, reasoning, thinking)]
@@ -311,7 +363,8 @@ def conversations(n: int, seed: int, heldout: bool = False) -> list[dict]:
     families, weights = list(FAMILY_WEIGHTS), list(FAMILY_WEIGHTS.values())
     out = []
     for _ in range(n):
-        example = conversation(rng, rng.choices(families, weights)[0], rng.random() < 0.5, heldout)
+        family = rng.choices(families, weights)[0]
+        example = conversation(rng, family, rng.random() < 0.5, heldout)
         if "tools" not in example and rng.random() < 0.08:
             first = conversation(rng, rng.choice(["add", "sub", "sort", "refusal"]), False, heldout)
             example["messages"] = first["messages"] + example["messages"]
