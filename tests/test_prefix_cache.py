@@ -247,3 +247,23 @@ def test_snapshots_on_disk_survive_a_restart(chat_ckpt, chat_model, ids, tmp_pat
     assert warnings.count("ignoring and removing") == len(files) and all(not f.exists() for f in files)
     assert broken.prefix_cache.hit_tokens == 0
     check_same(broken, rec, model, tok, request, monkeypatch, tokens)
+
+
+def test_a_model_without_deltanet_layers(tmp_path, monkeypatch):
+    """A config whose layers are all full attention: snapshots hold no DeltaNet state, hits still restore the KV."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    import qwenrt
+    from tests.checkpoints import DENSE, randomize
+
+    config = Qwen3_5TextConfig(**dict(DENSE, num_hidden_layers=2, layer_types=["full_attention"] * 2))
+    randomize(Qwen3_5ForCausalLM(config).eval()).save_pretrained(tmp_path)
+    model, _ = qwenrt.load(tmp_path, dtype="float32")
+    engine = Engine(model, None, max_batched_tokens=16, snapshot_interval=16)
+    rec = Recorder(engine, monkeypatch)
+    prompt = [int(t) for t in torch.randint(1, 500, (40,), generator=torch.Generator().manual_seed(3))]
+    finish(engine, [greedy(prompt)])
+    again = greedy(prompt[:35] + [7, 8])
+    tokens = finish(engine, [again])
+    assert engine.prefix_cache.hit_tokens == 32
+    check_same(engine, rec, model, None, again, monkeypatch, tokens)

@@ -23,6 +23,11 @@ import torch
 from qwenrt.cache import SequenceState, kv_bytes_per_token
 
 
+def _stacked(states: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    """The DeltaNet layers' states [1, ...] stacked to [Ll, ...]; [0, ...] for a model without DeltaNet layers."""
+    return torch.cat(states) if states else torch.empty(shape)
+
+
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
@@ -153,8 +158,8 @@ class PrefixCache:
         """Snapshot a sequence whose cache holds exactly the tokens of `key` (and its last logits [V], if given)."""
         if not key or len(key) != state.length:
             return
-        conv = torch.cat([state.conv[i] for i in self.linear_layers])  # [Ll, C, K-1]
-        recurrent = torch.cat([state.recurrent[i] for i in self.linear_layers])  # [Ll, Hv, Dk, Dv]
+        conv = _stacked([state.conv[i] for i in self.linear_layers], self.shapes["conv"])  # [Ll, C, K-1]
+        recurrent = _stacked([state.recurrent[i] for i in self.linear_layers], self.shapes["recurrent"])
         logits = None if logits is None else logits.detach().reshape(-1).float().clone()
         self._insert(key, lambda a, b: self._kv_slice(state, a, b), conv, recurrent, logits)
         if self.store is not None:
