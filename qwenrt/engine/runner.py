@@ -174,9 +174,25 @@ class ModelRunner:
         if not ready:
             return drafts
         plan = MTPPlan.for_model(self.model, self.draft_vocab) if self.model.device.type == "cpu" else None
-        run = self._draft_native if plan is not None else self._draft_modules
-        for j, row in enumerate(run([seqs[b] for b in ready], [ks[b] for b in ready], plan)):
-            drafts[ready[j]] = row
+        picked, counts = [seqs[b] for b in ready], [ks[b] for b in ready]
+        rows = self._draft_native(picked, counts, plan) if plan is not None else self._draft_modules(picked, counts)
+        for b, row in zip(ready, rows):
+            drafts[b] = row
+        return drafts
+
+    @staticmethod
+    def _chain(last: torch.Tensor, ks: list[int], logits, step) -> list[list[int]]:
+        """Greedy drafts from the head's outputs last [R, D], ks[j] for row j: logits(h) -> [R, V'], and
+        step(h, tokens, i) -> the head's next outputs, its own output standing for the hidden state at the drafted
+        position."""
+        drafts: list[list[int]] = [[] for _ in ks]
+        for i in range(max(ks)):
+            token = logits(last).argmax(-1)  # [R]
+            for j, k in enumerate(ks):
+                if i < k:
+                    drafts[j].append(int(token[j]))
+            if i + 1 < max(ks):
+                last = step(last, token, i)
         return drafts
 
     @staticmethod
@@ -209,21 +225,16 @@ class ModelRunner:
         where = [first + n for (_, first), n in zip(caught, counts)]
         for s in seqs:
             s.mtp_pending = None
-        drafts: list[list[int]] = [[] for _ in seqs]
-        for step in range(max(ks)):
-            token = plan.logits(last).argmax(-1)  # [R]
-            for j, k in enumerate(ks):
-                if step < k:
-                    drafts[j].append(int(token[j]))
-            if step + 1 == max(ks):
-                break
-            # the next draft: the head's own output stands for the hidden state at the drafted position
-            last = plan.hidden(last, token, states, [1] * len(seqs), [w + step for w in where])
+
+        def step(h, tokens, i):
+            out = plan.hidden(h, tokens, states, [1] * len(seqs), [w + i for w in where])
             for state in states:
                 state.length += 1
-        return drafts
+            return out
 
-    def _draft_modules(self, seqs: list[Sequence], ks: list[int], _plan=None) -> list[list[int]]:
+        return self._chain(last, ks, plan.logits, step)
+
+    def _draft_modules(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         """The same through the head's modules (other dtypes and devices): the pending pairs padded to one width by
         repeating each sequence's last (the padding is rolled back)."""
         model, mtp = self.model, self.mtp
@@ -246,17 +257,12 @@ class ModelRunner:
         for s in seqs:
             s.draft_state.length = s.mtp_entries
             s.mtp_pending = None
-        drafts: list[list[int]] = [[] for _ in seqs]
-        for step in range(max(ks)):
-            token = self.draft_logits(last).argmax(-1)  # [R]
-            for j, k in enumerate(ks):
-                if step < k:
-                    drafts[j].append(int(token[j]))
-            if step + 1 == max(ks):
-                break
-            cos, sin = model.rotary(torch.tensor(where, device=dev)[:, None] + step, model.dtype)
-            last = mtp(last[:, None], model.model.embed_tokens(token[:, None]), cos, sin, cache)[:, 0]
-        return drafts
+
+        def step(h, tokens, i):
+            cos, sin = model.rotary(torch.tensor(where, device=dev)[:, None] + i, model.dtype)
+            return mtp(h[:, None], model.model.embed_tokens(tokens[:, None]), cos, sin, cache)[:, 0]
+
+        return self._chain(last, ks, self.draft_logits, step)
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """MTP outputs h [R, D] -> logits [R, draft_vocab] over the first token ids only."""
