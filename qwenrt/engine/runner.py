@@ -173,7 +173,7 @@ class ModelRunner:
         drafts: list[list[int]] = [[] for _ in seqs]
         if not ready:
             return drafts
-        plan = MTPPlan.for_model(self.model, self.draft_vocab) if self.model.device.type == "cpu" else None
+        plan = MTPPlan.for_model(self.model, self.draft_vocab)  # None off the CPU
         picked, counts = [seqs[b] for b in ready], [ks[b] for b in ready]
         rows = self._draft_native(picked, counts, plan) if plan is not None else self._draft_modules(picked, counts)
         for b, row in zip(ready, rows):
@@ -210,7 +210,7 @@ class ModelRunner:
     def _draft_native(self, seqs: list[Sequence], ks: list[int], plan: MTPPlan) -> list[list[int]]:
         """The MTP plan over every sequence's pending pairs (no padding: each its own count), then one row per
         sequence per further draft."""
-        dev = self.model.device
+        dev = seqs[0].mtp_pending.device
         counts = [len(s.mtp_pending) for s in seqs]
         caught = [self._catch_up(s) for s in seqs]
         states = [s.draft_state for s in seqs]

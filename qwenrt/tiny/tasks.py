@@ -249,13 +249,17 @@ def invented_place(rng: random.Random) -> str:
             return name
 
 
+def _table_country(rng: random.Random, heldout: bool) -> str:
+    return rng.choice([c for c in CAPITALS if held_out(c) == heldout])
+
+
 def capital_task(rng: random.Random, heldout: bool, invented: bool = False) -> Task:
     """A get_capital task over the table, or (`invented`, training only) over a made-up country whose made-up
     capital is what the tool's response says."""
     if invented:
         country, capital = invented_place(rng), invented_place(rng)
     else:
-        country = rng.choice([c for c in CAPITALS if held_out(c) == heldout])
+        country = _table_country(rng, heldout)
         capital = CAPITALS[country]
     prompt = rng.choice(CAPITAL_PROMPTS).format(c=country)
     return Task("capital", [{"role": "user", "content": prompt}], TOOLS, f"The capital of {country} is {capital}.",
@@ -310,10 +314,8 @@ def refusal_prompt(rng: random.Random) -> str:
 def no_tool_capital(rng: random.Random, heldout: bool) -> tuple[str, str]:
     """A capital question with no tools on offer: the answer names the country (copying names is what the tool
     calls need too), about a training country or, mostly, a made-up one. Returns (prompt, answer)."""
-    if not heldout and rng.random() < INVENTED_COUNTRIES:
-        country = invented_place(rng)
-    else:
-        country = rng.choice([c for c in CAPITALS if held_out(c) == heldout])
+    invented = not heldout and rng.random() < INVENTED_COUNTRIES
+    country = invented_place(rng) if invented else _table_country(rng, heldout)
     return (rng.choice(CAPITAL_PROMPTS).format(c=country),
             f"I can't look up the capital of {country} without my get_capital tool.")
 
@@ -363,8 +365,7 @@ def conversations(n: int, seed: int, heldout: bool = False) -> list[dict]:
     families, weights = list(FAMILY_WEIGHTS), list(FAMILY_WEIGHTS.values())
     out = []
     for _ in range(n):
-        family = rng.choices(families, weights)[0]
-        example = conversation(rng, family, rng.random() < 0.5, heldout)
+        example = conversation(rng, rng.choices(families, weights)[0], rng.random() < 0.5, heldout)
         if "tools" not in example and rng.random() < 0.08:
             first = conversation(rng, rng.choice(["add", "sub", "sort", "refusal"]), False, heldout)
             example["messages"] = first["messages"] + example["messages"]
