@@ -109,46 +109,57 @@ def _cached(model: nn.Module, what, build):
 
 
 class _Rows(NamedTuple):
-    """Where each of N rows goes: counts[b] tokens continuing sequences[b], in sequence order."""
+    """Where N rows go: counts[b] successive tokens of sequences[b], in sequence order."""
 
-    rows: list[tuple[int, SequenceState, int]]  # (sequence index, its state, token offset t)
+    sequences: list[SequenceState]
+    counts: list[int]
     cos: torch.Tensor  # [N, R] bf16 rotary tables at each row's position
     sin: torch.Tensor
-    lengths: list[torch.Tensor]  # the cache slot each row writes
+    lengths: list[torch.Tensor]  # per sequence, the cache slots its rows write (int64 [counts[b]])
 
 
 def _rows(sequences: list[SequenceState], counts: list[int], inv_freq, mrope, device,
           firsts: list[int] | None = None) -> _Rows:
     """firsts[b]: the position of sequence b's first row (default its length + rope_delta)."""
-    rows = [(b, s, t) for b, (s, n) in enumerate(zip(sequences, counts)) for t in range(n)]
     if firsts is None:
         firsts = [s.length + s.rope_delta for s in sequences]
-    starts = torch.tensor([firsts[b] + t for b, _, t in rows], device=device)
+    starts = torch.tensor([first + t for first, n in zip(firsts, counts) for t in range(n)], device=device)
     cos, sin = rope_cos_sin(starts[:, None], inv_freq, *mrope)
-    lengths = [torch.tensor([s.length + t]) if t else s.length_tensor() for _, s, t in rows]
-    return _Rows(rows, cos[:, 0].to(torch.bfloat16), sin[:, 0].to(torch.bfloat16), lengths)
+    lengths = [s.length_tensor() if n == 1 else torch.arange(s.length, s.length + n, device=device)
+               for s, n in zip(sequences, counts)]
+    return _Rows(sequences, counts, cos[:, 0].to(torch.bfloat16), sin[:, 0].to(torch.bfloat16), lengths)
 
 
-def _run_layers(k, layers: list[_Layer], x: torch.Tensor, delta, where: _Rows, eps: float, counts: list[int],
+def _deltanet(layer: _Layer, k, mixed, z, b, a, where: _Rows, saved: list[list] | None) -> torch.Tensor:
+    """A DeltaNet layer's token mixing over the rows, one native call per sequence on its own state. saved: as in
+    DecodePlan.hidden."""
+    mixer, i, out, start = layer.mixer, layer.index, [], 0
+    for seq, (s, n) in enumerate(zip(where.sequences, where.counts)):
+        rows = (mixed[start:start + n], z[start:start + n], b[start:start + n], a[start:start + n])
+        if n == 1:
+            out.append(mixer.native_step(k, *rows, s.conv[i], s.recurrent[i]))
+        else:  # successive tokens in one call, which keeps the state after each but the last
+            conv = s.conv[i].new_empty(n - 1, *s.conv[i].shape[1:])  # [n-1, C, K-1]
+            recurrent = s.recurrent[i].new_empty(n - 1, *s.recurrent[i].shape[1:])  # [n-1, Hv, Dk, Dv]
+            out.append(mixer.native_steps(k, *rows, s.conv[i], s.recurrent[i], conv, recurrent))
+            if saved is not None:
+                for t in range(n - 1):
+                    saved[seq][t][i] = (conv[t:t + 1], recurrent[t:t + 1])
+        start += n
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _run_layers(k, layers: list[_Layer], x: torch.Tensor, delta, where: _Rows, eps: float,
                 saved: list[list] | None = None):
     """The residual stream x [N, D] (plus delta, the MLP output still to add, or None) through `layers`; returns
     (x, delta) after the last. saved: as in DecodePlan.hidden."""
-    rows = where.rows
     for layer in layers:
         x, h = k.rms_norm(x, delta, layer.input_norm, eps)
-        i = layer.index
         if layer.linear:
-            mixed, z, b, a = layer.project(h, mode="bf16")
-            out = []
-            for r, (seq, s, t) in enumerate(rows):
-                out.append(layer.mixer.native_step(k, mixed[r:r + 1], z[r:r + 1], b[r:r + 1], a[r:r + 1],
-                                                   s.conv[i], s.recurrent[i]))
-                if saved is not None and t < counts[seq] - 1:
-                    saved[seq][t][i] = (s.conv[i].clone(), s.recurrent[i].clone())
-            o = out[0] if len(out) == 1 else torch.cat(out)
+            o = _deltanet(layer, k, *layer.project(h, mode="bf16"), where, saved)
         else:
-            o = layer.mixer.native_step(k, *layer.project(h, mode="bf16"), where.cos, where.sin,
-                                        [s for _, s, _ in rows], where.lengths)
+            o = layer.mixer.native_step(k, *layer.project(h, mode="bf16"), where.cos, where.sin, where.sequences,
+                                        where.lengths, where.counts)
         x, h = k.rms_norm(x, layer.out(o, mode="bf16")[0], layer.post_norm, eps)
         if layer.gate_up is not None:
             delta = layer.down(layer.gate_up(h, mode="swiglu")[0], mode="bf16")[0]
@@ -205,7 +216,7 @@ class DecodePlan:
             for b, n in enumerate(counts):
                 saved[b].extend({} for _ in range(n - 1))
         x = self.embed(input_ids)  # [N, D] (an nn.Embedding or a quantized lookup)
-        x, delta = _run_layers(k, self.layers, x, None, where, self.eps, counts, saved)
+        x, delta = _run_layers(k, self.layers, x, None, where, self.eps, saved)
         return k.rms_norm(x, delta, self.final_norm, self.eps)[1]
 
 
@@ -250,7 +261,7 @@ class MTPPlan:
         e = k.rms_norm(self.embed(next_ids), None, self.norm_embed, self.eps)[1]
         h = k.rms_norm(hidden, None, self.norm_hidden, self.eps)[1]
         z = self.fc(torch.cat([e, h], dim=-1), mode="bf16")[0]
-        x, delta = _run_layers(k, self.layers, z, None, where, self.eps, counts)
+        x, delta = _run_layers(k, self.layers, z, None, where, self.eps)
         return k.rms_norm(x, delta, self.final_norm, self.eps)[1]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

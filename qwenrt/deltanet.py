@@ -118,6 +118,17 @@ class GatedDeltaNet(nn.Module):
                                        z.view(z.shape[0], self.num_v_heads, self.head_v_dim), norm_w,
                                        self.num_k_heads, self.norm.eps, mixed.dtype == torch.bfloat16)
 
+    def native_steps(self, kernels, mixed, z, b, a, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
+                     saved_conv: torch.Tensor, saved_recurrent: torch.Tensor):
+        """`native_step` over T successive tokens of one sequence (rows of mixed, z, b, a) in one native call; the
+        states after each token but the last are copied into saved_conv [T-1, C, K-1] and saved_recurrent
+        [T-1, Hv, Dk, Dv] (fp32), what a speculative verification commits when it rejects the tokens after."""
+        conv_w, A_log, dt_bias, norm_w = self._fp32_parameters()
+        return kernels.gdn_decode_steps(mixed, conv_state, conv_w, a, b, A_log, dt_bias, recurrent_state,
+                                        z.view(z.shape[0], self.num_v_heads, self.head_v_dim), norm_w,
+                                        self.num_k_heads, self.norm.eps, mixed.dtype == torch.bfloat16,
+                                        saved_conv, saved_recurrent)
+
     def _fp32_parameters(self) -> tuple[torch.Tensor, ...]:
         """conv weight [C, K], A_log, dt_bias, norm weight in fp32 for the native step, converted once per weight."""
         weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)

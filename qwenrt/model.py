@@ -105,19 +105,26 @@ class GatedAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
     def native_step(self, kernels, qg, k, v, cos: torch.Tensor, sin: torch.Tensor, sequences: list[SequenceState],
-                    lengths: list[torch.Tensor] | None = None):
-        """One token's projections per row (qg [B, H·2·Dh], k, v [B, Hkv·Dh]; cos, sin [B, R]) -> the gated
-        attention output [B, H·Dh] before o_proj, one native call per row, in order: norms, RoPE, the cache write at
-        the row's position (lengths[b], an int64 tensor [1]; default its sequence's length), attention over the
-        sequence's stores up to it, the gate. Rows may continue the same sequence at successive positions."""
+                    lengths: list[torch.Tensor] | None = None, counts: list[int] | None = None):
+        """Projections of N rows (qg [N, H·2·Dh], k, v [N, Hkv·Dh]; cos, sin [N, R]): counts[b] successive tokens of
+        sequences[b] (default one each), in sequence order -> the gated attention output [N, H·Dh] before o_proj,
+        one native call per sequence: norms, RoPE, the cache writes at positions lengths[b] (an int64 tensor
+        [counts[b]]; default the sequence's length), then each row's attention over its sequence's stores up to its
+        own position, the gate."""
         qg = qg.view(qg.shape[0], self.num_heads, 2 * self.head_dim)
         qn, kn, i = self.q_norm.weight.float(), self.k_norm.weight.float(), self.layer_idx
         if lengths is None:
             lengths = [seq.length_tensor() for seq in sequences]
-        rows = [kernels.attention_decode_step(qg[b:b + 1], k[b:b + 1], v[b:b + 1], qn, kn, cos[b:b + 1],
-                                              sin[b:b + 1], seq.keys[i], seq.values[i], lengths[b], self.q_norm.eps)
-                for b, seq in enumerate(sequences)]
-        return rows[0] if len(rows) == 1 else torch.cat(rows)
+        if counts is None:
+            counts = [1] * len(sequences)
+        out, start = [], 0
+        for seq, n, positions in zip(sequences, counts, lengths):
+            end = start + n
+            out.append(kernels.attention_decode_step(qg[start:end], k[start:end], v[start:end], qn, kn,
+                                                     cos[start:end], sin[start:end], seq.keys[i], seq.values[i],
+                                                     positions, self.q_norm.eps))
+            start = end
+        return out[0] if len(out) == 1 else torch.cat(out)
 
 
 class DecoderLayer(nn.Module):

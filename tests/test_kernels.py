@@ -157,6 +157,32 @@ def test_native_attention_step_matches_torch_ops(dtype, bound):
     assert (keys.float() - ref_keys.float()).abs().max().item() < bound  # normed (sum order) and rotated
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_rows_of_one_sequence_in_one_call_equal_row_by_row(dtype):
+    """Successive tokens of one sequence in one call (stores [1, ...], the speculative verification's form): each
+    row attends to the rows before it and not after; the outputs and stores equal one call per row, bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    T, H, Hkv, D, R, cap, start = 4, 8, 2, 64, 16, 48, 30
+    qg = torch.randn(T, H, 2 * D, generator=g).to(dtype)
+    k, v = (torch.randn(T, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    qw, kw = torch.randn(D, generator=g) * 0.1, torch.randn(D, generator=g) * 0.1
+    angles = torch.randn(T, R // 2, generator=g) * 3
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+    keys, values = (torch.randn(1, Hkv, cap, D, generator=g).to(dtype) for _ in range(2))
+    row_keys, row_values = keys.clone(), values.clone()
+    kernels = cpu_kernels()
+    together = kernels.attention_decode_step(qg, k, v, qw, kw, cos, sin, keys, values,
+                                             torch.arange(start, start + T), 1e-6)
+    one_by_one = torch.cat([kernels.attention_decode_step(qg[t:t + 1], k[t:t + 1], v[t:t + 1], qw, kw, cos[t:t + 1],
+                                                          sin[t:t + 1], row_keys, row_values,
+                                                          torch.tensor([start + t]), 1e-6) for t in range(T)])
+    assert torch.equal(together, one_by_one) and torch.equal(keys, row_keys) and torch.equal(values, row_values)
+    with pytest.raises(RuntimeError, match="successive positions"):
+        kernels.attention_decode_step(qg[:2], k[:2], v[:2], qw, kw, cos[:2], sin[:2], keys, values,
+                                      torch.tensor([start, start + 2]), 1e-6)
+
+
 def deltanet(Dk: int, Dv: int, dtype) -> qwenrt.deltanet.GatedDeltaNet:
     """A DeltaNet layer with every weight random (norm and conv included), 2 key heads shared by 4 value heads."""
     config = TextConfig(model_type="qwen3_5_text", vocab_size=8, hidden_size=64, num_hidden_layers=1,
@@ -193,6 +219,32 @@ def test_native_deltanet_steps_match_torch_ops(Dk, Dv, dtype, bound, monkeypatch
 
     (ours, our_state), (ref, ref_state) = run(True), run(False)
     assert rel_err(ours, ref) < bound and rel_err(our_state, ref_state) < bound
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deltanet_steps_in_one_call_equal_single_steps_and_keep_each_state(dtype):
+    """T successive tokens of one sequence in one call (a speculative verification): the outputs and final state
+    equal T single steps, and the state saved after token t equals the single steps' state after it, bit for bit."""
+    layer = deltanet(32, 40, dtype)
+    T, C = 4, layer.in_proj_qkv.out_features
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(T, 64, generator=g).to(dtype)
+    mixed, z, b, a = (p(x).contiguous() for p in (layer.in_proj_qkv, layer.in_proj_z, layer.in_proj_b,
+                                                  layer.in_proj_a))
+    conv0, rec0 = torch.randn(1, C, 3, generator=g), torch.randn(1, 4, 32, 40, generator=g) * 0.1
+    kernels = cpu_kernels()
+    conv, rec, outs, states = conv0.clone(), rec0.clone(), [], []
+    with torch.inference_mode():
+        for t in range(T):
+            outs.append(layer.native_step(kernels, mixed[t:t + 1], z[t:t + 1], b[t:t + 1], a[t:t + 1], conv, rec))
+            states.append((conv.clone(), rec.clone()))
+        conv_all, rec_all = conv0.clone(), rec0.clone()
+        saved_conv, saved_rec = torch.empty(T - 1, C, 3), torch.empty(T - 1, 4, 32, 40)
+        out = layer.native_steps(kernels, mixed, z, b, a, conv_all, rec_all, saved_conv, saved_rec)
+    assert torch.equal(out, torch.cat(outs)) and torch.equal(conv_all, conv) and torch.equal(rec_all, rec)
+    for t in range(T - 1):
+        assert torch.equal(saved_conv[t:t + 1], states[t][0]) and torch.equal(saved_rec[t:t + 1], states[t][1])
 
 
 @needs_kernels

@@ -9,7 +9,6 @@ filters; on rejection the token is drawn from p with x removed, which leaves eve
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 
 import torch
@@ -64,15 +63,16 @@ class DraftPolicy:
     time of a step with k drafts at this batch size; 0 where speculation does not pay.
 
     A step verifies the drafts chosen one step earlier and drafts the ones chosen now, so only a step whose two
-    counts agree times a cycle of k (one that switches is not counted). A count's time is the median of its last
-    WINDOW such steps: one slow step (a first call, the machine busy for a moment) does not settle the choice.
+    counts agree times a cycle of k (one that switches is not counted). A count's time is the least of its last
+    WINDOW such steps: other work only ever slows a step (a first call, a cache growing, the machine busy for a
+    moment), so the least is the step's own cost, and slow steps, even several, do not settle the choice.
     Now and then it tries another count for PROBE_STEPS steps, so that every figure stays current: while off, one
     draft every PROBE_OFF steps; while on, the other counts in turn every PROBE_ON steps."""
 
     PROBE_ON, PROBE_OFF = 32, 64
     PROBE_STEPS = 2  # a probe's first step drafts, its second verifies and drafts again: one counted cycle
     MIN_SAMPLES = 3  # steps timed before a count's time is trusted
-    WINDOW = 5  # its time: the median of this many latest steps
+    WINDOW = 8  # its time: the least of this many latest steps
     ALPHA = 0.3  # moving-average weight of a new acceptance figure
     PRIOR = 0.5  # acceptance assumed before any is seen
     MARGIN = 0.02  # speculation must promise this much more speed than plain decoding
@@ -97,7 +97,7 @@ class DraftPolicy:
     def _times(self, batch: int) -> dict[int, float]:
         """Seconds per step with k drafts at this batch size, for the counts with MIN_SAMPLES timed steps; once 0 and
         1 are timed, the others not yet timed follow from them (verification grows about linearly in its tokens)."""
-        known = {k: statistics.median(c) for (b, k), c in self.cost.items()
+        known = {k: min(c) for (b, k), c in self.cost.items()
                  if b == batch and len(c) >= self.MIN_SAMPLES}
         if 0 in known and 1 in known:
             return {k: known.get(k, known[0] + k * (known[1] - known[0])) for k in range(self.max_k + 1)}

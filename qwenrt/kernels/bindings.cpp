@@ -13,6 +13,10 @@ at::Tensor dequantize_q4(at::Tensor q, at::Tensor scales, at::Tensor zeros, int6
 at::Tensor gdn_decode_step(at::Tensor mixed, at::Tensor conv_state, at::Tensor conv_w, at::Tensor a, at::Tensor b,
                            at::Tensor A_log, at::Tensor dt_bias, at::Tensor state, at::Tensor z, at::Tensor norm_w,
                            int64_t num_k_heads, double eps, bool bf16);
+at::Tensor gdn_decode_steps(at::Tensor mixed, at::Tensor conv_state, at::Tensor conv_w, at::Tensor a, at::Tensor b,
+                            at::Tensor A_log, at::Tensor dt_bias, at::Tensor state, at::Tensor z, at::Tensor norm_w,
+                            int64_t num_k_heads, double eps, bool bf16, at::Tensor saved_conv,
+                            at::Tensor saved_state);
 std::vector<at::Tensor> rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor w, double eps);
 at::Tensor causal_conv1d(at::Tensor x, at::Tensor conv_state, at::Tensor conv_w);
 at::Tensor attention_decode_step(at::Tensor qg, at::Tensor k, at::Tensor v, at::Tensor q_norm_w, at::Tensor k_norm_w,
@@ -33,4 +37,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "zero-centred RMSNorm: (x [+ residual], normed)");
   m.def("causal_conv1d", &causal_conv1d, "DeltaNet short conv over a prefill chunk, token-major (state in place)");
   m.def("gdn_decode_step", &gdn_decode_step, "fused Gated DeltaNet decode step (state updated in place)");
+  m.def("gdn_decode_steps", &gdn_decode_steps,
+        "the fused step over T successive tokens of one sequence, the state after each but the last saved");
 }

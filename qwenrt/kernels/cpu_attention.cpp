@@ -89,14 +89,14 @@ void by_head_block(int64_t G, Fn&& f) {  // f(GB, g0) over head blocks of up to 
 
 template <typename T>
 void attend(const T* Q, const T* Kc, const T* Vc, const int64_t* valid, T* O, int64_t B, int64_t H, int64_t Hkv,
-            int64_t cap, int64_t D, float scale) {
+            int64_t cap, int64_t D, bool shared, float scale) {
   const int64_t G = H / Hkv;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> q(G * D), acc(G * D), p;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / Hkv, hk = i % Hkv, S = valid[b];
-      const T* k = Kc + i * cap * D;
-      const T* v = Vc + i * cap * D;
+      const int64_t b = i / Hkv, hk = i % Hkv, S = valid[b], kv = shared ? hk : i;
+      const T* k = Kc + kv * cap * D;
+      const T* v = Vc + kv * cap * D;
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) q[g * D + d] = static_cast<float>(Q[(b * H + hk * G + g) * D + d]) * scale;
       p.resize(G * S);
@@ -156,13 +156,14 @@ void norm_rope(const T* x, const float* w, const T* cos, const T* sin, int64_t D
 template <typename T>
 void attention_step(const T* QG, const T* Kn, const T* Vn, const float* QW, const float* KW, const T* COS,
                     const T* SIN, T* Kc, T* Vc, const int64_t* lengths, T* out, int64_t B, int64_t H, int64_t Hkv,
-                    int64_t cap, int64_t D, int64_t R, float eps) {
-  // new keys (normed, rotated) and values into the stores at each row's next position
+                    int64_t cap, int64_t D, int64_t R, bool shared, float eps) {
+  // new keys (normed, rotated) and values into the stores at each row's next position; all are written before any
+  // row attends, so rows sharing one sequence's store see each other's keys up to their own position
   at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / Hkv, pos = lengths[b];
-      norm_rope(Kn + i * D, KW, COS + b * R, SIN + b * R, D, R, eps, Kc + (i * cap + pos) * D);
-      std::copy(Vn + i * D, Vn + (i + 1) * D, Vc + (i * cap + pos) * D);
+      const int64_t b = i / Hkv, pos = lengths[b], kv = shared ? i % Hkv : i;
+      norm_rope(Kn + i * D, KW, COS + b * R, SIN + b * R, D, R, eps, Kc + (kv * cap + pos) * D);
+      std::copy(Vn + i * D, Vn + (i + 1) * D, Vc + (kv * cap + pos) * D);
     }
   });
   std::vector<T> q(B * H * D);
@@ -175,7 +176,8 @@ void attention_step(const T* QG, const T* Kn, const T* Vn, const float* QW, cons
     }
   });
   std::vector<T> o(B * H * D);
-  attend(q.data(), Kc, Vc, valid.data(), o.data(), B, H, Hkv, cap, D, 1.0f / std::sqrt(static_cast<float>(D)));
+  attend(q.data(), Kc, Vc, valid.data(), o.data(), B, H, Hkv, cap, D, shared,
+         1.0f / std::sqrt(static_cast<float>(D)));
   for (int64_t i = 0; i < B * H; ++i)  // sigmoid output gate, rounded as torch.sigmoid and the product are
     for (int64_t d = 0; d < D; ++d) {
       const float g = static_cast<float>(QG[i * 2 * D + D + d]);
@@ -187,7 +189,9 @@ void attention_step(const T* QG, const T* Kn, const T* Vn, const float* QW, cons
 
 // One decode step of a gated full-attention layer after its projections. qg [B, H, 2·Dh] (query | gate per head),
 // k, v [B, Hkv, Dh], q_norm_w, k_norm_w [Dh] fp32 (stored w; the norm scales by 1 + w), cos, sin [B, R],
-// keys, values [B, Hkv, cap, Dh] (the cache stores, written at position lengths[b]), lengths [B] int64.
+// keys, values [B, Hkv, cap, Dh] (the cache stores, written at position lengths[b]), lengths [B] int64. With stores
+// [1, Hkv, cap, Dh] and B > 1 the rows are successive tokens of one sequence (lengths[b] = lengths[0] + b): each
+// attends causally to the tokens before it, the earlier rows' included.
 // Returns the gated attention output [B, H·Dh], ready for o_proj.
 at::Tensor attention_decode_step(at::Tensor qg, at::Tensor k, at::Tensor v, at::Tensor q_norm_w,
                                     at::Tensor k_norm_w, at::Tensor cos, at::Tensor sin, at::Tensor keys,
@@ -204,20 +208,24 @@ at::Tensor attention_decode_step(at::Tensor qg, at::Tensor k, at::Tensor v, at::
   const int64_t R = cos.size(-1);
   TORCH_CHECK(k.numel() == B * Hkv * D && v.numel() == B * Hkv * D && keys.size(3) == D && H % Hkv == 0 &&
               H / Hkv <= kMaxGroup && D % 16 == 0 && D <= 512 && R <= D && R % 2 == 0 && cos.numel() == B * R &&
-              sin.numel() == B * R && lengths.numel() == B && q_norm_w.numel() == D && k_norm_w.numel() == D,
+              sin.numel() == B * R && lengths.numel() == B && q_norm_w.numel() == D && k_norm_w.numel() == D &&
+              (keys.size(0) == B || keys.size(0) == 1) && values.sizes() == keys.sizes(),
               "attention_decode_step: shapes");
+  const bool shared = keys.size(0) == 1 && B > 1;
   const int64_t* len = lengths.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(len[b] >= 0 && len[b] < cap, "attention_decode_step: cache is full");
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(len[b] >= 0 && len[b] < cap && (!shared || len[b] == len[0] + b),
+                "attention_decode_step: cache is full, or shared-store rows not at successive positions");
   auto out = at::empty({B, H * D}, qg.options());
   if (T == at::kBFloat16) {
     using E = at::BFloat16;
     attention_step(qg.data_ptr<E>(), k.data_ptr<E>(), v.data_ptr<E>(), q_norm_w.data_ptr<float>(),
                    k_norm_w.data_ptr<float>(), cos.data_ptr<E>(), sin.data_ptr<E>(), keys.data_ptr<E>(),
-                   values.data_ptr<E>(), len, out.data_ptr<E>(), B, H, Hkv, cap, D, R, static_cast<float>(eps));
+                   values.data_ptr<E>(), len, out.data_ptr<E>(), B, H, Hkv, cap, D, R, shared, static_cast<float>(eps));
   } else {
     attention_step(qg.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), q_norm_w.data_ptr<float>(),
                    k_norm_w.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), keys.data_ptr<float>(),
-                   values.data_ptr<float>(), len, out.data_ptr<float>(), B, H, Hkv, cap, D, R,
+                   values.data_ptr<float>(), len, out.data_ptr<float>(), B, H, Hkv, cap, D, R, shared,
                    static_cast<float>(eps));
   }
   return out;

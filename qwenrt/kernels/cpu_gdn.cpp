@@ -6,6 +6,7 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "simd.h"
@@ -176,6 +177,36 @@ at::Tensor gdn_decode_step(at::Tensor mixed, at::Tensor conv_state, at::Tensor c
     for (int64_t i = 0; i < B * Hv * Dv; ++i) dst[i] = static_cast<at::BFloat16>(O[i]);
   } else {
     std::copy(O, O + B * Hv * Dv, out.data_ptr<float>());
+  }
+  return out;
+}
+
+// T successive tokens of one sequence (a speculative verification): the step above on each row in turn, the state
+// [1, ...] carried from row to row; after every row but the last, copies of the conv and recurrent state go to
+// saved_conv [T-1, C, K-1] and saved_state [T-1, Hv, Dk, Dv] (the state a rejection after that row commits).
+at::Tensor gdn_decode_steps(at::Tensor mixed, at::Tensor conv_state, at::Tensor conv_w, at::Tensor a, at::Tensor b,
+                            at::Tensor A_log, at::Tensor dt_bias, at::Tensor state, at::Tensor z, at::Tensor norm_w,
+                            int64_t num_k_heads, double eps, bool bf16, at::Tensor saved_conv,
+                            at::Tensor saved_state) {
+  const int64_t T = mixed.size(0);
+  TORCH_CHECK(T >= 1 && conv_state.size(0) == 1 && state.size(0) == 1 && saved_conv.is_contiguous() &&
+              saved_state.is_contiguous() && saved_conv.scalar_type() == at::kFloat &&
+              saved_state.scalar_type() == at::kFloat && saved_conv.size(0) == T - 1 &&
+              saved_state.size(0) == T - 1 && saved_conv.numel() == (T - 1) * conv_state.numel() &&
+              saved_state.numel() == (T - 1) * state.numel(),
+              "gdn_decode_steps: one sequence's state, saved [T-1, ...] fp32 buffers of its shape");
+  auto out = at::empty({T, z.size(1) * z.size(2)}, mixed.options());
+  const int64_t row_bytes = out.size(1) * out.element_size();
+  for (int64_t t = 0; t < T; ++t) {
+    const auto o = gdn_decode_step(mixed.narrow(0, t, 1), conv_state, conv_w, a.narrow(0, t, 1), b.narrow(0, t, 1),
+                                   A_log, dt_bias, state, z.narrow(0, t, 1), norm_w, num_k_heads, eps, bf16);
+    std::memcpy(static_cast<char*>(out.data_ptr()) + t * row_bytes, o.data_ptr(), row_bytes);
+    if (t + 1 < T) {
+      std::memcpy(saved_conv.data_ptr<float>() + t * conv_state.numel(), conv_state.data_ptr<float>(),
+                  conv_state.numel() * sizeof(float));
+      std::memcpy(saved_state.data_ptr<float>() + t * state.numel(), state.data_ptr<float>(),
+                  state.numel() * sizeof(float));
+    }
   }
   return out;
 }
