@@ -35,14 +35,14 @@ def run(model, tokenizer, prompts: list[list[int]], count) -> tuple[float, Draft
     engine = Engine(model, tokenizer, speculative_tokens=count, prefix_cache_size=0)
     tokens, seconds, drafts = 0, 0.0, DraftCounts()
     for ids in prompts:
-        marks = []
+        marks, last = [], None
         request = Request(ids, SamplingParams(max_tokens=400, temperature=0.0))
         for out in engine.submit(request):
             marks += [time.perf_counter()] * len(out.token_ids)
             if out.drafts is not None:
                 last = out.drafts
         tokens, seconds = tokens + len(marks) - 1, seconds + marks[-1] - marks[0]
-        if count != 0:
+        if last is not None:
             for i, (d, a) in enumerate(zip(last.drafted, last.accepted)):
                 while len(drafts.drafted) <= i:
                     drafts.drafted.append(0)
