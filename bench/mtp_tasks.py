@@ -33,24 +33,13 @@ from qwenrt.units import speculative_tokens  # noqa: E402
 def run(model, tokenizer, prompts: list[list[int]], count) -> tuple[float, DraftCounts]:
     """(decode tok/s, draft statistics) over the prompts, one request at a time through a fresh engine."""
     engine = Engine(model, tokenizer, speculative_tokens=count, prefix_cache_size=0)
-    tokens, seconds, drafts = 0, 0.0, DraftCounts()
+    tokens, seconds = 0, 0.0
     for ids in prompts:
-        marks, last = [], None
-        request = Request(ids, SamplingParams(max_tokens=400, temperature=0.0))
-        for out in engine.submit(request):
+        marks = []
+        for out in engine.submit(Request(ids, SamplingParams(max_tokens=400, temperature=0.0))):
             marks += [time.perf_counter()] * len(out.token_ids)
-            if out.drafts is not None:
-                last = out.drafts
         tokens, seconds = tokens + len(marks) - 1, seconds + marks[-1] - marks[0]
-        if last is not None:
-            for i, (d, a) in enumerate(zip(last.drafted, last.accepted)):
-                while len(drafts.drafted) <= i:
-                    drafts.drafted.append(0)
-                    drafts.accepted.append(0)
-                drafts.drafted[i] += d
-                drafts.accepted[i] += a
-            drafts.rounds += last.rounds
-    return tokens / seconds, drafts
+    return tokens / seconds, engine.draft_counts  # every request's
 
 
 def main(argv=None) -> None:

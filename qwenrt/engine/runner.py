@@ -155,14 +155,17 @@ class ModelRunner:
         return h, model.lm_head(h).float()
 
     @staticmethod
+    @torch.inference_mode()
     def commit(seq: Sequence, verified: Verified, taken: int) -> None:
         """Keep the first `taken` inputs of a verification in seq's cache: length back to them and, when some were
-        rejected, the DeltaNet state saved after the last kept one (the rejected KV is overwritten later)."""
+        rejected, the DeltaNet state saved after the last kept one, copied into the state's own tensors (the saved
+        ones are views of the verification's buffers of every position; the rejected KV is overwritten later)."""
         state, n = seq.state, verified.logits.shape[0]
         state.length -= n - taken
         if taken < n:
             for i, (conv, recurrent) in verified.saved[taken - 1].items():
-                state.conv[i], state.recurrent[i] = conv, recurrent
+                state.conv[i].copy_(conv)
+                state.recurrent[i].copy_(recurrent)
 
     @torch.inference_mode()
     def draft(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
