@@ -1,16 +1,18 @@
-"""The decode step (one new token per sequence) as a flat list of native kernel calls with their weights bound once.
+"""The decode step (one new token per sequence) as native kernel calls with their weights bound once.
 
 It computes what the modules compute on their native paths (tests/test_kernels.py holds the two together) without
-the per-module Python work (module calls, attribute lookups, format checks): ~2 ms of a 17-45 ms step on a 0.8B
-model. The weight reads are shared by the batch; the token mixers run one native call per sequence on its own state.
-The MTP head's draft step has a plan of its own (MTPPlan, held to its modules by tests/test_mtp.py). Built at the
-first step and rebuilt after any module, parameter or buffer is registered anywhere in the process (quantization
-swaps modules in, load_state_dict(assign=True) replaces parameters) or the dtype changes.
+the per-module Python work. The dense layers run as one native call per step (`kernels.LayerStack`, the layer
+loop in C++): on a small model the Python around ~8 kernel calls per layer cost more than their arithmetic, and on
+a 0.8B model it was ~3.5 ms of a 28-72 ms step. Models with MoE MLPs loop over their layers from Python
+(_run_layers), a call per kernel. The weight reads are shared by the batch; the token mixers run one native call
+per sequence on its own state. The MTP head's draft step has a plan of its own (MTPPlan, held to its modules by
+tests/test_mtp.py). Built at the first step and rebuilt after any module, parameter or buffer is registered
+anywhere in the process (quantization swaps modules in, load_state_dict(assign=True) replaces parameters) or the
+dtype changes.
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import NamedTuple
 
@@ -19,7 +21,7 @@ from torch import nn
 
 from qwenrt.cache import HybridCache, SequenceState
 from qwenrt.kernels import cpu_kernels
-from qwenrt.ops.linear import MAX_KERNEL_ROWS, Linear, by_row_groups
+from qwenrt.ops.linear import Linear
 from qwenrt.ops.rope import rope_cos_sin
 from qwenrt.quant import QuantLinear
 
@@ -38,29 +40,19 @@ for _hook in (nn.modules.module.register_module_module_registration_hook,
 
 
 def _bind(kernels, modules: list[nn.Module]):
-    """The projections' native call, (x [B, K], mode) -> [B, N_i] per module, or None where they have none."""
+    """The projections as one native call, a `kernels.Projection`: (x [B, K], mode) -> [B, N_i] per module; None
+    where they have none."""
     first = modules[0]
     if all(type(m) is Linear and m.weight.dtype == torch.bfloat16 for m in modules):
-        return _batched(functools.partial(kernels.gemv_bf16, ws=[m.weight for m in modules]))
+        return kernels.Projection("bf16", [m.weight for m in modules], [], [], 0)
     if not all(type(m) is QuantLinear and m.spec == first.spec and m.qweight.dim() == 2 for m in modules):
         return None
-    pieces = {"qs": [m.qweight for m in modules], "scales": [m.scales for m in modules]}
+    qs, scales = [m.qweight for m in modules], [m.scales for m in modules]
     if first.spec.bits == 8:
-        return _batched(functools.partial(kernels.gemv_q8, **pieces))
+        return kernels.Projection("q8", qs, scales, [], 0)
     if first.torch_int4:
         return None
-    return _batched(functools.partial(kernels.gemv_q4, **pieces, zeros=[m.zeros for m in modules],
-                                      G=first.spec.group_size))
-
-
-def _batched(call):
-    """`call` for any batch: the kernels take up to MAX_KERNEL_ROWS rows, a larger batch goes in groups of them."""
-    def run(x: torch.Tensor, mode: str) -> list[torch.Tensor]:
-        if x.shape[0] <= MAX_KERNEL_ROWS:  # every decode step of up to 8 sequences: the call itself
-            return call(x, mode=mode)
-        return by_row_groups(functools.partial(call, mode=mode), x)
-
-    return run
+    return kernels.Projection("q4", qs, scales, [m.zeros for m in modules], first.spec.group_size)
 
 
 class _Layer(NamedTuple):
@@ -149,10 +141,10 @@ def _deltanet(layer: _Layer, k, mixed, z, b, a, where: _Rows, saved: list[list] 
     return out[0] if len(out) == 1 else torch.cat(out)
 
 
-def _run_layers(k, layers: list[_Layer], x: torch.Tensor, delta, where: _Rows, eps: float,
-                saved: list[list] | None = None):
-    """The residual stream x [N, D] (plus delta, the MLP output still to add, or None) through `layers`; returns
-    (x, delta) after the last. saved: as in DecodePlan.hidden."""
+def _run_layers(k, layers: list[_Layer], x: torch.Tensor, where: _Rows, eps: float, saved: list[list] | None):
+    """The residual stream x [N, D] through `layers` from Python, a call per kernel (models with MoE MLPs); returns
+    (x, delta) after the last, delta its MLP output still to add. saved: as in DecodePlan.hidden."""
+    delta = None
     for layer in layers:
         x, h = k.rms_norm(x, delta, layer.input_norm, eps)
         if layer.linear:
@@ -168,11 +160,50 @@ def _run_layers(k, layers: list[_Layer], x: torch.Tensor, delta, where: _Rows, e
     return x, delta
 
 
+def _stack(kernels, layers: list[_Layer], eps: float):
+    """The layers as one native call per step (`kernels.LayerStack`: no Python between the kernels), or None where
+    one has an MoE MLP (those run through _run_layers)."""
+    if any(layer.gate_up is None for layer in layers):
+        return None
+    stack = kernels.LayerStack(eps)
+    for layer in layers:
+        m = layer.mixer
+        common = (layer.index, layer.input_norm, layer.post_norm, layer.project, layer.out, layer.gate_up, layer.down)
+        if layer.linear:
+            stack.add_deltanet(*common, *m.fp32_parameters(), m.num_k_heads, m.num_v_heads, m.head_v_dim,
+                               m.norm.eps)
+        else:
+            stack.add_attention(*common, m.q_norm.weight.float(), m.k_norm.weight.float(), m.num_heads, m.head_dim,
+                                m.q_norm.eps)
+    return stack
+
+
+def _forward(k, stack, layers: list[_Layer], x: torch.Tensor, where: _Rows, final_norm: torch.Tensor, eps: float,
+             saved: list[list] | None = None) -> torch.Tensor:
+    """x [N, D] through `layers` and the final norm -> [N, D] bf16: one native call where there is a stack, the
+    Python loop otherwise (the two call the same kernels in the same order). saved: as in DecodePlan.hidden."""
+    if stack is None:
+        x, delta = _run_layers(k, layers, x, where, eps, saved)
+        return k.rms_norm(x, delta, final_norm, eps)[1]
+    seqs = where.sequences
+    h, kept = stack.run(x, final_norm, where.cos, where.sin, where.counts, [s.conv for s in seqs],
+                        [s.recurrent for s in seqs], [s.keys for s in seqs], [s.values for s in seqs], where.lengths)
+    if saved is not None:  # kept[b]: conv [n-1, ...], recurrent [n-1, ...] per DeltaNet layer in order
+        slots = [layer.index for layer in layers if layer.linear]
+        for b, states in enumerate(kept):
+            for j, i in enumerate(slots if states else ()):
+                conv, recurrent = states[2 * j], states[2 * j + 1]
+                for t in range(conv.shape[0]):
+                    saved[b][t][i] = (conv[t:t + 1], recurrent[t:t + 1])
+    return h
+
+
 class DecodePlan:
     def __init__(self, model: nn.Module, kernels, layers: list[_Layer], head):
         text, c = model.model, model.config.text
         self.kernels, self.layers, self.head = kernels, layers, head
-        self.embed, self.final_norm, self.eps = text.embed_tokens, text.norm.weight, text.norm.eps
+        self.embed, self.final_norm, self.eps = text.embed_tokens, text.norm.weight.float(), text.norm.eps
+        self.stack = _stack(kernels, layers, self.eps)
         self.inv_freq, self.mrope = model.inv_frequencies(model.device), (c.mrope_section, c.mrope_interleaved)
 
     @classmethod
@@ -216,8 +247,7 @@ class DecodePlan:
             for b, n in enumerate(counts):
                 saved[b].extend({} for _ in range(n - 1))
         x = self.embed(input_ids)  # [N, D] (an nn.Embedding or a quantized lookup)
-        x, delta = _run_layers(k, self.layers, x, None, where, self.eps, saved)
-        return k.rms_norm(x, delta, self.final_norm, self.eps)[1]
+        return _forward(k, self.stack, self.layers, x, where, self.final_norm, self.eps, saved)
 
 
 class MTPPlan:
@@ -229,6 +259,7 @@ class MTPPlan:
         mtp, c = model.mtp, model.config.text
         self.kernels, self.fc, self.layers, self.head = kernels, fc, [layer], head
         self.embed, self.eps = model.model.embed_tokens, mtp.norm.eps
+        self.stack = _stack(kernels, self.layers, self.eps)
         # fp32 norm weights (the kernels' form): the head's may be stored in the model's dtype
         self.norm_embed = mtp.pre_fc_norm_embedding.weight.float()
         self.norm_hidden = mtp.pre_fc_norm_hidden.weight.float()
@@ -261,8 +292,7 @@ class MTPPlan:
         e = k.rms_norm(self.embed(next_ids), None, self.norm_embed, self.eps)[1]
         h = k.rms_norm(hidden, None, self.norm_hidden, self.eps)[1]
         z = self.fc(torch.cat([e, h], dim=-1), mode="bf16")[0]
-        x, delta = _run_layers(k, self.layers, z, None, where, self.eps)
-        return k.rms_norm(x, delta, self.final_norm, self.eps)[1]
+        return _forward(k, self.stack, self.layers, z, where, self.final_norm, self.eps)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The head's outputs h [R, D] -> logits [R, draft_vocab] bf16 (an argmax needs no more)."""

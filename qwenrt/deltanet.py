@@ -100,7 +100,7 @@ class GatedDeltaNet(nn.Module):
         if conv_state is None:
             B, _, C = mixed.shape
             conv_state = mixed.new_zeros(B, C, self.conv1d.weight.shape[-1] - 1, dtype=torch.float32)
-        return F.silu(kernels.causal_conv1d(mixed.contiguous(), conv_state, self._fp32_parameters()[0])), conv_state
+        return F.silu(kernels.causal_conv1d(mixed.contiguous(), conv_state, self.fp32_parameters()[0])), conv_state
 
     def fused_decode_step(self, kernels, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor):
         """The same step as `forward` for T = 1 in one native call; conv and recurrent state updated in place."""
@@ -113,7 +113,7 @@ class GatedDeltaNet(nn.Module):
     def native_step(self, kernels, mixed, z, b, a, conv_state: torch.Tensor, recurrent_state: torch.Tensor):
         """The native kernel on one token's projections (mixed [B, C], z [B, Hv·Dv], b, a [B, Hv]) -> the gated
         output [B, Hv·Dv] before out_proj; conv and recurrent state updated in place."""
-        conv_w, A_log, dt_bias, norm_w = self._fp32_parameters()
+        conv_w, A_log, dt_bias, norm_w = self.fp32_parameters()
         return kernels.gdn_decode_step(mixed, conv_state, conv_w, a, b, A_log, dt_bias, recurrent_state,
                                        z.view(z.shape[0], self.num_v_heads, self.head_v_dim), norm_w,
                                        self.num_k_heads, self.norm.eps, mixed.dtype == torch.bfloat16)
@@ -123,13 +123,13 @@ class GatedDeltaNet(nn.Module):
         """`native_step` over T successive tokens of one sequence (rows of mixed, z, b, a) in one native call; the
         states after each token but the last are copied into saved_conv [T-1, C, K-1] and saved_recurrent
         [T-1, Hv, Dk, Dv] (fp32), what a speculative verification commits when it rejects the tokens after."""
-        conv_w, A_log, dt_bias, norm_w = self._fp32_parameters()
+        conv_w, A_log, dt_bias, norm_w = self.fp32_parameters()
         return kernels.gdn_decode_steps(mixed, conv_state, conv_w, a, b, A_log, dt_bias, recurrent_state,
                                         z.view(z.shape[0], self.num_v_heads, self.head_v_dim), norm_w,
                                         self.num_k_heads, self.norm.eps, mixed.dtype == torch.bfloat16,
                                         saved_conv, saved_recurrent)
 
-    def _fp32_parameters(self) -> tuple[torch.Tensor, ...]:
+    def fp32_parameters(self) -> tuple[torch.Tensor, ...]:
         """conv weight [C, K], A_log, dt_bias, norm weight in fp32 for the native step, converted once per weight."""
         weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
         key = tuple((w.data_ptr(), 0 if w.is_inference() else w._version) for w in weights)  # no counter there

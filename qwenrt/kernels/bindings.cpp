@@ -4,6 +4,8 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "layer_stack.h"
+
 std::vector<at::Tensor> gemv_bf16(at::Tensor x, std::vector<at::Tensor> ws, std::string mode);
 std::vector<at::Tensor> gemv_q8(at::Tensor x, std::vector<at::Tensor> qs, std::vector<at::Tensor> scales,
                                 std::string mode);
@@ -39,4 +41,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdn_decode_step", &gdn_decode_step, "fused Gated DeltaNet decode step (state updated in place)");
   m.def("gdn_decode_steps", &gdn_decode_steps,
         "the fused step over T successive tokens of one sequence, the state after each but the last saved");
+  using qwenrt::LayerStack, qwenrt::Projection;
+  pybind11::class_<Projection>(m, "Projection", "projections sharing one input, one GEMV call (bf16, q8 or q4)")
+      .def(pybind11::init<std::string, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                          int64_t>(),
+           arg("format"), arg("weights"), arg("scales"), arg("zeros"), arg("group_size"))
+      .def("__call__", &Projection::operator(), arg("x"), arg("mode"));
+  pybind11::class_<LayerStack>(m, "LayerStack", "dense decoder layers bound once; run() is a decode step's layers")
+      .def(pybind11::init<double>(), arg("eps"))
+      .def("add_deltanet", &LayerStack::add_deltanet)
+      .def("add_attention", &LayerStack::add_attention)
+      .def("run", &LayerStack::run, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "rows of successive tokens per sequence through every layer -> (final-normed hidden, saved states)");
 }

@@ -1,0 +1,144 @@
+// The decode step's layer loop in C++ (layer_stack.h). On a small model most of a step was the Python around ~8
+// kernel calls per layer (each call's argument conversion and dispatch costs more than its arithmetic there).
+#include "layer_stack.h"
+
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+
+std::vector<at::Tensor> gemv_bf16(at::Tensor x, std::vector<at::Tensor> ws, std::string mode);
+std::vector<at::Tensor> gemv_q8(at::Tensor x, std::vector<at::Tensor> qs, std::vector<at::Tensor> scales,
+                                std::string mode);
+std::vector<at::Tensor> gemv_q4(at::Tensor x, std::vector<at::Tensor> qs, std::vector<at::Tensor> scales,
+                                std::vector<at::Tensor> zeros, int64_t G, std::string mode);
+at::Tensor gdn_decode_step(at::Tensor mixed, at::Tensor conv_state, at::Tensor conv_w, at::Tensor a, at::Tensor b,
+                           at::Tensor A_log, at::Tensor dt_bias, at::Tensor state, at::Tensor z, at::Tensor norm_w,
+                           int64_t num_k_heads, double eps, bool bf16);
+at::Tensor gdn_decode_steps(at::Tensor mixed, at::Tensor conv_state, at::Tensor conv_w, at::Tensor a, at::Tensor b,
+                            at::Tensor A_log, at::Tensor dt_bias, at::Tensor state, at::Tensor z, at::Tensor norm_w,
+                            int64_t num_k_heads, double eps, bool bf16, at::Tensor saved_conv,
+                            at::Tensor saved_state);
+std::vector<at::Tensor> rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor w, double eps);
+at::Tensor attention_decode_step(at::Tensor qg, at::Tensor k, at::Tensor v, at::Tensor q_norm_w, at::Tensor k_norm_w,
+                                 at::Tensor cos, at::Tensor sin, at::Tensor keys, at::Tensor values,
+                                 at::Tensor lengths, double eps);
+
+namespace qwenrt {
+
+Projection::Projection(std::string format, std::vector<at::Tensor> weights, std::vector<at::Tensor> scales,
+                       std::vector<at::Tensor> zeros, int64_t group_size)
+    : format(std::move(format)), weights(std::move(weights)), scales(std::move(scales)), zeros(std::move(zeros)),
+      group_size(group_size) {
+  TORCH_CHECK(this->format == "bf16" || this->format == "q8" || this->format == "q4",
+              "Projection: format bf16, q8 or q4");
+}
+
+std::vector<at::Tensor> Projection::operator()(const at::Tensor& x, const std::string& mode) const {
+  auto call = [&](const at::Tensor& rows) {
+    if (format == "bf16") return gemv_bf16(rows, weights, mode);
+    if (format == "q8") return gemv_q8(rows, weights, scales, mode);
+    return gemv_q4(rows, weights, scales, zeros, group_size, mode);
+  };
+  constexpr int64_t kRows = gemv::kMaxRows;
+  if (x.dim() != 2 || x.size(0) <= kRows) return call(x);
+  std::vector<std::vector<at::Tensor>> groups;  // kRows rows at a time, each group one pass over the weights
+  for (int64_t r = 0; r < x.size(0); r += kRows) groups.push_back(call(x.narrow(0, r, std::min(kRows, x.size(0) - r))));
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < groups[0].size(); ++i) {
+    std::vector<at::Tensor> pieces;
+    for (const auto& g : groups) pieces.push_back(g[i]);
+    out.push_back(at::cat(pieces));
+  }
+  return out;
+}
+
+void LayerStack::add_deltanet(int64_t slot, at::Tensor input_norm, at::Tensor post_norm, Projection project,
+                              Projection out, Projection gate_up, Projection down, at::Tensor conv_w,
+                              at::Tensor A_log, at::Tensor dt_bias, at::Tensor norm_w, int64_t num_k_heads,
+                              int64_t num_v_heads, int64_t head_v_dim, double mixer_eps) {
+  TORCH_CHECK(project.weights.size() == 4 && gate_up.weights.size() == 2,
+              "LayerStack: a DeltaNet layer projects to qkv, z, b, a and has a gate and an up projection");
+  layers_.push_back({slot, true, input_norm, post_norm, std::move(project), std::move(out), std::move(gate_up),
+                     std::move(down), conv_w, A_log, dt_bias, norm_w, num_k_heads, num_v_heads, head_v_dim, {}, {},
+                     0, 0, mixer_eps});
+}
+
+void LayerStack::add_attention(int64_t slot, at::Tensor input_norm, at::Tensor post_norm, Projection project,
+                               Projection out, Projection gate_up, Projection down, at::Tensor q_norm,
+                               at::Tensor k_norm, int64_t num_heads, int64_t head_dim, double mixer_eps) {
+  TORCH_CHECK(project.weights.size() == 3 && gate_up.weights.size() == 2,
+              "LayerStack: an attention layer projects to q|gate, k, v and has a gate and an up projection");
+  layers_.push_back({slot, false, input_norm, post_norm, std::move(project), std::move(out), std::move(gate_up),
+                     std::move(down), {}, {}, {}, {}, 0, 0, 0, q_norm, k_norm, num_heads, head_dim, mixer_eps});
+}
+
+namespace {
+
+const at::Tensor& store(const std::vector<Stores>& stores, size_t sequence, int64_t slot, const char* what) {
+  TORCH_CHECK(sequence < stores.size() && slot < static_cast<int64_t>(stores[sequence].size()) &&
+              stores[sequence][slot].has_value(), "LayerStack.run: sequence ", sequence, " has no ", what,
+              " store for layer slot ", slot);
+  return *stores[sequence][slot];
+}
+
+at::Tensor join(std::vector<at::Tensor>& parts) { return parts.size() == 1 ? parts[0] : at::cat(parts); }
+
+}  // namespace
+
+std::pair<at::Tensor, std::vector<std::vector<at::Tensor>>> LayerStack::run(
+    at::Tensor x, at::Tensor final_norm, at::Tensor cos, at::Tensor sin, std::vector<int64_t> counts,
+    std::vector<Stores> conv, std::vector<Stores> recurrent, std::vector<Stores> keys, std::vector<Stores> values,
+    std::vector<at::Tensor> lengths) const {
+  const size_t S = counts.size();
+  int64_t N = 0;
+  for (const int64_t n : counts) {
+    TORCH_CHECK(n >= 1, "LayerStack.run: every sequence has a row");
+    N += n;
+  }
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == N && lengths.size() == S && conv.size() == S && recurrent.size() == S &&
+              keys.size() == S && values.size() == S, "LayerStack.run: rows, counts and stores disagree");
+  std::vector<std::vector<at::Tensor>> saved(S);
+  std::optional<at::Tensor> delta;  // the last layer's MLP output, still to be added to x
+  for (const Layer& layer : layers_) {
+    auto normed = rms_norm(x, delta, layer.input_norm, eps_);
+    x = normed[0];
+    const auto p = layer.project(normed[1], "bf16");
+    std::vector<at::Tensor> parts;
+    int64_t start = 0;
+    for (size_t s = 0; s < S; ++s) {
+      const int64_t n = counts[s];
+      if (layer.linear) {
+        const at::Tensor& cs = store(conv, s, layer.slot, "conv");
+        const at::Tensor& rs = store(recurrent, s, layer.slot, "recurrent");
+        const auto z = p[1].narrow(0, start, n).view({n, layer.num_v_heads, layer.head_v_dim});
+        const auto mixed = p[0].narrow(0, start, n), b = p[2].narrow(0, start, n), a = p[3].narrow(0, start, n);
+        if (n == 1) {
+          parts.push_back(gdn_decode_step(mixed, cs, layer.conv_w, a, b, layer.A_log, layer.dt_bias, rs, z,
+                                          layer.norm_w, layer.num_k_heads, layer.mixer_eps, true));
+        } else {  // successive tokens in one call, keeping the state after each but the last
+          std::vector<int64_t> conv_shape(cs.sizes().begin(), cs.sizes().end());
+          std::vector<int64_t> state_shape(rs.sizes().begin(), rs.sizes().end());
+          conv_shape[0] = state_shape[0] = n - 1;
+          auto saved_conv = at::empty(conv_shape, cs.options()), saved_state = at::empty(state_shape, rs.options());
+          parts.push_back(gdn_decode_steps(mixed, cs, layer.conv_w, a, b, layer.A_log, layer.dt_bias, rs, z,
+                                           layer.norm_w, layer.num_k_heads, layer.mixer_eps, true, saved_conv,
+                                           saved_state));
+          saved[s].push_back(saved_conv);
+          saved[s].push_back(saved_state);
+        }
+      } else {
+        const auto qg = p[0].narrow(0, start, n).view({n, layer.num_heads, 2 * layer.head_dim});
+        parts.push_back(attention_decode_step(qg, p[1].narrow(0, start, n), p[2].narrow(0, start, n), layer.q_norm,
+                                              layer.k_norm, cos.narrow(0, start, n), sin.narrow(0, start, n),
+                                              store(keys, s, layer.slot, "key"), store(values, s, layer.slot, "value"),
+                                              lengths[s], layer.mixer_eps));
+      }
+      start += n;
+    }
+    normed = rms_norm(x, layer.out(join(parts), "bf16")[0], layer.post_norm, eps_);
+    x = normed[0];
+    delta = layer.down(layer.gate_up(normed[1], "swiglu")[0], "bf16")[0];
+  }
+  return {rms_norm(x, delta, final_norm, eps_)[1], std::move(saved)};
+}
+
+}  // namespace qwenrt

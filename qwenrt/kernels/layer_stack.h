@@ -1,0 +1,73 @@
+// The decode step's layer loop as one native call (cpu_layer_stack.cpp): the kernels of every layer in order, with
+// no Python between them. Shared by the kernels' sources and bindings.cpp, which exposes both classes.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "gemv_common.h"
+
+namespace qwenrt {
+
+// The projections of a layer that share one input, computed by one GEMV call: bf16 weights [N_i, K], int8 weights
+// with bf16 row scales, or int4 (stored layout) with bf16 scales and zeros in groups of `group_size`.
+struct Projection {
+  std::string format;  // "bf16" | "q8" | "q4"
+  std::vector<at::Tensor> weights, scales, zeros;
+  int64_t group_size = 0;
+
+  Projection(std::string format, std::vector<at::Tensor> weights, std::vector<at::Tensor> scales,
+             std::vector<at::Tensor> zeros, int64_t group_size);
+  // x [M, K] bf16 -> one [M, N_i] per weight ("bf16", or "fp32" unrounded), or silu(gate)·up [M, N] ("swiglu");
+  // more than gemv::kMaxRows rows go that many at a time
+  std::vector<at::Tensor> operator()(const at::Tensor& x, const std::string& mode) const;
+};
+
+// One stored tensor per layer slot of a sequence (None where the layer is of the other kind).
+using Stores = std::vector<std::optional<at::Tensor>>;
+
+// Dense decoder layers (DeltaNet or gated attention, SwiGLU MLP) bound once; `run` takes a decode step's rows
+// through all of them, as qwenrt/decode_plan.py's _run_layers does call for call (the results are bit-identical).
+class LayerStack {
+ public:
+  explicit LayerStack(double eps) : eps_(eps) {}
+
+  // conv_w [C, K], A_log, dt_bias [Hv], norm_w [Dv]: fp32, as GatedDeltaNet.fp32_parameters gives them
+  void add_deltanet(int64_t slot, at::Tensor input_norm, at::Tensor post_norm, Projection project, Projection out,
+                    Projection gate_up, Projection down, at::Tensor conv_w, at::Tensor A_log, at::Tensor dt_bias,
+                    at::Tensor norm_w, int64_t num_k_heads, int64_t num_v_heads, int64_t head_v_dim,
+                    double mixer_eps);
+  // q_norm, k_norm [Dh] fp32 (stored w)
+  void add_attention(int64_t slot, at::Tensor input_norm, at::Tensor post_norm, Projection project,
+                     Projection out, Projection gate_up, Projection down, at::Tensor q_norm, at::Tensor k_norm,
+                     int64_t num_heads, int64_t head_dim, double mixer_eps);
+
+  // x [N, D] bf16: counts[b] successive tokens of sequence b, in sequence order; cos, sin [N, R] bf16; per sequence
+  // its stores (conv, recurrent, keys, values, each a slot per layer) and lengths[b] (int64 [counts[b]], the cache
+  // slots its rows write). Returns the final-normed hidden states [N, D], then per sequence the DeltaNet states
+  // after each of its tokens but the last, [conv [n-1, C, K-1], recurrent [n-1, Hv, Dk, Dv]] per DeltaNet layer in
+  // order (empty for a sequence of one row).
+  std::pair<at::Tensor, std::vector<std::vector<at::Tensor>>> run(
+      at::Tensor x, at::Tensor final_norm, at::Tensor cos, at::Tensor sin, std::vector<int64_t> counts,
+      std::vector<Stores> conv, std::vector<Stores> recurrent, std::vector<Stores> keys,
+      std::vector<Stores> values, std::vector<at::Tensor> lengths) const;
+
+ private:
+  struct Layer {
+    int64_t slot;
+    bool linear;
+    at::Tensor input_norm, post_norm;
+    Projection project, out, gate_up, down;
+    at::Tensor conv_w, A_log, dt_bias, norm_w;  // DeltaNet
+    int64_t num_k_heads, num_v_heads, head_v_dim;
+    at::Tensor q_norm, k_norm;  // attention
+    int64_t num_heads, head_dim;
+    double mixer_eps;
+  };
+  std::vector<Layer> layers_;
+  double eps_;
+};
+
+}  // namespace qwenrt
