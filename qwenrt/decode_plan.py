@@ -221,12 +221,13 @@ class DecodePlan:
         without the native kernels or where some part of the model has no native decode path."""
         return _cached(model, "decode", lambda kernels: cls.build(model, kernels))
 
-    def __call__(self, input_ids: torch.Tensor, cache: HybridCache) -> torch.Tensor:
-        """input_ids [B, 1] continuing the B sequences of `cache` -> logits [B, 1, V] fp32; the cache advances."""
+    def __call__(self, input_ids: torch.Tensor, cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [B, 1] continuing the B sequences of `cache` -> (logits [B, V] fp32, the final-normed hidden
+        states [B, D] bf16); the cache advances."""
         cache.reserve(1)
         h = self.hidden(input_ids.reshape(-1), cache.sequences, [1] * cache.batch_size)
         cache.advance(1)
-        return self.logits(h)[:, None]
+        return self.logits(h), h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states h [N, D] -> logits [N, V] fp32."""

@@ -188,7 +188,7 @@ def test_rejected_drafts_leave_the_state_of_the_accepted_tokens(mtp_dense):
     one_by_one, verified = prefilled(), prefilled()
     runner.decode([one_by_one])
     one_by_one.tokens.append(77)
-    logits_after = runner.decode([one_by_one])  # the step after t, d1
+    logits_after = runner.decode([one_by_one])[0]  # the step after t, d1
     v = runner.verify([verified], [[77, 88, 99]])[0]
     runner.commit(verified, v, 2)
     a, b = one_by_one.state, verified.state
@@ -201,7 +201,7 @@ def test_rejected_drafts_leave_the_state_of_the_accepted_tokens(mtp_dense):
     assert torch.allclose(v.logits[1], logits_after[0], atol=1e-5)  # what the step after d1 predicts
     for seq in (one_by_one, verified):
         seq.tokens.append(123)
-    assert torch.allclose(runner.decode([verified]), runner.decode([one_by_one]), atol=1e-5)
+    assert torch.allclose(runner.decode([verified])[0], runner.decode([one_by_one])[0], atol=1e-5)
 
 
 def test_sampling_with_drafts_keeps_the_distribution(mtp_dense):
@@ -257,6 +257,30 @@ def test_a_cached_prompt_with_drafts(mtp_dense):
     out = run(engine, {0: [second]})[second.request_id]
     assert out[-1].cached_tokens == len(PROMPTS[0]) and tokens_of(out) == a
     assert a == generate_all(model, None, [PROMPTS[0]], 0, n=20)[0][0]
+
+
+def test_the_head_takes_the_positions_of_plain_steps(mtp_dense):
+    """While `auto` decodes plainly the MTP head is not run, but it gets those positions at its next draft: that
+    draft comes from a head that saw every position (its cache holds one entry per position), equal to the head's
+    guess over the whole sequence at once."""
+    model, _ = qwenrt.load(mtp_dense, dtype="float32")
+    engine = Engine(model, speculative_tokens="auto", prefix_cache_size=0)
+    choices = iter([0] * 10 + [1] * 100)  # ten plain steps, then one draft per step
+    engine.draft_policy.choose = lambda batch: next(choices)
+    draft, seen = engine.runner.draft, []
+
+    def spy(seqs, ks):
+        out = draft(seqs, ks)
+        seen.append((seqs[0].prompt.ids + seqs[0].tokens, out[0], seqs[0].draft_state.length))
+        return out
+
+    engine.runner.draft = spy
+    run(engine, {0: [Request(PROMPTS[0], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))]})
+    ids, drafted, entries = seen[0]
+    assert len(ids) == len(PROMPTS[0]) + 12 and entries == len(ids) - 1  # prefill, 10 plain steps, a verify
+    with torch.inference_mode():
+        whole = mtp_hidden(model, model.mtp, torch.tensor([ids]))  # [1, T-1, D]: row t guesses ids[t+2]
+        assert drafted == [int(engine.runner.draft_logits(whole[:, -1]).argmax())]
 
 
 def simulate_auto(policy: DraftPolicy, steps: int, accepted) -> list[int]:

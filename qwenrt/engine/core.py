@@ -44,6 +44,7 @@ DEFAULT_SNAPSHOT_INTERVAL = 1024  # prompt tokens between prefix-cache snapshots
 MIN_BRANCH_GAIN = 32  # a shared prefix found as KV only gets its own snapshot when it is at least this long
 MAX_DRAFTS = 8  # speculative_tokens at most
 AUTO_MAX_DRAFTS = 3  # the most drafts `auto` verifies per step
+MAX_PENDING = 256  # positions queued for the MTP head's next draft at most (while it does not draft)
 _engines = weakref.WeakKeyDictionary()  # model -> its default engine (Engine.for_model)
 
 
@@ -79,6 +80,19 @@ def _last_index(ids: list[int], token: int | None) -> int:
 
 def _size(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+def _pend(seq: Sequence, first: int, rows: torch.Tensor) -> None:
+    """Queue pairs for the MTP head: the hidden states rows [n, D] of the inputs at indices first.. (whose next
+    tokens are taken). Its next draft runs over them in one call; beyond MAX_PENDING it skips the oldest."""
+    if seq.mtp_pending is None:
+        seq.mtp_index, seq.mtp_pending = first, rows
+    else:
+        seq.mtp_pending = torch.cat([seq.mtp_pending, rows])
+    if len(seq.mtp_pending) > MAX_PENDING:
+        skip = len(seq.mtp_pending) - MAX_PENDING
+        seq.mtp_index += skip
+        seq.mtp_pending = seq.mtp_pending[skip:]
 
 
 def _start_history(seq: Sequence, logits: torch.Tensor) -> None:
@@ -413,12 +427,14 @@ class Engine:
         choice = self.draft_policy.choose(len(seqs)) if auto else 0  # drafts `auto` makes for the next step
         drafts = [s.drafts for s in seqs]
         if not (choice or any(drafts) or any(s.max_drafts and not s.auto_drafts for s in seqs)):
-            # nothing to verify and nothing to draft: a plain step (the MTP head skips these positions)
-            for s in seqs:
-                s.mtp_pending = None
-            logits = self.runner.decode(seqs)  # [B, V]
+            # nothing to verify and nothing to draft: a plain step. Its hidden states still go to the MTP head (at
+            # its next draft, in one call): a head that skipped them would draft a probe from a gapped context
+            inputs = [s.prompt_len + len(s.tokens) - 1 for s in seqs]  # each input's index
+            logits, hidden = self.runner.decode(seqs)  # [B, V], [B, D]
             for b, seq in enumerate(seqs):
                 self._run(outputs, [seq], lambda s=seq, row=logits[b:b + 1]: self._sample(s, row, outputs))
+                if seq.draft_state is not None and seq.finish_reason is None:
+                    _pend(seq, inputs[b], hidden[b:b + 1])
         else:
             verified = self.runner.verify(seqs, drafts)
             for seq, d, v in zip(seqs, drafts, verified):
@@ -452,11 +468,7 @@ class Engine:
         keep = min(kept + 1, len(taken))
         self.runner.commit(seq, verified, keep)
         if seq.draft_state is not None and seq.finish_reason is None:
-            rows = verified.hidden[:keep]
-            if seq.mtp_pending is None:
-                seq.mtp_index, seq.mtp_pending = first, rows
-            else:
-                seq.mtp_pending = torch.cat([seq.mtp_pending, rows])
+            _pend(seq, first, verified.hidden[:keep])
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         self._emit(seq, text, taken, outputs, logprobs=logprobs)
@@ -471,9 +483,7 @@ class Engine:
             ks.append(max(0, min(k, room)))
         if self.runner.mtp is not None:
             for s, d in zip(seqs, self.runner.draft(seqs, ks)):
-                s.drafts = d
-                if not d:
-                    s.mtp_pending = None  # the head skips these positions: drafting resumes from later ones
+                s.drafts = d  # none: the head's pairs wait for its next draft
         else:
             for s, k in zip(seqs, ks):
                 s.drafts = propose_ngram(s.prompt.ids + s.tokens, k) if k else []

@@ -15,11 +15,14 @@ from qwenrt.mtp import draft_head
 from qwenrt.multimodal import vision_embeddings
 
 
-def decode_step(model, input_ids: torch.Tensor, cache: HybridCache) -> torch.Tensor:
-    """input_ids [B, 1] continuing the sequences of `cache` -> logits [B, 1, V] fp32: the native decode plan where
-    there is one (the weight reads shared by the batch), else the modules."""
+def decode_step(model, input_ids: torch.Tensor, cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [B, 1] continuing the sequences of `cache` -> (logits [B, V] fp32, final-normed hidden [B, D]): the
+    native decode plan where there is one (the weight reads shared by the batch), else the modules."""
     plan = DecodePlan.for_model(model) if model.device.type == "cpu" else None
-    return plan(input_ids, cache) if plan is not None else model(input_ids, cache=cache)
+    if plan is not None:
+        return plan(input_ids, cache)
+    h = model.hidden_states(input_ids, cache)[:, -1]
+    return model.lm_head(h).float(), h
 
 
 def _has_vision_tokens(model, ids: list[int]) -> bool:
@@ -105,10 +108,10 @@ class ModelRunner:
         seq.mtp_pending = h[0, pairs:]  # [n - pairs, D]: at most the prompt's last position
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One new token for each sequence (its last sampled one) -> logits [B, V] fp32."""
+    def decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new token for each sequence (its last sampled one) -> (logits [B, V] fp32, hidden [B, D])."""
         ids = torch.tensor([[s.last_token] for s in seqs], device=self.model.device)  # [B, 1]
-        return decode_step(self.model, ids, HybridCache([s.state for s in seqs]))[:, -1]
+        return decode_step(self.model, ids, HybridCache([s.state for s in seqs]))
 
     @torch.inference_mode()
     def verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> list[Verified]:
