@@ -70,14 +70,14 @@ def main() -> None:
         logits = model(ids, cache=cache, logits_to_keep=1)
         token = logits[:, -1].argmax(-1, keepdim=True)
         for _ in range(args.steps):  # warm-up
-            token = decode_step(model, token, cache)[:, -1].argmax(-1, keepdim=True)
+            token = decode_step(model, token, cache)[0].argmax(-1, keepdim=True)
         if timed is not None:
             timed.seconds.clear(), timed.calls.clear()
         wall = []
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(args.steps):
                 start = time.perf_counter()
-                token = decode_step(model, token, cache)[:, -1].argmax(-1, keepdim=True)
+                token = decode_step(model, token, cache)[0].argmax(-1, keepdim=True)
                 wall.append(time.perf_counter() - start)
     per_token = sum(wall) / len(wall) * 1e3
     native = timed.seconds if timed is not None else {}
