@@ -4,26 +4,8 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "kernels.h"
 #include "layer_stack.h"
-
-std::vector<at::Tensor> gemv_bf16(at::Tensor x, std::vector<at::Tensor> ws, std::string mode);
-std::vector<at::Tensor> gemv_q8(at::Tensor x, std::vector<at::Tensor> qs, std::vector<at::Tensor> scales,
-                                std::string mode);
-std::vector<at::Tensor> gemv_q4(at::Tensor x, std::vector<at::Tensor> qs, std::vector<at::Tensor> scales,
-                                std::vector<at::Tensor> zeros, int64_t G, std::string mode);
-at::Tensor dequantize_q4(at::Tensor q, at::Tensor scales, at::Tensor zeros, int64_t G, c10::ScalarType dtype);
-at::Tensor gdn_decode_step(at::Tensor mixed, at::Tensor conv_state, at::Tensor conv_w, at::Tensor a, at::Tensor b,
-                           at::Tensor A_log, at::Tensor dt_bias, at::Tensor state, at::Tensor z, at::Tensor norm_w,
-                           int64_t num_k_heads, double eps, bool bf16);
-at::Tensor gdn_decode_steps(at::Tensor mixed, at::Tensor conv_state, at::Tensor conv_w, at::Tensor a, at::Tensor b,
-                            at::Tensor A_log, at::Tensor dt_bias, at::Tensor state, at::Tensor z, at::Tensor norm_w,
-                            int64_t num_k_heads, double eps, bool bf16, at::Tensor saved_conv,
-                            at::Tensor saved_state);
-std::vector<at::Tensor> rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor w, double eps);
-at::Tensor causal_conv1d(at::Tensor x, at::Tensor conv_state, at::Tensor conv_w);
-at::Tensor attention_decode_step(at::Tensor qg, at::Tensor k, at::Tensor v, at::Tensor q_norm_w, at::Tensor k_norm_w,
-                                 at::Tensor cos, at::Tensor sin, at::Tensor keys, at::Tensor values,
-                                 at::Tensor lengths, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using pybind11::arg;

@@ -3,6 +3,7 @@
 // and the sigmoid output gate. torch's CPU attention copies every cached key (the prefix of a cache row is not
 // contiguous across heads) and took ~14 ms per layer at 8K keys; this reads each cached key and value once, in fp32.
 #include <ATen/core/Tensor.h>
+#include "kernels.h"
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>

@@ -2,6 +2,7 @@
 // on the fp32 state (updated in place), and the gated RMSNorm of the output. Mirrors qwenrt/deltanet.py, whose
 // torch path is the reference (tests/test_kernels.py holds the two together).
 #include <ATen/core/Tensor.h>
+#include "kernels.h"
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>

@@ -10,6 +10,7 @@
 //   int4  q [N, K/2] uint8 (byte j of a group: column j low nibble, column j + G/2 high), s, z [N, K/G]:
 //         W = (q - 8)·s + z
 #include <ATen/core/Tensor.h>
+#include "kernels.h"
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>

@@ -1,6 +1,7 @@
 // Zero-centred RMSNorm, y = x·rsqrt(mean(x²) + eps)·(1 + w), computed in fp32 and rounded to x's dtype once,
 // optionally fused with the residual add that precedes it (x ← x + h, rounded to x's dtype, as torch adds).
 #include <ATen/core/Tensor.h>
+#include "kernels.h"
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
