@@ -140,10 +140,9 @@ constexpr int64_t kQ4Unit = 2 * kQ4UnitBytes;  // their columns
 
 struct Q4Input {
   std::vector<int16_t> x;           // [M, units, 4, 2·kLanes] fixed-point x in the order the nibbles unpack
-  std::vector<float> lane_scale;    // [M, periods, kLanes] the fixed-point scale of each product lane's group
   std::vector<float> sums;          // [M, groups (+ kLanes)] Σ x per group, of the fixed-point values
   FixedPoint fp;                    // x in fixed point per group, in column order (for a row's partial last unit)
-  int64_t units, periods, groups;
+  int64_t units, groups;
   std::array<int32_t, kLanes> lane_group;  // group of product lane j, relative to its period's first
 };
 
@@ -157,13 +156,10 @@ inline Q4Input q4_input(const at::Tensor& x, int64_t G) {
   in.fp = to_fixed_point(x, G);
   const FixedPoint& fp = in.fp;
   in.units = (row_bytes + kQ4UnitBytes - 1) / kQ4UnitBytes;
-  in.periods = (in.units + q4_units_per_period(G) - 1) / q4_units_per_period(G);
   in.groups = groups;
   for (int j = 0; j < kLanes; ++j) in.lane_group[j] = G < kQ4Unit ? static_cast<int32_t>(8 * j / G) : 0;
-  const int64_t groups_per_period = G < kQ4Unit ? kQ4Unit / G : 1;
   const int half_shift = __builtin_ctzll(G / 2);  // G is a power of two
   in.x.assign(M * in.units * 4 * 2 * kLanes, 0);
-  in.lane_scale.assign(M * in.periods * kLanes, 0.f);
   in.sums.assign(M * groups + kLanes, 0.f);
   for (int64_t m = 0; m < M; ++m) {
     const int16_t* q = fp.q.data() + m * fp.Kp;
@@ -174,11 +170,6 @@ inline Q4Input q4_input(const at::Tensor& x, int64_t G) {
       xm[(u * 4 + e) * 2 * kLanes + i] = q[low];
       xm[(u * 4 + e + 1) * 2 * kLanes + i] = q[low + G / 2];
     }
-    for (int64_t p = 0; p < in.periods; ++p)
-      for (int j = 0; j < kLanes; ++j) {
-        const int64_t g = std::min(groups - 1, p * groups_per_period + in.lane_group[j]);
-        in.lane_scale[(m * in.periods + p) * kLanes + j] = fp.scale[m * groups + g];
-      }
     for (int64_t g = 0; g < groups; ++g) {
       int64_t sum = 0;
       for (int64_t i = 0; i < G; ++i) sum += q[g * G + i];
@@ -217,26 +208,37 @@ void q4_periods(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64
   // matrices of a 0.8B int4 step: 18.8 vs 16.3 GB/s, AVX2 EPYC, medians of 6 interleaved runs).
   constexpr bool kFused = U == 1;
   constexpr int kRows = kFused ? block_rows(M, 0, 1, 9) : block_rows(M, 4 * U, 1, 10);
-  std::vector<float> sc(kRows * groups + kLanes, 0.f);  // fp32 scales of the block's rows
+  // sc[(m·kRows + r)·groups + g]: the block's row r's scale of group g times x row m's fixed-point scale there, the
+  // one factor an integer sum needs (x's scales are powers of two: the product is exact)
+  std::vector<float> sc(M * kRows * groups + kLanes, 0.f);
+  const float* xscale = in.fp.scale.data();  // [M, groups]
+  // the scale of a period's sums: one group per period from groups of 64 columns on (a broadcast), else a lane's
+  auto period_scale = [&](const float* scr, int64_t p) {
+    return groups_per_period == 1 ? set1(scr[p]) : permute(load(scr + p * groups_per_period), lane_group);
+  };
   over_rows<kRows>(n0, n1, [&](auto rows, int64_t n) {
     constexpr int R = decltype(rows)::value;
     float offset[M][R];  // Σ_g (z - 8·s)·Σx: each weight enters the integer sums as its code q = w/s - z/s + 8
     for (int r = 0; r < R; ++r) {
       const uint16_t* sr = s.scales + (n + r) * groups;
       const uint16_t* zr = s.zeros + (n + r) * groups;
-      float* scr = sc.data() + r * groups;
       F off[M];
       for (int m = 0; m < M; ++m) off[m] = zero();
       int64_t g = 0;
       for (; g + kLanes <= groups; g += kLanes) {
         const F sv = load_bf16(sr + g), coef = fnmadd(sv, set1(8.f), load_bf16(zr + g));
-        store(scr + g, sv);
-        for (int m = 0; m < M; ++m) off[m] = fmadd(coef, load(in.sums.data() + m * groups + g), off[m]);
+        for (int m = 0; m < M; ++m) {
+          store(sc.data() + (m * kRows + r) * groups + g, mul(sv, load(xscale + m * groups + g)));
+          off[m] = fmadd(coef, load(in.sums.data() + m * groups + g), off[m]);
+        }
       }
       for (int m = 0; m < M; ++m) offset[m][r] = reduce_add(off[m]);
       for (; g < groups; ++g) {
-        scr[g] = bf16_to_float(sr[g]);
-        for (int m = 0; m < M; ++m) offset[m][r] += (bf16_to_float(zr[g]) - 8.f * scr[g]) * in.sums[m * groups + g];
+        const float sv = bf16_to_float(sr[g]);
+        for (int m = 0; m < M; ++m) {
+          sc[(m * kRows + r) * groups + g] = sv * xscale[m * groups + g];
+          offset[m][r] += (bf16_to_float(zr[g]) - 8.f * sv) * in.sums[m * groups + g];
+        }
       }
     }
     F acc[M][R];  // initialised apart from the loops above, so that the compiler keeps it in registers
@@ -250,13 +252,12 @@ void q4_periods(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64
           const I v = load_i(block + r * row_bytes + p * kQ4UnitBytes);
           const I e0 = and_i(v, low4), e1 = and_i(srli_i16<4>(v), low4), e2 = and_i(srli_i16<8>(v), low4);
           const I e3 = srli_i16<12>(v);
-          const F sl = permute(load(sc.data() + r * groups + p * groups_per_period), lane_group);
           for (int m = 0; m < M; ++m) {
             const int16_t* xu = in.x.data() + (m * in.units + p) * 8 * kLanes;
             const I s01 = add_i32(madd_i16(e0, load_i(xu)), madd_i16(e1, load_i(xu + 2 * kLanes)));
             const I s23 = add_i32(madd_i16(e2, load_i(xu + 4 * kLanes)), madd_i16(e3, load_i(xu + 6 * kLanes)));
-            acc[m][r] = fmadd(to_float(add_i32(s01, s23)),
-                              mul(sl, load(in.lane_scale.data() + (m * in.periods + p) * kLanes)), acc[m][r]);
+            acc[m][r] = fmadd(to_float(add_i32(s01, s23)), period_scale(sc.data() + (m * kRows + r) * groups, p),
+                              acc[m][r]);
           }
         }
         continue;
@@ -274,12 +275,9 @@ void q4_periods(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64
             isum[m][r] = u == 0 ? add_i32(s01, s23) : add_i32(isum[m][r], add_i32(s01, s23));
           }
         }
-      for (int r = 0; r < R; ++r) {
-        const F sl = permute(load(sc.data() + r * groups + p * groups_per_period), lane_group);
+      for (int r = 0; r < R; ++r)
         for (int m = 0; m < M; ++m)
-          acc[m][r] = fmadd(to_float(isum[m][r]), mul(sl, load(in.lane_scale.data() + (m * in.periods + p) * kLanes)),
-                            acc[m][r]);
-      }
+          acc[m][r] = fmadd(to_float(isum[m][r]), period_scale(sc.data() + (m * kRows + r) * groups, p), acc[m][r]);
     }
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < R; ++r) s.out[m * s.N + n + r] = reduce_add(acc[m][r]) + offset[m][r];
