@@ -93,8 +93,10 @@ def test_int4_dequantization_kernel_equals_reference(G):
     pieces = quantize_weight(torch.randn(48, 512, generator=torch.Generator().manual_seed(G)), QuantSpec(4, G))
     exact = dequantize_weight(pieces, QuantSpec(4, G))
     args = (pieces["qweight"], pieces["scales"], pieces["zeros"], G)
-    assert torch.equal(cpu_kernels().dequantize_q4(*args, torch.float32), exact)
-    assert torch.equal(cpu_kernels().dequantize_q4(*args, torch.bfloat16), exact.bfloat16())
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.full(exact.shape, float("nan"), dtype=dtype)
+        cpu_kernels().dequantize_q4(*args, out)
+        assert torch.equal(out, exact.to(dtype))
 
 
 def test_linear_dispatch_equals_f_linear():

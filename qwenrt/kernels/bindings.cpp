@@ -15,7 +15,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("x"), arg("qs"), arg("scales"), arg("mode"));
   m.def("gemv_q4", &gemv_q4, "x [M<=8, K] bf16 · each int4 W (stored layout, groups of G) -> [M, N] per weight",
         arg("x"), arg("qs"), arg("scales"), arg("zeros"), arg("G"), arg("mode"));
-  m.def("dequantize_q4", &dequantize_q4, "int4 stored layout -> dense weight (bf16 or fp32)");
+  m.def("dequantize_q4", &dequantize_q4, "int4 stored layout -> the dense weight written into out (bf16 or fp32)",
+        arg("q"), arg("scales"), arg("zeros"), arg("G"), arg("out"));
   m.def("attention_decode_step", &attention_decode_step,
         "q/k norm, RoPE, KV write, attention and output gate for one new token per sequence");
   m.def("rms_norm", &rms_norm, "zero-centred RMSNorm: (x [+ residual], normed)");

@@ -202,16 +202,17 @@ std::vector<at::Tensor> gemv_q4(at::Tensor x, std::vector<at::Tensor> qs, std::v
   return outs.finish(x, mode);
 }
 
-// int4 stored layout -> W [N, K] in `dtype` (bf16 or fp32): prefill multiplies by it with torch's GEMM.
-at::Tensor dequantize_q4(at::Tensor q, at::Tensor scales, at::Tensor zeros, int64_t G,
-                            c10::ScalarType dtype) {
+// int4 stored layout -> W [N, K] written into out (bf16 or fp32), returned: prefill multiplies by it with torch's
+// GEMM (fp32 slices into one reused buffer, qwenrt/ops/linear.py).
+at::Tensor dequantize_q4(at::Tensor q, at::Tensor scales, at::Tensor zeros, int64_t G, at::Tensor out) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous(), "dequantize_q4: uint8 [N, K/2]");
   const int64_t N = q.size(0), K = 2 * q.size(1), groups = K / G;
   TORCH_CHECK(K % G == 0 && scales.numel() == N * groups && zeros.numel() == N * groups &&
               scales.scalar_type() == at::kBFloat16 && zeros.scalar_type() == at::kBFloat16 &&
               scales.is_contiguous() && zeros.is_contiguous(), "dequantize_q4: bf16 scales/zeros [N, K/G]");
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "dequantize_q4: bf16 or fp32 output");
-  auto out = at::empty({N, K}, q.options().dtype(dtype));
+  const auto dtype = out.scalar_type();
+  TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kFloat) && out.dim() == 2 && out.size(0) == N &&
+              out.size(1) == K && out.is_contiguous(), "dequantize_q4: out is a contiguous bf16 or fp32 [N, K]");
   const uint8_t* Q = q.data_ptr<uint8_t>();
   const auto* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
   const auto* Z = reinterpret_cast<const uint16_t*>(zeros.data_ptr<at::BFloat16>());

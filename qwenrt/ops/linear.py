@@ -7,6 +7,8 @@ instead of one per weight and elementwise op. On CPUs without bf16 arithmetic th
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,7 +18,7 @@ from qwenrt.kernels import inference_kernels, native_bf16_matmul
 MAX_KERNEL_ROWS = 8  # the kernels stream each weight once for up to this many activation rows
 GEMV_GEMM_ROWS = 64  # where bf16 products are emulated, up to this many rows go through the kernels 8 at a time:
 # faster than widening the whole weight to fp32 for torch's GEMM (bench/README.md: 85 vs 70 GFLOP/s at 64 rows)
-SLICE = 1 << 24  # weight elements converted to fp32 at a time: bounded temporaries (64 MB) for the biggest
+SLICE = 1 << 22  # weight elements converted to fp32 at a time, in one buffer kept per thread (16 MB)
 
 
 def by_row_groups(call, x2: torch.Tensor) -> list[torch.Tensor] | None:
@@ -107,21 +109,36 @@ def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if kernels is not None:
             y = by_row_groups(lambda rows: kernels.gemv_bf16(rows, [weight], "bf16"), x2.contiguous())[0]
             return y.view(*x.shape[:-1], weight.shape[0])
-        return fp32_gemm(x, weight.shape[0], lambda n0, n1: weight[n0:n1].float())
+        return fp32_gemm(x, weight.shape[0], lambda n0, n1, w: w.copy_(weight[n0:n1]))
     return F.linear(x, weight)
 
 
-def fp32_gemm(x: torch.Tensor, N: int, weight_fp32) -> torch.Tensor:
-    """x [..., K] · W [N, K]ᵀ -> [..., N] in x's dtype, computed in fp32 from `weight_fp32(n0, n1)` -> W[n0:n1]
-    fp32, a slice of rows at a time. The sums are torch's fp32 GEMM's, rounded once: as a bf16 GEMM rounds, at the
-    FMA rate of the CPU's fp32 units rather than of emulated bf16 (bench/README.md: ~5x the prefill on AVX2)."""
+_slices = threading.local()
+
+
+def _slice_buffer(numel: int) -> torch.Tensor:
+    """This thread's fp32 buffer for weight slices, at least numel elements. Reused because a fresh buffer of tens
+    of MB per matrix costs its page faults each time: in a 0.8B prefill that made a 6144 x 1024 bf16 -> fp32 copy
+    ~27 ms instead of ~4 (AVX2 EPYC, torch profiler), 7-16% of the prefill."""
+    buffer = getattr(_slices, "buffer", None)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _slices.buffer = torch.empty(numel)
+    return buffer[:numel]
+
+
+def fp32_gemm(x: torch.Tensor, N: int, fill_fp32) -> torch.Tensor:
+    """x [..., K] · W [N, K]ᵀ -> [..., N] in x's dtype, computed in fp32 a slice of rows at a time:
+    `fill_fp32(n0, n1, w)` writes W[n0:n1] in fp32 into w [n1 - n0, K]. The sums are torch's fp32 GEMM's, rounded
+    once: as a bf16 GEMM rounds, at the FMA rate of the CPU's fp32 units rather than of emulated bf16
+    (bench/README.md: ~5x the prefill on AVX2)."""
     K = x.shape[-1]
     x32 = x.reshape(-1, K).float()  # [M, K]
-    step = max(1, SLICE // K)
-    if N <= step:
-        return (x32 @ weight_fp32(0, N).t()).to(x.dtype).view(*x.shape[:-1], N)
+    step = min(N, max(1, SLICE // K))
+    buffer = _slice_buffer(step * K)
     out = torch.empty(x32.shape[0], N, dtype=x.dtype)
     for n0 in range(0, N, step):
         n1 = min(N, n0 + step)
-        out[:, n0:n1] = x32 @ weight_fp32(n0, n1).t()
+        w = buffer[:(n1 - n0) * K].view(n1 - n0, K)
+        fill_fp32(n0, n1, w)
+        out[:, n0:n1] = x32 @ w.t()
     return out.view(*x.shape[:-1], N)
