@@ -228,8 +228,14 @@ class QuantLinear(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, w, self.spec.group_size, s.to(x.dtype))
         elif self.spec.bits == 8 and x2.shape[0] <= SMALL_M:
             y = torch.ops.aten._weight_int8pack_mm(_aligned(x2), _aligned(w), s.to(x.dtype))
-        elif emulated_bf16(x2):  # prefill where bf16 products are emulated: fp32 slices of the weight, fp32 GEMM
-            y = fp32_gemm(x2, self.out_features, self._fp32_rows(kernels, w, s, z))
+        elif emulated_bf16(x2) and kernels is not None:  # prefill in int32 block sums (kernels/cpu_gemm.cpp)
+            if self.spec.bits == 8:
+                y = kernels.gemm_q8(x2, w, s)
+            else:
+                y = kernels.gemm_q4(x2, w, s, z, self.spec.group_size)
+        elif emulated_bf16(x2):  # the same without the kernels (int8; int4 is in torch's layout then): fp32 slices of
+            # the weight, dequantized exactly (int8 -> fp32, times the fp32 scale), through torch's fp32 GEMM
+            y = fp32_gemm(x2, self.out_features, lambda n0, n1, out: out.copy_(w[n0:n1]).mul_(s[n0:n1, None].float()))
         elif self.spec.bits == 4:  # prefill: dequantize this one matrix natively and use the GEMM
             dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.float32
             dense = kernels.dequantize_q4(w, s, z, self.spec.group_size,
@@ -238,12 +244,6 @@ class QuantLinear(nn.Module):
         else:  # prefill: dequantize this one matrix and use the GEMM (about 2.5x the int8 kernel at M = 512)
             y = F.linear(x2, w * s.to(x.dtype)[:, None])  # int8 · bf16 promotes to bf16 in one pass, exactly
         return y.reshape(*x.shape[:-1], self.out_features)
-
-    def _fp32_rows(self, kernels, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None):
-        """(n0, n1, out) -> out [n1 - n0, K] fp32 holding the dequantized rows W[n0:n1], exactly `dequantize_weight`'s."""
-        if self.spec.bits == 8:  # int8 -> fp32 exactly, then the one product by the fp32 scale: exact
-            return lambda n0, n1, out: out.copy_(w[n0:n1]).mul_(s[n0:n1].float()[:, None])
-        return lambda n0, n1, out: kernels.dequantize_q4(w[n0:n1], s[n0:n1], z[n0:n1], self.spec.group_size, out)
 
     def _native(self, kernels, x2: torch.Tensor, weights: list[tuple], mode: str) -> list[torch.Tensor] | None:
         """x2 [M <= 8, K] through each (qweight, scales, zeros) with the native kernel, or None where it has none

@@ -88,6 +88,30 @@ def test_quantized_gemv_matches_its_dequantized_weight(M, spec):
 
 
 @needs_kernels
+@pytest.mark.parametrize("spec", [QuantSpec(8), QuantSpec(4, 32), QuantSpec(4, 64), QuantSpec(4, 128)], ids=str)
+def test_prefill_gemm_matches_its_dequantized_weight_and_the_gemv(spec):
+    """The prefill GEMMs take x in the GEMVs' fixed point and sum each block (int8: 256 columns, int4: a group)
+    exactly in int32: within one bf16 rounding of the fp64 product with the dequantized weight, and equal to the
+    GEMV's rows but for summation order (one bf16 ulp at most). Shapes with rows past whole tiles, columns past
+    whole panels and blocks."""
+    g = torch.Generator().manual_seed(spec.bits)
+    kernels = cpu_kernels()
+    for M, N, K in [(1, 16, 256), (7, 37, 384), (70, 100, 640), (129, 33, 1024)]:
+        x = torch.randn(M, K, generator=g).bfloat16()
+        stored = quantize_weight(torch.randn(N, K, generator=g) * 0.02, spec)
+        pieces = [stored[name] for name in ("qweight", "scales", "zeros") if name in stored]
+        if spec.bits == 8:
+            y, rows = kernels.gemm_q8(x, *pieces), kernels.gemv_q8(x[:8].contiguous(), *[[p] for p in pieces], "bf16")
+        else:
+            y = kernels.gemm_q4(x, *pieces, spec.group_size)
+            rows = kernels.gemv_q4(x[:8].contiguous(), *[[p] for p in pieces], spec.group_size, "bf16")
+        assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+        ref = x.double() @ dequantize_weight(stored, spec).double().t()
+        assert rel_err(y, ref) < 4e-3, (M, N, K)  # one bf16 rounding of each output
+        assert torch.allclose(y[:8].float(), rows[0].float(), rtol=2 ** -7, atol=1e-6), (M, N, K)
+
+
+@needs_kernels
 @pytest.mark.parametrize("G", [32, 64, 128])
 def test_int4_dequantization_kernel_equals_reference(G):
     pieces = quantize_weight(torch.randn(48, 512, generator=torch.Generator().manual_seed(G)), QuantSpec(4, G))

@@ -2,11 +2,14 @@
 // 16-bit fixed point for the integer formats.
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "simd.h"
 
 namespace qwenrt::gemv {
 
@@ -41,26 +44,45 @@ struct FixedPoint {  // x in 16-bit fixed point per block of columns, zero padde
 };
 
 // A power-of-two scale per block: exact for every element within 2^8 of its block's largest (8 significant bits
-// fit in 15), the smaller ones off by at most 2^-16 of that largest.
+// fit in 15), the smaller ones off by at most 2^-16 of that largest. Blocks are split over the threads (a prefill
+// GEMM converts hundreds of rows); NaN is skipped by the largest and becomes 32767, as std::max/min would have it.
 inline FixedPoint to_fixed_point(const at::Tensor& x, int64_t block) {
+  using namespace qwenrt::simd;
   const int64_t M = x.size(0), K = x.size(1);
   const int64_t Kp = (K + block - 1) / block * block, blocks = Kp / block;
   const auto* X = reinterpret_cast<const uint16_t*>(x.data_ptr());  // bf16
   FixedPoint in{std::vector<int16_t>(M * Kp, 0), std::vector<float>(M * blocks), Kp};
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < blocks; ++b) {
+  at::parallel_for(0, M * blocks, std::max<int64_t>(1, 65536 / block), [&](int64_t i0, int64_t i1) {
+    std::vector<int32_t> wide(block);
+    float lanes[kLanes];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t m = i / blocks, b = i % blocks;
       const uint16_t* xb = X + m * K + b * block;
-      const int64_t width = std::min(block, K - b * block);
+      const int64_t width = std::min(block, K - b * block), vec = width / kLanes * kLanes;
+      F largest = zero();
+      for (int64_t j = 0; j < vec; j += kLanes) {
+        const F v = load_bf16(xb + j);
+        largest = max(max(v, sub(zero(), v)), largest);  // a NaN lane keeps the largest so far
+      }
+      store(lanes, largest);
       float amax = 0.f;
-      for (int64_t i = 0; i < width; ++i) amax = std::max(amax, std::fabs(bf16_to_float(xb[i])));
+      for (float v : lanes) amax = std::max(amax, v);
+      for (int64_t j = vec; j < width; ++j) amax = std::max(amax, std::fabs(bf16_to_float(xb[j])));
       int e = 0;
       std::frexp(amax, &e);  // amax = f·2^e, f in [0.5, 1): |x| / 2^(e-15) < 2^15
-      in.scale[m * blocks + b] = amax > 0.f ? std::ldexp(1.0f, e - 15) : 0.f;
+      in.scale[i] = amax > 0.f ? std::ldexp(1.0f, e - 15) : 0.f;
       const float inv = amax > 0.f ? std::ldexp(1.0f, 15 - e) : 0.f;
+      for (int64_t j = 0; j < vec; j += kLanes) {  // min first: NaN -> 32767
+        const F v = max(min(mul(load_bf16(xb + j), set1(inv)), set1(32767.f)), set1(-32767.f));
+        const I q = to_int(v);
+        std::memcpy(wide.data() + j, &q, sizeof q);
+      }
+      for (int64_t j = vec; j < width; ++j)
+        wide[j] = static_cast<int32_t>(std::max(-32767.f, std::min(32767.f, std::nearbyint(bf16_to_float(xb[j]) * inv))));
       int16_t* qb = in.q.data() + m * Kp + b * block;
-      for (int64_t i = 0; i < width; ++i)
-        qb[i] = static_cast<int16_t>(std::max(-32767.f, std::min(32767.f, std::nearbyint(bf16_to_float(xb[i]) * inv))));
+      for (int64_t j = 0; j < width; ++j) qb[j] = static_cast<int16_t>(wide[j]);
     }
+  });
   return in;
 }
 

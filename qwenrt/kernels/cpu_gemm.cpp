@@ -1,0 +1,209 @@
+// Prefill products for the int8 and int4 weight formats (M rows of x at once) on CPUs without native bf16
+// arithmetic. x is taken in 16-bit fixed point per block of columns, as the GEMVs take it (gemv_common.h); the
+// weights are widened to int16 a panel of kNR rows at a time, laid out so that one vector holds kLanes rows × 2
+// columns; vpmaddwd multiplies them by a broadcast pair of x columns, 2·kLanes exact products summed into int32
+// per instruction, and each block's integer sums are scaled in fp32. Nothing is rounded before the block sums.
+// Against widening the weight to fp32 for torch's GEMM it saves the widened copies, not arithmetic: on Zen 3
+// vpmaddwd issues about once per cycle (2·kLanes products), as many products as the two fp32 FMA pipes (one core,
+// hot: ~50 vs ~40 GMAC/s). Doubling that takes 8-bit activations (vpmaddubsw), a numerics change not made here.
+//
+// int8  W = q·s (row scales): per block of kQ8Block columns Σ q·x_q exactly, times x's block scale, summed in fp32,
+//       times s at the end.
+// int4  W = (q - 8)·s + z (per row and group of G columns): per group Σ (q - 8)·x_q times s·(x's group scale),
+//       plus z·Σx over the group.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+
+#include "gemv_common.h"
+#include "kernels.h"
+#include "simd.h"
+
+namespace {
+
+using namespace qwenrt::gemv;
+using namespace qwenrt::simd;
+
+constexpr int kMR = 4;           // x rows per tile: 2·kMR int32 accumulators, 2 weight vectors, a broadcast
+constexpr int kNR = 2 * kLanes;  // weight rows (output columns) per panel
+
+// A panel: int16 [pairs][kNR][2], the weight rows n0 + j of column pair p at (p·kNR + j)·2, zero past N and K.
+// `row(n, codes)` writes row n's K int16 values into codes.
+template <typename Row>
+void pack(int64_t N, int64_t K, int64_t pairs, int64_t n0, int16_t* panel, std::vector<int16_t>& codes, Row&& row) {
+  for (int j = 0; j < kNR; ++j) {
+    std::fill(codes.begin(), codes.end(), 0);  // [2·pairs]: zero past K
+    if (n0 + j < N) row(n0 + j, codes.data());
+    int16_t* d = panel + 2 * j;
+    for (int64_t p = 0; p < pairs; ++p) std::memcpy(d + p * 2 * kNR, codes.data() + 2 * p, 4);
+  }
+}
+
+// The int32 sums of kMR (or fewer: rows) x rows with the panel's kNR rows over column pairs [p0, p1), handed to
+// `fold(m, sums over rows 0..kLanes-1, sums over kLanes..kNR-1)`.
+template <int Rows, typename Fold>
+inline void tile_sums(const int16_t* const* x, const int16_t* panel, int64_t p0, int64_t p1, Fold&& fold) {
+  I lo[Rows], hi[Rows];
+  for (int m = 0; m < Rows; ++m) lo[m] = hi[m] = zero_i();
+  for (int64_t p = p0; p < p1; ++p) {
+    const I w0 = load_i(panel + p * 2 * kNR), w1 = load_i(panel + p * 2 * kNR + 2 * kLanes);
+    for (int m = 0; m < Rows; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x[m] + 2 * p, 4);
+      const I xb = set1_i32(pair);
+      lo[m] = add_i32(lo[m], madd_i16(w0, xb));
+      hi[m] = add_i32(hi[m], madd_i16(w1, xb));
+    }
+  }
+  for (int m = 0; m < Rows; ++m) fold(m, lo[m], hi[m]);
+}
+
+template <typename Fn>
+void dispatch_rows(int64_t rows, Fn&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, kMR>{}); break;
+  }
+}
+
+// The driver: panels of kNR weight rows split over the threads, each thread packing its own (`pack_panel(n0,
+// panel, codes)`) once; then x a block of rows at a time (kept in the core's L2 while every panel of the thread
+// passes by), a tile of kMR rows per call of `tile(rows, m0, n0, panel, acc)`, which leaves the fp32 results
+// [rows][kNR] in acc, rounded once to bf16 here.
+template <typename PackPanel, typename Tile>
+at::Tensor run_panels(const at::Tensor& x, int64_t N, int64_t pairs, PackPanel&& pack_panel, Tile&& tile) {
+  const int64_t M = x.size(0), panels = (N + kNR - 1) / kNR, panel_size = pairs * 2 * kNR;
+  const int64_t block_rows = std::max<int64_t>(kMR, (int64_t{1} << 17) / (2 * pairs) / kMR * kMR);  // x: 256 KB
+  auto y = at::empty({M, N}, x.options());
+  at::BFloat16* Y = y.data_ptr<at::BFloat16>();
+  std::vector<int16_t> packed(panels * panel_size);
+  at::parallel_for(0, panels, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<int16_t> codes(2 * pairs);
+    for (int64_t t = t0; t < t1; ++t) pack_panel(t * kNR, packed.data() + t * panel_size, codes);
+    float acc[kMR * kNR];
+    for (int64_t b0 = 0; b0 < M; b0 += block_rows)
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * kNR, width = std::min<int64_t>(kNR, N - n0);
+        for (int64_t m0 = b0; m0 < std::min(M, b0 + block_rows); m0 += kMR) {
+          const int64_t rows = std::min<int64_t>(kMR, M - m0);
+          tile(rows, m0, n0, packed.data() + t * panel_size, acc);
+          for (int64_t m = 0; m < rows; ++m)
+            for (int64_t j = 0; j < width; ++j) Y[(m0 + m) * N + n0 + j] = static_cast<at::BFloat16>(acc[m * kNR + j]);
+        }
+      }
+  });
+  return y;
+}
+
+void check_x(const at::Tensor& x, int64_t K, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              name, ": x must be contiguous bf16 [M, K]");
+}
+
+}  // namespace
+
+// x [M, K] bf16 · int8 q [N, K] with bf16 row scales s [N] -> [M, N] bf16
+at::Tensor gemm_q8(at::Tensor x, at::Tensor q, at::Tensor scales) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(), "gemm_q8: int8 weights [N, K]");
+  const int64_t N = q.size(0), K = q.size(1);
+  check_x(x, K, "gemm_q8");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.numel() == N,
+              "gemm_q8: bf16 scales [N]");
+  const FixedPoint in = to_fixed_point(x, kQ8Block);
+  const int64_t blocks = in.Kp / kQ8Block, pairs = in.Kp / 2;
+  const int8_t* Q = q.data_ptr<int8_t>();
+  const auto* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  return run_panels(
+      x, N, pairs,
+      [&](int64_t n0, int16_t* panel, std::vector<int16_t>& codes) {
+        pack(N, K, pairs, n0, panel, codes, [&](int64_t n, int16_t* row) {
+          for (int64_t k = 0; k < K; ++k) row[k] = Q[n * K + k];
+        });
+      },
+      [&](int64_t rows, int64_t m0, int64_t n0, const int16_t* panel, float* acc) {
+        dispatch_rows(rows, [&](auto r) {
+          constexpr int Rows = decltype(r)::value;
+          const int16_t* xr[Rows];
+          for (int m = 0; m < Rows; ++m) xr[m] = in.q.data() + (m0 + m) * in.Kp;
+          std::fill(acc, acc + Rows * kNR, 0.f);  // fp32 sums in memory: the registers hold the int32 ones
+          for (int64_t b = 0; b < blocks; ++b)
+            tile_sums<Rows>(xr, panel, b * kQ8Block / 2, (b + 1) * kQ8Block / 2, [&](int m, I l, I h) {
+              const F xs = set1(in.scale[(m0 + m) * blocks + b]);
+              store(acc + m * kNR, fmadd(to_float(l), xs, load(acc + m * kNR)));
+              store(acc + m * kNR + kLanes, fmadd(to_float(h), xs, load(acc + m * kNR + kLanes)));
+            });
+          float s[kNR];
+          for (int j = 0; j < kNR; ++j) s[j] = n0 + j < N ? bf16_to_float(S[n0 + j]) : 0.f;
+          for (int m = 0; m < Rows; ++m)
+            for (int v = 0; v < kNR; v += kLanes) store(acc + m * kNR + v, mul(load(acc + m * kNR + v), load(s + v)));
+        });
+      });
+}
+
+// x [M, K] bf16 · int4 q [N, K/2] (stored layout, groups of G) with bf16 scales/zeros [N, K/G] -> [M, N] bf16
+at::Tensor gemm_q4(at::Tensor x, at::Tensor q, at::Tensor scales, at::Tensor zeros, int64_t G) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous(), "gemm_q4: uint8 weights [N, K/2]");
+  const int64_t N = q.size(0), K = 2 * q.size(1), groups = K / std::max<int64_t>(G, 1);
+  check_x(x, K, "gemm_q4");
+  TORCH_CHECK((G == 32 || G == 64 || G == 128) && K % G == 0, "gemm_q4: group size / K");
+  for (const auto* t : {&scales, &zeros})
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->numel() == N * groups,
+                "gemm_q4: bf16 scales and zeros [N, K/G]");
+  const FixedPoint in = to_fixed_point(x, G);  // Kp == K
+  const int64_t M = x.size(0), pairs = K / 2;
+  std::vector<float> sums(M * groups);  // Σx per row and group, of the fixed-point values (as the GEMV takes it)
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t g = 0; g < groups; ++g) {
+        int64_t sum = 0;
+        for (int64_t i = 0; i < G; ++i) sum += in.q[m * K + g * G + i];
+        sums[m * groups + g] = static_cast<float>(sum) * in.scale[m * groups + g];
+      }
+  });
+  const uint8_t* Q = q.data_ptr<uint8_t>();
+  const auto* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  const auto* Z = reinterpret_cast<const uint16_t*>(zeros.data_ptr<at::BFloat16>());
+  // per panel, its rows' scales and zeros by group: [panels][groups][kNR] fp32 (zero past N)
+  const int64_t panels = (N + kNR - 1) / kNR;
+  std::vector<float> panel_s(panels * groups * kNR, 0.f), panel_z(panels * groups * kNR, 0.f);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = (n / kNR * groups + g) * kNR + n % kNR;
+      panel_s[at] = bf16_to_float(S[n * groups + g]);
+      panel_z[at] = bf16_to_float(Z[n * groups + g]);
+    }
+  return run_panels(
+      x, N, pairs,
+      [&](int64_t n0, int16_t* panel, std::vector<int16_t>& codes) {
+        pack(N, K, pairs, n0, panel, codes, [&](int64_t n, int16_t* row) {  // code - 8: W = code·s + z
+          const uint8_t* bytes = Q + n * pairs;
+          for (int64_t g = 0; g < groups; ++g)
+            for (int64_t j = 0; j < G / 2; ++j) {
+              row[g * G + j] = static_cast<int16_t>((bytes[g * G / 2 + j] & 15) - 8);
+              row[g * G + G / 2 + j] = static_cast<int16_t>((bytes[g * G / 2 + j] >> 4) - 8);
+            }
+        });
+      },
+      [&](int64_t rows, int64_t m0, int64_t n0, const int16_t* panel, float* acc) {
+        const float* ps = panel_s.data() + n0 / kNR * groups * kNR;
+        const float* pz = panel_z.data() + n0 / kNR * groups * kNR;
+        dispatch_rows(rows, [&](auto r) {
+          constexpr int Rows = decltype(r)::value;
+          const int16_t* xr[Rows];
+          for (int m = 0; m < Rows; ++m) xr[m] = in.q.data() + (m0 + m) * K;
+          std::fill(acc, acc + Rows * kNR, 0.f);
+          for (int64_t g = 0; g < groups; ++g)
+            tile_sums<Rows>(xr, panel, g * G / 2, (g + 1) * G / 2, [&](int m, I l, I h) {
+              const F xs = set1(in.scale[(m0 + m) * groups + g]), sx = set1(sums[(m0 + m) * groups + g]);
+              const I parts[2] = {l, h};
+              for (int v = 0; v < 2; ++v) {
+                float* a = acc + m * kNR + v * kLanes;
+                const F s = load(ps + g * kNR + v * kLanes), z = load(pz + g * kNR + v * kLanes);
+                store(a, fmadd(to_float(parts[v]), mul(s, xs), fmadd(z, sx, load(a))));
+              }
+            });
+        });
+      });
+}
