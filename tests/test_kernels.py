@@ -93,10 +93,10 @@ def test_prefill_gemm_matches_its_dequantized_weight_and_the_gemv(spec):
     """The prefill GEMMs take x in the GEMVs' fixed point and sum each block (int8: 256 columns, int4: a group)
     exactly in int32: within one bf16 rounding of the fp64 product with the dequantized weight, and equal to the
     GEMV's rows but for summation order (one bf16 ulp at most). Shapes with rows past whole tiles, columns past
-    whole panels and blocks."""
+    whole panels and blocks, and more weight rows than one packed slice holds (4096 at K = 1024)."""
     g = torch.Generator().manual_seed(spec.bits)
     kernels = cpu_kernels()
-    for M, N, K in [(1, 16, 256), (7, 37, 384), (70, 100, 640), (129, 33, 1024)]:
+    for M, N, K in [(1, 16, 256), (7, 37, 384), (70, 100, 640), (129, 33, 1024), (9, 4200, 1024)]:
         x = torch.randn(M, K, generator=g).bfloat16()
         stored = quantize_weight(torch.randn(N, K, generator=g) * 0.02, spec)
         pieces = [stored[name] for name in ("qweight", "scales", "zeros") if name in stored]

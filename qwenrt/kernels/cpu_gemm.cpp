@@ -68,32 +68,41 @@ void dispatch_rows(int64_t rows, Fn&& f) {
   }
 }
 
-// The driver: panels of kNR weight rows split over the threads, each thread packing its own (`pack_panel(n0,
-// panel, codes)`) once; then x a block of rows at a time (kept in the core's L2 while every panel of the thread
-// passes by), a tile of kMR rows per call of `tile(rows, m0, n0, panel, acc)`, which leaves the fp32 results
-// [rows][kNR] in acc, rounded once to bf16 here.
+// The driver: N in slices of panels (at most kSliceBytes packed), each slice's panels split over the threads, each
+// thread packing its own (`pack_panel(n0, panel, codes)`) once; then x a block of rows at a time (kept in the core's
+// L2 while every panel of the thread passes by), a tile of kMR rows per call of `tile(rows, m0, n0, panel, acc)`,
+// which leaves the fp32 results [rows][kNR] in acc, rounded once to bf16 here.
+constexpr int64_t kSliceBytes = int64_t{8} << 20;
+
 template <typename PackPanel, typename Tile>
 at::Tensor run_panels(const at::Tensor& x, int64_t N, int64_t pairs, PackPanel&& pack_panel, Tile&& tile) {
   const int64_t M = x.size(0), panels = (N + kNR - 1) / kNR, panel_size = pairs * 2 * kNR;
   const int64_t block_rows = std::max<int64_t>(kMR, (int64_t{1} << 17) / (2 * pairs) / kMR * kMR);  // x: 256 KB
+  const int64_t slice = std::max<int64_t>(1, kSliceBytes / (2 * panel_size));  // panels
   auto y = at::empty({M, N}, x.options());
   at::BFloat16* Y = y.data_ptr<at::BFloat16>();
-  std::vector<int16_t> packed(panels * panel_size);
-  at::parallel_for(0, panels, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<int16_t> codes(2 * pairs);
-    for (int64_t t = t0; t < t1; ++t) pack_panel(t * kNR, packed.data() + t * panel_size, codes);
-    float acc[kMR * kNR];
-    for (int64_t b0 = 0; b0 < M; b0 += block_rows)
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t n0 = t * kNR, width = std::min<int64_t>(kNR, N - n0);
-        for (int64_t m0 = b0; m0 < std::min(M, b0 + block_rows); m0 += kMR) {
-          const int64_t rows = std::min<int64_t>(kMR, M - m0);
-          tile(rows, m0, n0, packed.data() + t * panel_size, acc);
-          for (int64_t m = 0; m < rows; ++m)
-            for (int64_t j = 0; j < width; ++j) Y[(m0 + m) * N + n0 + j] = static_cast<at::BFloat16>(acc[m * kNR + j]);
+  // the packed slice, in a buffer kept per calling thread: a fresh one per matrix costs its page faults each time
+  static thread_local std::vector<int16_t> buffer;
+  if (buffer.size() < static_cast<size_t>(std::min(slice, panels) * panel_size))
+    buffer.resize(std::min(slice, panels) * panel_size);
+  int16_t* packed = buffer.data();
+  for (int64_t first = 0; first < panels; first += slice)
+    at::parallel_for(first, std::min(panels, first + slice), 1, [&](int64_t t0, int64_t t1) {
+      std::vector<int16_t> codes(2 * pairs);
+      for (int64_t t = t0; t < t1; ++t) pack_panel(t * kNR, packed + (t - first) * panel_size, codes);
+      float acc[kMR * kNR];
+      for (int64_t b0 = 0; b0 < M; b0 += block_rows)
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t n0 = t * kNR, width = std::min<int64_t>(kNR, N - n0);
+          for (int64_t m0 = b0; m0 < std::min(M, b0 + block_rows); m0 += kMR) {
+            const int64_t rows = std::min<int64_t>(kMR, M - m0);
+            tile(rows, m0, n0, packed + (t - first) * panel_size, acc);
+            for (int64_t m = 0; m < rows; ++m)
+              for (int64_t j = 0; j < width; ++j)
+                Y[(m0 + m) * N + n0 + j] = static_cast<at::BFloat16>(acc[m * kNR + j]);
+          }
         }
-      }
-  });
+    });
   return y;
 }
 
