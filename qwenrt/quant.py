@@ -23,7 +23,7 @@ from torch import nn
 from qwenrt.errors import QwenrtError
 from qwenrt.kernels import cpu_kernels
 from qwenrt.mlp import Experts, dispatch_experts
-from qwenrt.ops.linear import GEMV_GEMM_ROWS, MAX_KERNEL_ROWS, by_row_groups, emulated_bf16, fp32_gemm
+from qwenrt.ops.linear import MAX_KERNEL_ROWS, by_row_groups, emulated_bf16, fp32_gemm
 
 BITS = (8, 4)
 GROUP_SIZES = (32, 64, 128)
@@ -33,6 +33,10 @@ QUANT_METHOD = "qwenrt"
 KEEP_PRECISE = ("mlp.gate", "mlp.shared_expert_gate")
 # up to this many rows the packed kernels win; above, dequantize + GEMM (bench/kernels.py, M = 1..512)
 SMALL_M = 16
+# where bf16 products are emulated, up to this many rows go through the GEMVs 8 rows per weight pass, more through
+# the GEMM (kernels/cpu_gemm.cpp, which packs the weight first): the 0.8B's layers, 2 threads, AVX2 EPYC, GEMV vs
+# GEMM GMAC/s: int8 66 vs 49 at 32 rows, 62 vs 67 at 64, 72 vs 85 at 128; int4 60 vs 51, 63 vs 73, 62 vs 90
+QUANT_GEMV_ROWS = 32
 CHUNK = 1 << 22  # elements per slice when (de)quantizing: bounded temporaries for the 248K-row head
 TINY = 1e-12  # scale floor for all-zero rows / groups
 
@@ -220,7 +224,7 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features).contiguous()  # [M, K]
         kernels = cpu_kernels()
         rows = x2.shape[0]
-        if kernels is not None and (rows <= MAX_KERNEL_ROWS or (rows <= GEMV_GEMM_ROWS and emulated_bf16(x2))):
+        if kernels is not None and (rows <= MAX_KERNEL_ROWS or (rows <= QUANT_GEMV_ROWS and emulated_bf16(x2))):
             y = by_row_groups(lambda part: self._native(kernels, part, [(w, s, z)], "bf16"), x2)
             if y is not None:
                 return y[0].reshape(*x.shape[:-1], self.out_features)

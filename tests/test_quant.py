@@ -32,8 +32,8 @@ def test_quantlinear_equals_its_dequantized_weight(spec, dtype):
     bank = QuantLinear.from_stored(stored, spec, dtype)
     single = QuantLinear.from_stored({k: v[1] for k, v in stored.items()}, spec, dtype)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output is rounded to bf16
-    # the packed kernels (small M; up to GEMV_GEMM_ROWS rows 8 at a time where bf16 products are emulated), and
-    # dequantize + GEMM (prefill)
+    # the GEMV kernels (small M; up to QUANT_GEMV_ROWS rows 8 at a time where bf16 products are emulated), and the
+    # prefill GEMM (kernels/cpu_gemm.cpp where bf16 products are emulated, else dequantize + torch's GEMM)
     for m in (1, 5, 20, 40):
         x = torch.randn(2, m, 256, generator=g).to(dtype)
         ref = x.float() @ exact[1].T
