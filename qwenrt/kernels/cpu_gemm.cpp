@@ -109,6 +109,7 @@ at::Tensor run_panels(const at::Tensor& x, int64_t N, int64_t pairs, PackPanel&&
 void check_x(const at::Tensor& x, int64_t K, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               name, ": x must be contiguous bf16 [M, K]");
+  TORCH_CHECK(K > 0, name, ": K must be positive");
 }
 
 }  // namespace
