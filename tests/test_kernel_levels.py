@@ -47,14 +47,19 @@ def test_each_cpu_gets_the_highest_level_it_runs_capped_by_qwenrt_isa(monkeypatc
 
 
 def test_bf16_products_go_through_fp32_where_the_cpu_emulates_them(monkeypatch):
-    """Prefill-sized bf16 GEMMs: torch's bf16 GEMM with bf16 hardware, fp32 slices of the weight otherwise; the same
-    sums rounded once either way. Quantized weights likewise, dequantized exactly to fp32 slice by slice."""
+    """Prefill-sized bf16 GEMMs: torch's bf16 GEMM with bf16 hardware; otherwise the native fp32 GEMM, or without it
+    fp32 slices of the weight through torch's; the same sums rounded once each way. Quantized weights likewise,
+    dequantized exactly to fp32 slice by slice."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(700, 256, generator=g).bfloat16()
     x = torch.randn(2, 40, 256, generator=g).bfloat16()
     ref = x.double() @ w.double().t()
-    for native, slice_rows in ((True, 300), (False, 300), (False, 700)):  # 3 slices of the weight, the last partial; 1
+    native_gemm = qwenrt.ops.linear.NATIVE_GEMM_LEVELS
+    # bf16 hardware; the native GEMM; 3 slices of the weight, the last partial; 1 slice
+    for native, levels, slice_rows in ((True, native_gemm, 300), (False, native_gemm, 300), (False, (), 300),
+                                       (False, (), 700)):
         monkeypatch.setattr(qwenrt.ops.linear, "SLICE", 256 * slice_rows)
+        monkeypatch.setattr(qwenrt.ops.linear, "NATIVE_GEMM_LEVELS", levels)
         monkeypatch.setattr(qwenrt.ops.linear, "native_bf16_matmul", lambda: native)
         assert qwenrt.ops.linear.emulated_bf16(x) is not native
         y = qwenrt.ops.linear.gemm(x, w)

@@ -112,6 +112,24 @@ def test_prefill_gemm_matches_its_dequantized_weight_and_the_gemv(spec):
 
 
 @needs_kernels
+def test_bf16_prefill_gemm_sums_in_fp32():
+    """The bf16 prefill GEMM: fp32 products and sums rounded once, so within one bf16 ulp of torch's fp32 GEMM on the
+    widened operands and one rounding of the fp64 product; rows past whole tiles (6 on AVX2), columns past whole
+    panels, more weight rows than one packed slice holds (496 at K = 4200)."""
+    g = torch.Generator().manual_seed(5)
+    kernels = cpu_kernels()
+    for M, N, K in [(1, 16, 8), (7, 37, 384), (70, 100, 640), (129, 33, 1000), (9, 1100, 4200)]:
+        x = torch.randn(M, K, generator=g).bfloat16()
+        w = (torch.randn(N, K, generator=g) / K ** 0.5).bfloat16()
+        y = kernels.gemm_bf16(x, w)
+        assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+        assert rel_err(y, x.double() @ w.double().t()) < 4e-3, (M, N, K)
+        assert torch.allclose(y.float(), (x.float() @ w.float().t()).bfloat16().float(), rtol=2 ** -7, atol=1e-6)
+    with pytest.raises(RuntimeError, match="gemm_bf16: x must be contiguous bf16"):
+        kernels.gemm_bf16(torch.zeros(4, 9, dtype=torch.bfloat16), w)
+
+
+@needs_kernels
 @pytest.mark.parametrize("G", [32, 64, 128])
 def test_int4_dequantization_kernel_equals_reference(G):
     pieces = quantize_weight(torch.randn(48, 512, generator=torch.Generator().manual_seed(G)), QuantSpec(4, G))
@@ -127,8 +145,8 @@ def test_linear_dispatch_equals_f_linear():
     g = torch.Generator().manual_seed(0)
     layer = qwenrt.ops.linear.Linear(256, 300)
     layer.weight.data = torch.randn(300, 256, generator=g).bfloat16()
-    # up to 8 rows the kernel; up to GEMV_GEMM_ROWS where bf16 products are emulated, the kernel 8 rows at a time;
-    # beyond, torch's GEMM (in fp32 there)
+    # up to 8 rows the GEMV kernel; beyond, a GEMM (where bf16 products are emulated, the native one on x86, else
+    # the GEMV kernel 8 rows at a time up to GEMV_GEMM_ROWS and torch's in fp32 beyond)
     for shape in [(1, 256), (2, 1, 256), (4, 256), (5, 256), (3, 7, 256), (40, 256), (3, 30, 256)]:
         x = torch.randn(*shape, generator=g).bfloat16()
         ours, ref = layer(x), F.linear(x, layer.weight)

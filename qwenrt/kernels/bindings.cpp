@@ -15,6 +15,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("x"), arg("qs"), arg("scales"), arg("mode"));
   m.def("gemv_q4", &gemv_q4, "x [M<=8, K] bf16 · each int4 W (stored layout, groups of G) -> [M, N] per weight",
         arg("x"), arg("qs"), arg("scales"), arg("zeros"), arg("G"), arg("mode"));
+  m.def("gemm_bf16", &gemm_bf16, "x [M, K] bf16 · bf16 W [N, K]ᵀ -> [M, N] bf16: prefill, fp32 products and sums",
+        arg("x"), arg("w"));
   m.def("gemm_q8", &gemm_q8, "x [M, K] bf16 · int8 W [N, K]ᵀ (bf16 row scales) -> [M, N] bf16: prefill, int32 sums",
         arg("x"), arg("q"), arg("scales"));
   m.def("gemm_q4", &gemm_q4, "x [M, K] bf16 · int4 W (stored layout, groups of G) -> [M, N] bf16: prefill, int32 sums",

@@ -1,16 +1,19 @@
-// Prefill products for the int8 and int4 weight formats (M rows of x at once) on CPUs without native bf16
-// arithmetic. x is taken in 16-bit fixed point per block of columns, as the GEMVs take it (gemv_common.h); the
-// weights are widened to int16 a panel of kNR rows at a time, laid out so that one vector holds kLanes rows × 2
-// columns; vpmaddwd multiplies them by a broadcast pair of x columns, 2·kLanes exact products summed into int32
-// per instruction, and each block's integer sums are scaled in fp32. Nothing is rounded before the block sums.
-// Against widening the weight to fp32 for torch's GEMM it saves the widened copies, not arithmetic: on Zen 3
-// vpmaddwd issues about once per cycle (2·kLanes products), as many products as the two fp32 FMA pipes (one core,
-// hot: ~50 vs ~40 GMAC/s). Doubling that takes 8-bit activations (vpmaddubsw), a numerics change not made here.
-//
-// int8  W = q·s (row scales): per block of kQ8Block columns Σ q·x_q exactly, times x's block scale, summed in fp32,
-//       times s at the end.
-// int4  W = (q - 8)·s + z (per row and group of G columns): per group Σ (q - 8)·x_q times s·(x's group scale),
-//       plus z·Σx over the group.
+// Prefill products (M rows of x at once) on CPUs without native bf16 arithmetic, for the bf16, int8 and int4
+// weight formats. Each weight is packed a panel of kNR rows at a time into the layout the tile loop reads (one
+// vector: kLanes rows at one column, or × 2 columns for int16), a broadcast element of x multiplies it, and a tile
+// of x rows × kNR outputs stays in registers for the whole of K; outputs are rounded once to bf16.
+// bf16  the weight widened to fp32 panels, fp32 FMAs summed in fp32: torch's bf16 GEMM's products and sums, without
+//       its emulated bf16 arithmetic, and without widening whole matrices for torch's fp32 GEMM (which ran at 53-70
+//       GMAC/s on 2 Zen 3 cores, 55-70% of their FMA peak, at the 0.8B's prefill shapes).
+// int8/int4  x in 16-bit fixed point per block of columns, as the GEMVs take it (gemv_common.h); the weight widened
+//       to int16; vpmaddwd multiplies a pair of columns, 2·kLanes exact products summed into int32 per instruction,
+//       and each block's integer sums are scaled in fp32. On Zen 3 vpmaddwd issues about once per cycle, as many
+//       products as the two fp32 FMA pipes: against dequantizing to fp32 it saves the widened copies, not
+//       arithmetic. Doubling that takes 8-bit activations (vpmaddubsw), a numerics change not made here.
+//   int8  W = q·s (row scales): per block of kQ8Block columns Σ q·x_q exactly, times x's block scale, summed in
+//         fp32, times s at the end.
+//   int4  W = (q - 8)·s + z (per row and group of G columns): per group Σ (q - 8)·x_q times s·(x's group scale),
+//         plus z·Σx over the group.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
@@ -24,7 +27,8 @@ namespace {
 using namespace qwenrt::gemv;
 using namespace qwenrt::simd;
 
-constexpr int kMR = 4;           // x rows per tile: 2·kMR int32 accumulators, 2 weight vectors, a broadcast
+constexpr int kMR = 4;           // x rows per int16 tile: 2·kMR int32 accumulators, 2 weight vectors, a broadcast
+constexpr int kMRf = std::min(8, (kRegisters - 3) / 2);  // x rows per fp32 tile (6 with 16 registers)
 constexpr int kNR = 2 * kLanes;  // weight rows (output columns) per panel
 
 // A panel: int16 [pairs][kNR][2], the weight rows n0 + j of column pair p at (p·kNR + j)·2, zero past N and K.
@@ -58,44 +62,74 @@ inline void tile_sums(const int16_t* const* x, const int16_t* panel, int64_t p0,
   for (int m = 0; m < Rows; ++m) fold(m, lo[m], hi[m]);
 }
 
-template <typename Fn>
-void dispatch_rows(int64_t rows, Fn&& f) {
-  switch (rows) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    default: f(std::integral_constant<int, kMR>{}); break;
+// An fp32 panel: [K][kNR], weight row n0 + j of column k at k·kNR + j, zero past N.
+void pack_bf16(const uint16_t* W, int64_t N, int64_t K, int64_t n0, float* panel) {
+  const int64_t rows = std::min<int64_t>(kNR, N - n0);
+  for (int64_t k = 0; k < K; ++k) {
+    float* d = panel + k * kNR;
+    for (int64_t j = 0; j < rows; ++j) d[j] = bf16_to_float(W[(n0 + j) * K + k]);
+    for (int64_t j = rows; j < kNR; ++j) d[j] = 0.f;
   }
 }
 
+// The fp32 sums of Rows x rows with the panel's kNR rows over all K columns, into acc [Rows][kNR].
+template <int Rows>
+inline void tile_f32(const float* const* x, const float* panel, int64_t K, float* acc) {
+  F lo[Rows], hi[Rows];
+  for (int m = 0; m < Rows; ++m) lo[m] = hi[m] = zero();
+  for (int64_t k = 0; k < K; ++k) {
+    const F w0 = load(panel + k * kNR), w1 = load(panel + k * kNR + kLanes);
+    for (int m = 0; m < Rows; ++m) {
+      const F xb = set1(x[m][k]);
+      lo[m] = fmadd(w0, xb, lo[m]);
+      hi[m] = fmadd(w1, xb, hi[m]);
+    }
+  }
+  for (int m = 0; m < Rows; ++m) {
+    store(acc + m * kNR, lo[m]);
+    store(acc + m * kNR + kLanes, hi[m]);
+  }
+}
+
+// f(std::integral_constant<int, rows>) for rows in 1..MR (rows == MR for a whole tile).
+template <int MR, typename Fn>
+void dispatch_rows(int64_t rows, Fn&& f) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return dispatch_rows<MR - 1>(rows, f);
+  }
+  f(std::integral_constant<int, MR>{});
+}
+
 // The driver: N in slices of panels (at most kSliceBytes packed), each slice's panels split over the threads, each
-// thread packing its own (`pack_panel(n0, panel, codes)`) once; then x a block of rows at a time (kept in the core's
-// L2 while every panel of the thread passes by), a tile of kMR rows per call of `tile(rows, m0, n0, panel, acc)`,
-// which leaves the fp32 results [rows][kNR] in acc, rounded once to bf16 here.
+// thread packing its own (`pack_panel(n0, panel, scratch)`, scratch: one row's worth) once; then x a block of rows
+// at a time (kept in the core's L2 while every panel of the thread passes by), a tile of MR rows per call of
+// `tile(rows, m0, n0, panel, acc)`, which leaves the fp32 results [rows][kNR] in acc, rounded once to bf16 here.
+// panel_size: packed elements per panel; x_row_bytes: the bytes of one row of x as the tiles read it.
 constexpr int64_t kSliceBytes = int64_t{8} << 20;
 
-template <typename PackPanel, typename Tile>
-at::Tensor run_panels(const at::Tensor& x, int64_t N, int64_t pairs, PackPanel&& pack_panel, Tile&& tile) {
-  const int64_t M = x.size(0), panels = (N + kNR - 1) / kNR, panel_size = pairs * 2 * kNR;
-  const int64_t block_rows = std::max<int64_t>(kMR, (int64_t{1} << 17) / (2 * pairs) / kMR * kMR);  // x: 256 KB
-  const int64_t slice = std::max<int64_t>(1, kSliceBytes / (2 * panel_size));  // panels
+template <typename Packed, int MR, typename PackPanel, typename Tile>
+at::Tensor run_panels(const at::Tensor& x, int64_t N, int64_t panel_size, int64_t x_row_bytes,
+                      PackPanel&& pack_panel, Tile&& tile) {
+  const int64_t M = x.size(0), panels = (N + kNR - 1) / kNR;
+  const int64_t block_rows = std::max<int64_t>(MR, (int64_t{1} << 18) / x_row_bytes / MR * MR);  // x: 256 KB
+  const int64_t slice = std::max<int64_t>(1, kSliceBytes / (int64_t{sizeof(Packed)} * panel_size));  // panels
   auto y = at::empty({M, N}, x.options());
   at::BFloat16* Y = y.data_ptr<at::BFloat16>();
   // the packed slice, in a buffer kept per calling thread: a fresh one per matrix costs its page faults each time
-  static thread_local std::vector<int16_t> buffer;
+  static thread_local std::vector<Packed> buffer;
   if (buffer.size() < static_cast<size_t>(std::min(slice, panels) * panel_size))
     buffer.resize(std::min(slice, panels) * panel_size);
-  int16_t* packed = buffer.data();
+  Packed* packed = buffer.data();
   for (int64_t first = 0; first < panels; first += slice)
     at::parallel_for(first, std::min(panels, first + slice), 1, [&](int64_t t0, int64_t t1) {
-      std::vector<int16_t> codes(2 * pairs);
-      for (int64_t t = t0; t < t1; ++t) pack_panel(t * kNR, packed + (t - first) * panel_size, codes);
-      float acc[kMR * kNR];
+      std::vector<Packed> scratch(panel_size / kNR);
+      for (int64_t t = t0; t < t1; ++t) pack_panel(t * kNR, packed + (t - first) * panel_size, scratch);
+      float acc[MR * kNR];
       for (int64_t b0 = 0; b0 < M; b0 += block_rows)
         for (int64_t t = t0; t < t1; ++t) {
           const int64_t n0 = t * kNR, width = std::min<int64_t>(kNR, N - n0);
-          for (int64_t m0 = b0; m0 < std::min(M, b0 + block_rows); m0 += kMR) {
-            const int64_t rows = std::min<int64_t>(kMR, M - m0);
+          for (int64_t m0 = b0; m0 < std::min(M, b0 + block_rows); m0 += MR) {
+            const int64_t rows = std::min<int64_t>(MR, M - m0);
             tile(rows, m0, n0, packed + (t - first) * panel_size, acc);
             for (int64_t m = 0; m < rows; ++m)
               for (int64_t j = 0; j < width; ++j)
@@ -114,6 +148,29 @@ void check_x(const at::Tensor& x, int64_t K, const char* name) {
 
 }  // namespace
 
+// x [M, K] bf16 · bf16 w [N, K] -> [M, N] bf16, fp32 products and sums
+at::Tensor gemm_bf16(at::Tensor x, at::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(), "gemm_bf16: bf16 weights [N, K]");
+  const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
+  check_x(x, K, "gemm_bf16");
+  std::vector<float> x32(M * K);  // [M, K]
+  const auto* X = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  at::parallel_for(0, M * K, 1 << 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) x32[i] = bf16_to_float(X[i]);
+  });
+  const auto* W = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  return run_panels<float, kMRf>(
+      x, N, K * kNR, 4 * K, [&](int64_t n0, float* panel, std::vector<float>&) { pack_bf16(W, N, K, n0, panel); },
+      [&](int64_t rows, int64_t m0, int64_t, const float* panel, float* acc) {
+        dispatch_rows<kMRf>(rows, [&](auto r) {
+          constexpr int Rows = decltype(r)::value;
+          const float* xr[Rows];
+          for (int m = 0; m < Rows; ++m) xr[m] = x32.data() + (m0 + m) * K;
+          tile_f32<Rows>(xr, panel, K, acc);
+        });
+      });
+}
+
 // x [M, K] bf16 · int8 q [N, K] with bf16 row scales s [N] -> [M, N] bf16
 at::Tensor gemm_q8(at::Tensor x, at::Tensor q, at::Tensor scales) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(), "gemm_q8: int8 weights [N, K]");
@@ -125,15 +182,15 @@ at::Tensor gemm_q8(at::Tensor x, at::Tensor q, at::Tensor scales) {
   const int64_t blocks = in.Kp / kQ8Block, pairs = in.Kp / 2;
   const int8_t* Q = q.data_ptr<int8_t>();
   const auto* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
-  return run_panels(
-      x, N, pairs,
+  return run_panels<int16_t, kMR>(
+      x, N, pairs * 2 * kNR, 4 * pairs,
       [&](int64_t n0, int16_t* panel, std::vector<int16_t>& codes) {
         pack(N, K, pairs, n0, panel, codes, [&](int64_t n, int16_t* row) {
           for (int64_t k = 0; k < K; ++k) row[k] = Q[n * K + k];
         });
       },
       [&](int64_t rows, int64_t m0, int64_t n0, const int16_t* panel, float* acc) {
-        dispatch_rows(rows, [&](auto r) {
+        dispatch_rows<kMR>(rows, [&](auto r) {
           constexpr int Rows = decltype(r)::value;
           const int16_t* xr[Rows];
           for (int m = 0; m < Rows; ++m) xr[m] = in.q.data() + (m0 + m) * in.Kp;
@@ -184,8 +241,8 @@ at::Tensor gemm_q4(at::Tensor x, at::Tensor q, at::Tensor scales, at::Tensor zer
       panel_s[at] = bf16_to_float(S[n * groups + g]);
       panel_z[at] = bf16_to_float(Z[n * groups + g]);
     }
-  return run_panels(
-      x, N, pairs,
+  return run_panels<int16_t, kMR>(
+      x, N, pairs * 2 * kNR, 4 * pairs,
       [&](int64_t n0, int16_t* panel, std::vector<int16_t>& codes) {
         pack(N, K, pairs, n0, panel, codes, [&](int64_t n, int16_t* row) {  // code - 8: W = code·s + z
           const uint8_t* bytes = Q + n * pairs;
@@ -199,7 +256,7 @@ at::Tensor gemm_q4(at::Tensor x, at::Tensor q, at::Tensor scales, at::Tensor zer
       [&](int64_t rows, int64_t m0, int64_t n0, const int16_t* panel, float* acc) {
         const float* ps = panel_s.data() + n0 / kNR * groups * kNR;
         const float* pz = panel_z.data() + n0 / kNR * groups * kNR;
-        dispatch_rows(rows, [&](auto r) {
+        dispatch_rows<kMR>(rows, [&](auto r) {
           constexpr int Rows = decltype(r)::value;
           const int16_t* xr[Rows];
           for (int m = 0; m < Rows; ++m) xr[m] = in.q.data() + (m0 + m) * K;

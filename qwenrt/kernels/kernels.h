@@ -12,6 +12,7 @@ std::vector<at::Tensor> gemv_q8(at::Tensor x, std::vector<at::Tensor> qs, std::v
                                 std::string mode);
 std::vector<at::Tensor> gemv_q4(at::Tensor x, std::vector<at::Tensor> qs, std::vector<at::Tensor> scales,
                                 std::vector<at::Tensor> zeros, int64_t G, std::string mode);
+at::Tensor gemm_bf16(at::Tensor x, at::Tensor w);
 at::Tensor gemm_q8(at::Tensor x, at::Tensor q, at::Tensor scales);
 at::Tensor gemm_q4(at::Tensor x, at::Tensor q, at::Tensor scales, at::Tensor zeros, int64_t G);
 at::Tensor dequantize_q4(at::Tensor q, at::Tensor scales, at::Tensor zeros, int64_t G, at::Tensor out);

@@ -2,7 +2,8 @@
 
 `project` runs several maps that share their input (q/k/v, the DeltaNet input projections) in one native call, and
 `swiglu` the MLP's gate and up projections with its activation, so a decode step makes a few calls per layer
-instead of one per weight and elementwise op. On CPUs without bf16 arithmetic the GEMM runs in fp32 (`gemm`).
+instead of one per weight and elementwise op. On CPUs without bf16 arithmetic the GEMM runs in fp32 (`gemm`): the
+native one on x86 (kernels/cpu_gemm.cpp), else torch's on fp32 slices of the weight.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qwenrt.kernels import inference_kernels, native_bf16_matmul
+from qwenrt.kernels import cpu_level, inference_kernels, native_bf16_matmul
 
 MAX_KERNEL_ROWS = 8  # the kernels stream each weight once for up to this many activation rows
-GEMV_GEMM_ROWS = 64  # where bf16 products are emulated, up to this many rows go through the kernels 8 at a time:
-# faster than widening the whole weight to fp32 for torch's GEMM (bench/README.md: 85 vs 70 GFLOP/s at 64 rows)
+GEMV_GEMM_ROWS = 64  # without the native GEMM, up to this many rows go through the GEMV kernels 8 at a time: faster
+# than widening the whole weight to fp32 for torch's GEMM (bench/README.md: 85 vs 70 GFLOP/s at 64 rows)
+NATIVE_GEMM_LEVELS = ("avx2", "avx512")  # where kernels/cpu_gemm.cpp's fp32 tiles beat torch's fp32 GEMM (above 8
+# rows: 12 rows tie with the GEMV, 16 rows 40 vs 37 GMAC/s; 512 rows 55-59 vs 45-53, AVX2 EPYC, 2 threads); the
+# portable build's would not beat an ARM BLAS
 SLICE = 1 << 22  # weight elements converted to fp32 at a time, in one buffer kept per thread (16 MB)
 
 
@@ -100,13 +104,15 @@ def emulated_bf16(x: torch.Tensor) -> bool:
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] · weight [N, K]ᵀ -> [..., N] by torch's GEMM (in fp32 where `emulated_bf16`; up to
-    GEMV_GEMM_ROWS rows there by the native kernels, a group of MAX_KERNEL_ROWS rows per weight pass)."""
+    """x [..., K] · weight [N, K]ᵀ -> [..., N] by a GEMM: torch's, except where `emulated_bf16`: there the native
+    fp32 one (NATIVE_GEMM_LEVELS), else up to GEMV_GEMM_ROWS rows the GEMV kernels (a group of MAX_KERNEL_ROWS rows
+    per weight pass) and beyond torch's fp32 GEMM on slices of the weight."""
     if emulated_bf16(x) and weight.dtype == torch.bfloat16:
         x2 = x.reshape(-1, x.shape[-1])
-        small = x2.shape[0] <= GEMV_GEMM_ROWS and weight.is_contiguous()
-        kernels = inference_kernels(x, weight) if small else None
-        if kernels is not None:
+        kernels = inference_kernels(x, weight) if weight.is_contiguous() else None
+        if kernels is not None and cpu_level() in NATIVE_GEMM_LEVELS:
+            return kernels.gemm_bf16(x2.contiguous(), weight).view(*x.shape[:-1], weight.shape[0])
+        if kernels is not None and x2.shape[0] <= GEMV_GEMM_ROWS:
             y = by_row_groups(lambda rows: kernels.gemv_bf16(rows, [weight], "bf16"), x2.contiguous())[0]
             return y.view(*x.shape[:-1], weight.shape[0])
         return fp32_gemm(x, weight.shape[0], lambda n0, n1, w: w.copy_(weight[n0:n1]))
