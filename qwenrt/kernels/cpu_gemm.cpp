@@ -153,7 +153,10 @@ at::Tensor gemm_bf16(at::Tensor x, at::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(), "gemm_bf16: bf16 weights [N, K]");
   const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
   check_x(x, K, "gemm_bf16");
-  std::vector<float> x32(M * K);  // [M, K]
+  // x in fp32 [M, K], in a buffer kept per calling thread like the panels' (the workers see it through x32 only)
+  static thread_local std::vector<float> buffer;
+  if (buffer.size() < static_cast<size_t>(M * K)) buffer.resize(M * K);
+  float* x32 = buffer.data();
   const auto* X = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   at::parallel_for(0, M * K, 1 << 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) x32[i] = bf16_to_float(X[i]);
@@ -165,7 +168,7 @@ at::Tensor gemm_bf16(at::Tensor x, at::Tensor w) {
         dispatch_rows<kMRf>(rows, [&](auto r) {
           constexpr int Rows = decltype(r)::value;
           const float* xr[Rows];
-          for (int m = 0; m < Rows; ++m) xr[m] = x32.data() + (m0 + m) * K;
+          for (int m = 0; m < Rows; ++m) xr[m] = x32 + (m0 + m) * K;
           tile_f32<Rows>(xr, panel, K, acc);
         });
       });
