@@ -222,16 +222,8 @@ at::Tensor gemm_q4(at::Tensor x, at::Tensor q, at::Tensor scales, at::Tensor zer
     TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->numel() == N * groups,
                 "gemm_q4: bf16 scales and zeros [N, K/G]");
   const FixedPoint in = to_fixed_point(x, G);  // Kp == K
-  const int64_t M = x.size(0), pairs = K / 2;
-  std::vector<float> sums(M * groups);  // Σx per row and group, of the fixed-point values (as the GEMV takes it)
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      for (int64_t g = 0; g < groups; ++g) {
-        int64_t sum = 0;
-        for (int64_t i = 0; i < G; ++i) sum += in.q[m * K + g * G + i];
-        sums[m * groups + g] = static_cast<float>(sum) * in.scale[m * groups + g];
-      }
-  });
+  const int64_t pairs = K / 2;
+  const std::vector<float> sums = block_sums(in, G);  // Σx per row and group, as the GEMV takes it
   const uint8_t* Q = q.data_ptr<uint8_t>();
   const auto* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
   const auto* Z = reinterpret_cast<const uint16_t*>(zeros.data_ptr<at::BFloat16>());

@@ -86,4 +86,19 @@ inline FixedPoint to_fixed_point(const at::Tensor& x, int64_t block) {
   return in;
 }
 
+// Σx per row and block of fp (its fixed-point values times the block's scale) [M, blocks], then `pad` zeros for
+// vector loads past the end: the int4 kernels' zero points enter through it.
+inline std::vector<float> block_sums(const FixedPoint& fp, int64_t block, int64_t pad = 0) {
+  const int64_t n = static_cast<int64_t>(fp.scale.size());  // rows · blocks: block i starts at fp.q[i·block]
+  std::vector<float> sums(n + pad, 0.f);
+  at::parallel_for(0, n, std::max<int64_t>(1, 65536 / block), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      int64_t sum = 0;
+      for (int64_t j = 0; j < block; ++j) sum += fp.q[i * block + j];
+      sums[i] = static_cast<float>(sum) * fp.scale[i];
+    }
+  });
+  return sums;
+}
+
 }  // namespace qwenrt::gemv

@@ -160,7 +160,7 @@ inline Q4Input q4_input(const at::Tensor& x, int64_t G) {
   for (int j = 0; j < kLanes; ++j) in.lane_group[j] = G < kQ4Unit ? static_cast<int32_t>(8 * j / G) : 0;
   const int half_shift = __builtin_ctzll(G / 2);  // G is a power of two
   in.x.assign(M * in.units * 4 * 2 * kLanes, 0);
-  in.sums.assign(M * groups + kLanes, 0.f);
+  in.sums = block_sums(fp, G, kLanes);
   for (int64_t m = 0; m < M; ++m) {
     const int16_t* q = fp.q.data() + m * fp.Kp;
     int16_t* xm = in.x.data() + m * in.units * 8 * kLanes;
@@ -169,11 +169,6 @@ inline Q4Input q4_input(const at::Tensor& x, int64_t G) {
       const int64_t low = ((byte >> half_shift) << (half_shift + 1)) + (byte & (G / 2 - 1));
       xm[(u * 4 + e) * 2 * kLanes + i] = q[low];
       xm[(u * 4 + e + 1) * 2 * kLanes + i] = q[low + G / 2];
-    }
-    for (int64_t g = 0; g < groups; ++g) {
-      int64_t sum = 0;
-      for (int64_t i = 0; i < G; ++i) sum += q[g * G + i];
-      in.sums[m * groups + g] = static_cast<float>(sum) * fp.scale[m * groups + g];
     }
   }
   return in;
