@@ -191,25 +191,30 @@ inline Q4Input q4_input(const at::Tensor& x, int64_t G) {
 
 // U units per period (the units of one group when G > kQ4Unit): each period's integer sums are complete in
 // registers, scaled, and added to fp32 accumulators, so nothing but those is carried from period to period.
-template <int M, int U>
+// OneGroup: a period lies in one group (G >= kQ4Unit), whose scale is a broadcast; else each product lane takes its
+// group's. A compile-time choice: a branch on it in the loop kept the compiler from holding the accumulators in
+// registers (int4 head GEMV ~25% slower, AVX2 EPYC).
+template <int M, int U, bool OneGroup>
 void q4_periods(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64_t n0, int64_t n1) {
-  const int64_t groups = in.groups, row_bytes = K / 2, groups_per_period = G < kQ4Unit ? kQ4Unit / G : 1;
+  const int64_t groups = in.groups, row_bytes = K / 2, groups_per_period = OneGroup ? 1 : kQ4Unit / G;
   const int64_t full_periods = row_bytes / (U * kQ4UnitBytes), tail = full_periods * U * kQ4UnitBytes;
   I lane_group;
   std::memcpy(&lane_group, in.lane_group.data(), sizeof lane_group);
   const I low4 = set1_i16(0x000F);
   // One unit per period: each row's unit sum is scaled into its accumulator at once (x read from L1 as it is used),
-  // so only the accumulators stay live across the rows and a block takes 7 rows at M = 1, not 2 (the layer
-  // matrices of a 0.8B int4 step: 18.8 vs 16.3 GB/s, AVX2 EPYC, medians of 6 interleaved runs).
+  // so only the accumulators stay live across the rows and a block takes 6 rows at M = 1, not 2 (the layer
+  // matrices of a 0.8B int4 step: 18.8 vs 16.3 GB/s, AVX2 EPYC, medians of 6 interleaved runs). Not 7: with x's
+  // four vectors, the nibble mask and four temporaries in the 16 registers one accumulator went to memory.
   constexpr bool kFused = U == 1;
-  constexpr int kRows = kFused ? block_rows(M, 0, 1, 9) : block_rows(M, 4 * U, 1, 10);
+  constexpr int kRows = kFused ? block_rows(M, 0, 1, 10) : block_rows(M, 4 * U, 1, 10);
   // sc[(m·kRows + r)·groups + g]: the block's row r's scale of group g times x row m's fixed-point scale there, the
   // one factor an integer sum needs (x's scales are powers of two: the product is exact)
   std::vector<float> sc(M * kRows * groups + kLanes, 0.f);
   const float* xscale = in.fp.scale.data();  // [M, groups]
-  // the scale of a period's sums: one group per period from groups of 64 columns on (a broadcast), else a lane's
+  // the scale of a period's sums: a broadcast where the period lies in one group, else each lane's group's
   auto period_scale = [&](const float* scr, int64_t p) {
-    return groups_per_period == 1 ? set1(scr[p]) : permute(load(scr + p * groups_per_period), lane_group);
+    if constexpr (OneGroup) return set1(scr[p]);
+    else return permute(load(scr + p * groups_per_period), lane_group);
   };
   over_rows<kRows>(n0, n1, [&](auto rows, int64_t n) {
     constexpr int R = decltype(rows)::value;
@@ -286,9 +291,11 @@ template <int M>
 void q4_rows(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64_t n0, int64_t n1) {
   static_assert(128 / kQ4Unit <= 2, "groups of up to 128 columns span at most 2 units");
   if (q4_units_per_period(G) == 2) {
-    q4_periods<M, 2>(in, s, K, G, n0, n1);
+    q4_periods<M, 2, true>(in, s, K, G, n0, n1);
+  } else if (G >= kQ4Unit) {
+    q4_periods<M, 1, true>(in, s, K, G, n0, n1);
   } else {
-    q4_periods<M, 1>(in, s, K, G, n0, n1);
+    q4_periods<M, 1, false>(in, s, K, G, n0, n1);
   }
 }
 
