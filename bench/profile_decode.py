@@ -1,10 +1,12 @@
-"""Where the milliseconds of one decode step go: the native kernels (timed per call) and torch's ops (profiler), on
-the engine's decode path (the native decode plan where there is one, else the modules).
+"""Where the milliseconds of one decode step go: the step as the engine runs it, then the same steps with the layers
+called one kernel at a time (each projection, native kernel and torch op timed).
 
     python bench/profile_decode.py CKPT [--prompt-len 512 --steps 32 --threads 2 --dtype bfloat16]
 
-Prints the wall time per token, each native kernel's calls and time per token, torch ops' self time per token (top
-ops), and what is left: Python and dispatch.
+The engine's decode path runs a dense model's layers as one native call per step (`LayerStack`), which hides its
+kernels from a profiler; the Python loop it replaces calls the same kernels in the same order (bit-identical
+results), so the second pass times each of them: every projection call by role (with the weight bytes it reads,
+as GB/s), the other native kernels, torch ops' self time (profiler), and what is left: Python and dispatch.
 """
 
 from __future__ import annotations
@@ -14,35 +16,63 @@ import collections
 import time
 
 import torch
+from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import qwenrt
 import qwenrt.decode_plan
-import qwenrt.deltanet
-import qwenrt.model
-import qwenrt.ops.linear
-import qwenrt.quant
+from qwenrt.decode_plan import DecodePlan
 from qwenrt.engine.runner import decode_step
 from qwenrt.kernels import cpu_kernels
 
+seconds, calls = collections.Counter(), collections.Counter()
+weight_bytes: dict[str, int] = {}  # per projection role: the bytes one call reads
+
+
+def timed(name: str, function):
+    def call(*args, **kwargs):
+        start = time.perf_counter()
+        out = function(*args, **kwargs)
+        seconds[name] += time.perf_counter() - start
+        calls[name] += 1
+        return out
+
+    return call
+
 
 class TimedKernels:
-    """The native kernel module with every function call timed."""
+    """The native kernel module with every function call timed (the classes it binds are passed through)."""
 
     def __init__(self, kernels):
-        self.kernels, self.seconds, self.calls = kernels, collections.Counter(), collections.Counter()
+        self.kernels = kernels
 
     def __getattr__(self, name):
         function = getattr(self.kernels, name)
+        return function if isinstance(function, type) else timed(name, function)
 
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            out = function(*args, **kwargs)
-            self.seconds[name] += time.perf_counter() - start
-            self.calls[name] += 1
-            return out
 
-        return timed
+def nbytes(*modules: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for m in modules for t in [*m.parameters(), *m.buffers()])
+
+
+def time_projections(plan: DecodePlan, model: nn.Module) -> None:
+    """Wraps each of the plan's projection calls, named by role, and notes the weight bytes a call reads."""
+    layers = []
+    for layer, module in zip(plan.layers, model.model.layers):
+        m, kind = layer.mixer, "DeltaNet" if layer.linear else "attention"
+        inputs = ([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a] if layer.linear
+                  else [m.q_proj, m.k_proj, m.v_proj])
+        roles = {"project": (f"{kind} in-projections", inputs),
+                 "out": (f"{kind} out-projection", [m.out_proj if layer.linear else m.o_proj])}
+        if layer.gate_up is not None:
+            roles["gate_up"] = ("MLP gate and up (SwiGLU)", [module.mlp.gate_proj, module.mlp.up_proj])
+            roles["down"] = ("MLP down", [module.mlp.down_proj])
+        for name, modules in roles.values():
+            weight_bytes[name] = nbytes(*modules)
+        layers.append(layer._replace(**{attr: timed(name, getattr(layer, attr)) for attr, (name, _) in roles.items()}))
+    plan.layers = layers
+    plan.head = timed("LM head", plan.head)
+    weight_bytes["LM head"] = nbytes(model.lm_head)
 
 
 def main() -> None:
@@ -52,46 +82,54 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--top", type=int, default=8)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    timed = TimedKernels(cpu_kernels()) if cpu_kernels() is not None else None
-    if timed is not None:
-        for module in (qwenrt.model, qwenrt.deltanet, qwenrt.ops.linear, qwenrt.quant, qwenrt.decode_plan):
-            if hasattr(module, "cpu_kernels"):
-                module.cpu_kernels = lambda: timed
-            if hasattr(module, "inference_kernels"):
-                module.inference_kernels = lambda *tensors: timed
+    kernels = cpu_kernels()
+    if kernels is not None:
+        qwenrt.decode_plan.cpu_kernels = lambda: TimedKernels(kernels)  # the plan's calls, not prefill's
     model, _ = qwenrt.load(args.checkpoint, dtype=args.dtype)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.text.vocab_size, (1, args.prompt_len), generator=g)
-    with torch.inference_mode():
-        cache = model.new_cache(1, capacity=args.prompt_len + 2 * args.steps + 1)
-        logits = model(ids, cache=cache, logits_to_keep=1)
-        token = logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(args.steps):  # warm-up
+
+    def steps(token, cache) -> tuple[torch.Tensor, float]:
+        start = time.perf_counter()
+        for _ in range(args.steps):
             token = decode_step(model, token, cache)[0].argmax(-1, keepdim=True)
-        if timed is not None:
-            timed.seconds.clear(), timed.calls.clear()
-        wall = []
+        return token, (time.perf_counter() - start) / args.steps * 1e3
+
+    with torch.inference_mode():
+        cache = model.new_cache(1, capacity=args.prompt_len + 3 * args.steps + 1)
+        token = model(ids, cache=cache, logits_to_keep=1)[:, -1].argmax(-1, keepdim=True)
+        token, _ = steps(token, cache)  # warm-up: first-call costs, the plan built
+        token, engine_ms = steps(token, cache)
+        plan = DecodePlan.for_model(model)
+        path = "modules" if plan is None else "native layer stack" if plan.stack else "native kernels from Python"
+        if plan is not None:
+            plan.stack = None  # from here on the Python loop: the same kernels, one call each
+            time_projections(plan, model)
+        seconds.clear(), calls.clear()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(args.steps):
-                start = time.perf_counter()
-                token = decode_step(model, token, cache)[0].argmax(-1, keepdim=True)
-                wall.append(time.perf_counter() - start)
-    per_token = sum(wall) / len(wall) * 1e3
-    native = timed.seconds if timed is not None else {}
-    native_ms = sum(native.values()) * 1e3 / args.steps
+            token, loop_ms = steps(token, cache)
+    per_token = lambda s: s * 1e3 / args.steps  # noqa: E731
+    projections = {n: s for n, s in seconds.items() if n in weight_bytes}
+    native = {n: s for n, s in seconds.items() if n not in weight_bytes}
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     ops_ms = sum(e.self_cpu_time_total for e in events) / 1e3 / args.steps
-    print(f"{args.checkpoint} ({args.dtype}), context {args.prompt_len}: {per_token:.1f} ms per token (mean, "
-          f"profiled): native kernels {native_ms:.1f} ms, torch ops {ops_ms:.1f} ms, the rest (Python, dispatch) "
-          f"{per_token - native_ms - ops_ms:.1f} ms\n")
-    print("| native kernel / torch op | calls / token | ms / token |\n|---|---|---|")
-    for name, seconds in sorted(native.items(), key=lambda kv: -kv[1]):
-        print(f"| {name} | {timed.calls[name] / args.steps:.0f} | {seconds * 1e3 / args.steps:.2f} |")
+    proj_ms, native_ms = per_token(sum(projections.values())), per_token(sum(native.values()))
+    print(f"{args.checkpoint} ({args.dtype}), context {args.prompt_len}, {args.threads} threads\n"
+          f"engine decode path ({path}): {engine_ms:.1f} ms per token ({1e3 / engine_ms:.1f} tok/s)\n"
+          f"called one kernel at a time (profiled): {loop_ms:.1f} ms per token: projections {proj_ms:.1f} ms, other "
+          f"native kernels {native_ms:.1f} ms, torch ops {ops_ms:.1f} ms, the rest (Python, dispatch) "
+          f"{loop_ms - proj_ms - native_ms - ops_ms:.1f} ms\n")
+    print("| projection / native kernel / torch op | calls / token | ms / token | weight GB/s |\n|---|---|---|---|")
+    for name, s in sorted(projections.items(), key=lambda kv: -kv[1]):
+        rate = weight_bytes[name] * calls[name] / s / 1e9
+        print(f"| {name} | {calls[name] / args.steps:.0f} | {per_token(s):.2f} | {rate:.1f} |")
+    for name, s in sorted(native.items(), key=lambda kv: -kv[1]):
+        print(f"| {name} | {calls[name] / args.steps:.0f} | {per_token(s):.2f} | |")
     for e in events[:args.top]:
-        print(f"| {e.key} | {e.count / args.steps:.0f} | {e.self_cpu_time_total / 1e3 / args.steps:.2f} |")
+        print(f"| {e.key} | {e.count / args.steps:.0f} | {e.self_cpu_time_total / 1e3 / args.steps:.2f} | |")
 
 
 if __name__ == "__main__":
