@@ -227,12 +227,13 @@ def test_attention_rows_of_one_sequence_in_one_call_equal_row_by_row(dtype):
                                       torch.tensor([start, start + 2]), 1e-6)
 
 
-def deltanet(Dk: int, Dv: int, dtype) -> qwenrt.deltanet.GatedDeltaNet:
-    """A DeltaNet layer with every weight random (norm and conv included), 2 key heads shared by 4 value heads."""
+def deltanet(Dk: int, Dv: int, dtype, taps: int = 4) -> qwenrt.deltanet.GatedDeltaNet:
+    """A DeltaNet layer with every weight random (norm and conv included), 2 key heads shared by 4 value heads, a
+    short conv of `taps` (Qwen3.5's 4, which the native step compiles for, or any other)."""
     config = TextConfig(model_type="qwen3_5_text", vocab_size=8, hidden_size=64, num_hidden_layers=1,
                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, layer_types=("linear_attention",),
                         linear_key_head_dim=Dk, linear_value_head_dim=Dv, linear_num_key_heads=2,
-                        linear_num_value_heads=4)
+                        linear_num_value_heads=4, linear_conv_kernel_dim=taps)
     layer = qwenrt.deltanet.GatedDeltaNet(config, 0)
     g = torch.Generator().manual_seed(Dk + Dv)
     with torch.no_grad():
@@ -243,25 +244,32 @@ def deltanet(Dk: int, Dv: int, dtype) -> qwenrt.deltanet.GatedDeltaNet:
 
 @needs_kernels
 @pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("Dk, Dv", [(128, 128), (32, 40)], ids=["published", "value-tail"])
-def test_native_deltanet_steps_match_torch_ops(Dk, Dv, dtype, bound, monkeypatch):
+@pytest.mark.parametrize("Dk, Dv, taps", [(128, 128, 4), (32, 40, 4), (32, 32, 3)],
+                         ids=["published", "value-tail", "3-tap-conv"])
+def test_native_deltanet_steps_match_torch_ops(Dk, Dv, taps, dtype, bound, monkeypatch):
     """Prefill 6 tokens (native short conv) and decode 5 (fused step: conv, norms, delta rule, gated norm) on a batch
-    of 2, against the layer's torch ops from the same states."""
-    layer = deltanet(Dk, Dv, dtype)
+    of 2, against the layer's torch ops from the same states. Under inference mode, as the engine runs: with grad on,
+    the kernels stand aside for autograd (the test once compared torch ops with themselves that way)."""
+    layer = deltanet(Dk, Dv, dtype, taps)
     x = torch.randn(2, 11, 64, generator=torch.Generator().manual_seed(5)).to(dtype)
     C = layer.in_proj_qkv.out_features
+    fused = []
+    step = layer.fused_decode_step
+    monkeypatch.setattr(layer, "fused_decode_step", lambda *args: fused.append(1) or step(*args))
 
     def run(native: bool):
         monkeypatch.setattr(qwenrt.deltanet, "inference_kernels", inference_kernels if native else lambda *t: None)
-        conv, rec = torch.zeros(2, C, 3), torch.zeros(2, 4, Dk, Dv)
-        out, conv, rec = layer(x[:, :6], conv, rec)
-        outs = [out]
-        for t in range(6, 11):
-            out, conv, rec = layer(x[:, t:t + 1], conv, rec)
-            outs.append(out)
+        conv, rec = torch.zeros(2, C, taps - 1), torch.zeros(2, 4, Dk, Dv)
+        with torch.inference_mode():
+            out, conv, rec = layer(x[:, :6], conv, rec)
+            outs = [out]
+            for t in range(6, 11):
+                out, conv, rec = layer(x[:, t:t + 1], conv, rec)
+                outs.append(out)
         return torch.cat(outs, 1), rec
 
     (ours, our_state), (ref, ref_state) = run(True), run(False)
+    assert len(fused) == 5  # every decode step went through the native kernel
     assert rel_err(ours, ref) < bound and rel_err(our_state, ref_state) < bound
 
 
