@@ -30,7 +30,7 @@ _DIR = Path(__file__).parent
 SOURCES = [_DIR / n for n in ("bindings.cpp", "cpu_gemv.cpp", "cpu_gemm.cpp", "cpu_gdn.cpp", "cpu_norm.cpp",
                             "cpu_attention.cpp", "cpu_layer_stack.cpp")]
 HEADERS = [_DIR / n for n in ("simd.h", "gemv_common.h", "gemv_simd.h", "gemv_avx512bf16.h", "kernels.h",
-                            "layer_stack.h")]
+                            "layer_stack.h", "parallel.h")]
 _AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"}
 _AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
 # level -> (CPU flags it needs, compiler flags), highest first

@@ -4,6 +4,8 @@
 // contiguous across heads) and took ~14 ms per layer at 8K keys; this reads each cached key and value once, in fp32.
 #include <ATen/core/Tensor.h>
 #include "kernels.h"
+#include "parallel.h"
+#include <algorithm>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
@@ -91,8 +93,9 @@ void by_head_block(int64_t G, Fn&& f) {  // f(GB, g0) over head blocks of up to 
 template <typename T>
 void attend(const T* Q, const T* Kc, const T* Vc, const int64_t* valid, T* O, int64_t B, int64_t H, int64_t Hkv,
             int64_t cap, int64_t D, bool shared, float scale) {
-  const int64_t G = H / Hkv;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+  const int64_t G = H / Hkv, longest = *std::max_element(valid, valid + B);
+  // per (row, KV head): its G queries' scores and weighted values over up to `longest` keys
+  qwenrt::parallel_for_work(0, B * Hkv, 2 * G * D * longest, [&](int64_t i0, int64_t i1) {
     std::vector<float> q(G * D), acc(G * D), p;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / Hkv, hk = i % Hkv, S = valid[b], kv = shared ? hk : i;
@@ -160,7 +163,7 @@ void attention_step(const T* QG, const T* Kn, const T* Vn, const float* QW, cons
                     int64_t cap, int64_t D, int64_t R, bool shared, float eps) {
   // new keys (normed, rotated) and values into the stores at each row's next position; all are written before any
   // row attends, so rows sharing one sequence's store see each other's keys up to their own position
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+  qwenrt::parallel_for_work(0, B * Hkv, 4 * D, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / Hkv, pos = lengths[b], kv = shared ? i % Hkv : i;
       norm_rope(Kn + i * D, KW, COS + b * R, SIN + b * R, D, R, eps, Kc + (kv * cap + pos) * D);
@@ -170,7 +173,7 @@ void attention_step(const T* QG, const T* Kn, const T* Vn, const float* QW, cons
   std::vector<T> q(B * H * D);
   std::vector<int64_t> valid(B);
   for (int64_t b = 0; b < B; ++b) valid[b] = lengths[b] + 1;
-  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+  qwenrt::parallel_for_work(0, B * H, 4 * D, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / H;
       norm_rope(QG + i * 2 * D, QW, COS + b * R, SIN + b * R, D, R, eps, q.data() + i * D);

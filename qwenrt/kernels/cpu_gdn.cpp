@@ -3,6 +3,7 @@
 // torch path is the reference (tests/test_kernels.py holds the two together).
 #include <ATen/core/Tensor.h>
 #include "kernels.h"
+#include "parallel.h"
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
@@ -120,7 +121,7 @@ at::Tensor gdn_decode_step(at::Tensor mixed, at::Tensor conv_state, at::Tensor c
   const float* CW = conv_w.data_ptr<float>();
   float* Y = conv_out.data_ptr<float>();
   // 1. conv over the window [state | x], SiLU; shift the state. Qwen3.5's 4 taps are a compile-time count, and so
-  // is the dtype: with both known the loop has no inner loops or branches (the step's conv took ~40% of its time)
+  // is the dtype: with both known the loop has no inner loops or branches (a 0.8B layer's step, hot: 98 vs 113-123 us)
   auto conv = [&](auto taps, auto bf16_tag) {
     constexpr int64_t kTaps = decltype(taps)::value;  // 0: K at run time
     constexpr bool kBf16 = decltype(bf16_tag)::value;
@@ -163,7 +164,7 @@ at::Tensor gdn_decode_step(at::Tensor mixed, at::Tensor conv_state, at::Tensor c
   float* O = o_buf.data();
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(Dk));
   // 2. per value head: normalised q/k of its key head, then the delta rule and the gated norm
-  at::parallel_for(0, B * Hv, 1, [&](int64_t h0, int64_t h1) {
+  qwenrt::parallel_for_work(0, B * Hv, 3 * Dk * Dv, [&](int64_t h0, int64_t h1) {  // the delta rule: ~3 per state element
     std::vector<float> q(Dk), k(Dk), u(Dv);
     for (int64_t bh = h0; bh < h1; ++bh) {
       const int64_t bi = bh / Hv, h = bh % Hv, hk = h / r;

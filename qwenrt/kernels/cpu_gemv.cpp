@@ -11,6 +11,7 @@
 //         W = (q - 8)·s + z
 #include <ATen/core/Tensor.h>
 #include "kernels.h"
+#include "parallel.h"
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
@@ -56,11 +57,12 @@ struct BlockList {
   }
 };
 
+// row_work: the multiply-adds of one weight row (K·M): a small call stays on the calling thread
 template <typename RowFn>
-void run_blocks(const std::vector<Segment>& segs, RowFn&& rows_fn) {
+void run_blocks(const std::vector<Segment>& segs, int64_t row_work, RowFn&& rows_fn) {
   BlockList bl(segs);
   const int64_t total = static_cast<int64_t>(bl.seg.size());
-  at::parallel_for(0, total, 1, [&](int64_t b0, int64_t b1) {
+  qwenrt::parallel_for_work(0, total, BlockList::kGrain * row_work, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1;) {  // merge consecutive blocks of one segment into one row range
       const int64_t i = bl.seg[b], n0 = bl.start[b];
       int64_t e = b + 1;
@@ -147,7 +149,7 @@ std::vector<at::Tensor> gemv_bf16(at::Tensor x, std::vector<at::Tensor> ws, std:
   const auto& segs = outs.segs;
   const auto in = bf16_input(x);
   dispatch_m(x.size(0), [&](auto m) {
-    run_blocks(segs, [&](const Segment& s, int64_t n0, int64_t n1) { bf16_rows<decltype(m)::value>(in, s, K, n0, n1); });
+    run_blocks(segs, K * m, [&](const Segment& s, int64_t n0, int64_t n1) { bf16_rows<decltype(m)::value>(in, s, K, n0, n1); });
   });
   return outs.finish(x, mode);
 }
@@ -169,7 +171,7 @@ std::vector<at::Tensor> gemv_q8(at::Tensor x, std::vector<at::Tensor> qs, std::v
   }
   const FixedPoint in = to_fixed_point(x, kQ8Block);
   dispatch_m(x.size(0), [&](auto m) {
-    run_blocks(segs, [&](const Segment& s, int64_t n0, int64_t n1) { q8_rows<decltype(m)::value>(in, s, K, n0, n1); });
+    run_blocks(segs, K * m, [&](const Segment& s, int64_t n0, int64_t n1) { q8_rows<decltype(m)::value>(in, s, K, n0, n1); });
   });
   return outs.finish(x, mode);
 }
@@ -195,7 +197,7 @@ std::vector<at::Tensor> gemv_q4(at::Tensor x, std::vector<at::Tensor> qs, std::v
   }
   const Q4Input in = q4_input(x, G);
   dispatch_m(x.size(0), [&](auto m) {
-    run_blocks(segs, [&](const Segment& s, int64_t n0, int64_t n1) {
+    run_blocks(segs, K * m, [&](const Segment& s, int64_t n0, int64_t n1) {
       q4_rows<decltype(m)::value>(in, s, K, G, n0, n1);
     });
   });

@@ -2,6 +2,7 @@
 // optionally fused with the residual add that precedes it (x ← x + h, rounded to x's dtype, as torch adds).
 #include <ATen/core/Tensor.h>
 #include "kernels.h"
+#include "parallel.h"
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
@@ -12,7 +13,7 @@ namespace {
 // With H: S = X + H (rounded to T) is what gets normalised; without, X itself.
 template <typename T>
 void norm_rows(const T* X, const T* H, T* S, const float* W, T* Y, int64_t rows, int64_t D, float eps) {
-  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+  qwenrt::parallel_for_work(0, rows, D, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* x = X + r * D;
       if (H != nullptr) {
