@@ -426,6 +426,7 @@ class Engine:
         auto = any(s.auto_drafts for s in seqs)
         choice = self.draft_policy.choose(len(seqs)) if auto else 0  # drafts `auto` makes for the next step
         drafts = [s.drafts for s in seqs]
+        made = 0  # drafts made for the next step: fewer than `choice` where sequences ended or ran out of room
         if not (choice or any(drafts) or any(s.max_drafts and not s.auto_drafts for s in seqs)):
             # nothing to verify and nothing to draft: a plain step. Its hidden states still go to the MTP head (at
             # its next draft, in one call): a head that skipped them would draft a probe from a gapped context
@@ -442,8 +443,9 @@ class Engine:
             live = [s for s in seqs if s.status is Status.RUNNING and s.max_drafts]
             if live:
                 self._run(outputs, live, lambda: self._propose(live, choice))
-        if auto:
-            self.draft_policy.observe(len(seqs), max(len(d) for d in drafts), choice, time.perf_counter() - start)
+                made = max((len(s.drafts) for s in live if s.status is Status.RUNNING), default=0)
+        if auto:  # a step that drafted less than it verified is cheaper than a cycle (one per request, at its end)
+            self.draft_policy.observe(len(seqs), max(len(d) for d in drafts), made, time.perf_counter() - start)
 
     def _take_verified(self, seq: Sequence, drafts: list[int], verified: Verified, outputs: list) -> None:
         """Emit what a verification decided for seq (its accepted drafts and one more token), keep those in its
