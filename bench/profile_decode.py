@@ -58,15 +58,15 @@ def nbytes(*modules: nn.Module) -> int:
 def time_projections(plan: DecodePlan, model: nn.Module) -> None:
     """Wraps each of the plan's projection calls, named by role, and notes the weight bytes a call reads."""
     layers = []
-    for layer, module in zip(plan.layers, model.model.layers):
+    for layer in plan.layers:
         m, kind = layer.mixer, "DeltaNet" if layer.linear else "attention"
         inputs = ([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a] if layer.linear
                   else [m.q_proj, m.k_proj, m.v_proj])
         roles = {"project": (f"{kind} in-projections", inputs),
                  "out": (f"{kind} out-projection", [m.out_proj if layer.linear else m.o_proj])}
         if layer.gate_up is not None:
-            roles["gate_up"] = ("MLP gate and up (SwiGLU)", [module.mlp.gate_proj, module.mlp.up_proj])
-            roles["down"] = ("MLP down", [module.mlp.down_proj])
+            roles["gate_up"] = ("MLP gate and up (SwiGLU)", [layer.mlp.gate_proj, layer.mlp.up_proj])
+            roles["down"] = ("MLP down", [layer.mlp.down_proj])
         for name, modules in roles.values():
             weight_bytes[name] = nbytes(*modules)
         layers.append(layer._replace(**{attr: timed(name, getattr(layer, attr)) for attr, (name, _) in roles.items()}))

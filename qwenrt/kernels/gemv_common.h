@@ -2,13 +2,13 @@
 // 16-bit fixed point for the integer formats.
 #pragma once
 #include <ATen/core/Tensor.h>
-#include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "parallel.h"
 #include "simd.h"
 
 namespace qwenrt::gemv {
@@ -52,7 +52,7 @@ inline FixedPoint to_fixed_point(const at::Tensor& x, int64_t block) {
   const int64_t Kp = (K + block - 1) / block * block, blocks = Kp / block;
   const auto* X = reinterpret_cast<const uint16_t*>(x.data_ptr());  // bf16
   FixedPoint in{std::vector<int16_t>(M * Kp, 0), std::vector<float>(M * blocks), Kp};
-  at::parallel_for(0, M * blocks, std::max<int64_t>(1, 65536 / block), [&](int64_t i0, int64_t i1) {
+  qwenrt::parallel_for_work(0, M * blocks, block, [&](int64_t i0, int64_t i1) {
     std::vector<int32_t> wide(block);
     float lanes[kLanes];
     for (int64_t i = i0; i < i1; ++i) {
@@ -91,7 +91,7 @@ inline FixedPoint to_fixed_point(const at::Tensor& x, int64_t block) {
 inline std::vector<float> block_sums(const FixedPoint& fp, int64_t block, int64_t pad = 0) {
   const int64_t n = static_cast<int64_t>(fp.scale.size());  // rows · blocks: block i starts at fp.q[i·block]
   std::vector<float> sums(n + pad, 0.f);
-  at::parallel_for(0, n, std::max<int64_t>(1, 65536 / block), [&](int64_t i0, int64_t i1) {
+  qwenrt::parallel_for_work(0, n, block, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       int64_t sum = 0;
       for (int64_t j = 0; j < block; ++j) sum += fp.q[i * block + j];
