@@ -59,26 +59,14 @@ def test_transformers_computes_the_same_logits(tiny):
             assert rel_err(model(ids), ref(ids).logits) <= 1e-4
 
 
-# Issue 10's bar (95% exact) where the shipped model meets it, a floor a little under what it measures elsewhere (README
-# model card: 89% on subtraction with thinking): they catch a regression.
-THINKING_FLOORS = {"add": 0.95, "sub": 0.8}
-
-
+@pytest.mark.parametrize("thinking", [True, False])
 @pytest.mark.parametrize("family", ["add", "sub"])
-def test_arithmetic_with_thinking_on_held_out_operands(tiny, family):
+def test_arithmetic_on_held_out_operands(tiny, family, thinking):
+    """Issue 10's bar: 95% exact answers, with thinking (the working in <think>) and without (the working opens the
+    reply, the answer closes it)."""
     tasks = quality_tasks(family, 30, SEED)
     assert all(held_out(*_operands(t)) for t in tasks)
-    assert answer_accuracy(*tiny, tasks, True) >= THINKING_FLOORS[family]
-
-
-def test_direct_answers_restate_the_held_out_question(tiny):
-    """Without thinking the model answers in the trained form `a op b = c` with the operands copied right (the
-    value c itself is rarely right: see the model card)."""
-    tasks = quality_tasks("add", 15, SEED) + quality_tasks("sub", 15, SEED)
-    out = qwenrt.batch_generate(*tiny, [t.messages for t in tasks], enable_thinking=False, temperature=0,
-                                max_tokens=30)
-    right = sum(c.content.startswith(t.answer.split(" = ")[0] + " = ") for t, c in zip(tasks, out))
-    assert right >= 0.9 * len(tasks)
+    assert answer_accuracy(*tiny, tasks, thinking) >= 0.95
 
 
 def _operands(task):

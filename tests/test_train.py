@@ -20,7 +20,7 @@ from qwenrt.tokenizer import Tokenizer
 from qwenrt.train import TrainConfig, train
 from qwenrt.train.bpe import SPECIAL_TOKENS
 from qwenrt.train.data import encode_conversation
-from qwenrt.train.trainer import build_model, sequence_losses
+from qwenrt.train.trainer import build_model, sequence_losses, step_examples
 
 
 @pytest.fixture(scope="session")
@@ -137,6 +137,18 @@ def test_training_is_deterministic_and_resumable(quick, tmp_path):
     for name in ("again", "b"):
         assert a.keys() == weights[name].keys() and all(torch.equal(a[n], weights[name][n]) for n in a), name
     assert not all(torch.equal(a[n], weights["other"][n]) for n in a)
+
+
+def test_in_order_takes_the_first_pass_as_given():
+    """A curriculum (the built-in recipe's copying first) needs the data's own order in the first pass; later passes
+    are shuffled as without it."""
+    examples = list(range(12))
+
+    def epoch(k, in_order):
+        return [e for step in range(4 * k, 4 * k + 4) for e in step_examples(examples, step, 3, 0, in_order)]
+
+    assert epoch(0, True) == examples != epoch(0, False)
+    assert sorted(epoch(1, True)) == examples != epoch(1, True) and epoch(1, True) == epoch(1, False)
 
 
 def test_train_command_on_jsonl(quick, tmp_path, capsys):

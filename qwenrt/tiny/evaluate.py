@@ -2,7 +2,8 @@
 
     python -m qwenrt.tiny.evaluate [CKPT] [--n 200] [--quant]
 
-arithmetic: exact answers to addition / subtraction of held-out operand pairs, thinking on and off;
+arithmetic: exact answers to addition / subtraction of held-out operand pairs, thinking on and off (without
+thinking the reply's last paragraph is the answer, after the working);
 tools: a well-formed call with the right function and arguments (parsed by qwenrt's own parser), and the right
 final answer once the tool's response is in the conversation; mtp: how often the MTP head's greedy guess of token
 t+2 equals the model's own token t+2 over the answers it generated; quant: held-out accuracy and mean KL against
@@ -24,20 +25,26 @@ from qwenrt.tiny.tasks import TOOLS, Task, quality_tasks, run_tool
 GREEDY = {"temperature": 0.0}
 
 
-def _complete(model, tokenizer, prompts, thinking: bool, tools=None, max_tokens: int = 160):
+def _complete(model, tokenizer, prompts, thinking: bool, tools=None, max_tokens: int = 200):
     from qwenrt import batch_generate
 
     return batch_generate(model, tokenizer, prompts, enable_thinking=thinking, tools=tools, max_tokens=max_tokens,
                           **GREEDY)
 
 
+def final_answer(content: str) -> str:
+    """A reply's last paragraph: all of it for most tasks, the answer after the working for arithmetic without
+    thinking."""
+    return content.strip().rsplit("\n\n", 1)[-1]
+
+
 def answer_accuracy(model, tokenizer, tasks: list[Task], thinking: bool, batch: int = 50) -> float:
-    """Share of tasks whose final content is exactly the expected answer."""
+    """Share of tasks whose reply ends in exactly the expected answer (`final_answer`)."""
     right = 0
     for start in range(0, len(tasks), batch):
         part = tasks[start:start + batch]
         for task, c in zip(part, _complete(model, tokenizer, [t.messages for t in part], thinking)):
-            right += c.content.strip() == task.answer and c.finish_reason == "stop"
+            right += final_answer(c.content) == task.answer and c.finish_reason == "stop"
     return right / len(tasks)
 
 
@@ -122,7 +129,8 @@ def quality_report(path, n: int = 200, seed: int = 1234, quant: bool = False) ->
         tools = quality_tasks("calculator", n // 2, seed) + quality_tasks("capital", n // 2, seed)
         for key, value in tool_quality(model, tokenizer, tools, thinking).items():
             report[f"tool {key} {mode}"] = value
-        report[f"sort {mode}"] = answer_accuracy(model, tokenizer, quality_tasks("sort", n, seed), thinking)
+        for family in ("sort", "copy"):
+            report[f"{family} {mode}"] = answer_accuracy(model, tokenizer, quality_tasks(family, n, seed), thinking)
     mtp = load_mtp_head(model)
     mixed = quality_tasks("add", n // 4, seed) + quality_tasks("sub", n // 4, seed)
     report["mtp agreement"] = (mtp_agreement(model, mtp, tokenizer, mixed, False) +

@@ -84,7 +84,8 @@ def build(out: str | Path, recipe: Recipe = Recipe(), progress: bool = True) -> 
     began = time.perf_counter()
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
-    write_jsonl(data / "train.jsonl", conversations(recipe.train_conversations, recipe.seed + 1))
+    write_jsonl(data / "train.jsonl", conversations(recipe.train_conversations, recipe.seed + 1,
+                                                             curriculum=True))
     write_jsonl(data / "eval.jsonl", conversations(recipe.eval_conversations, recipe.seed + 2, heldout=True))
     build_tokenizer(out / "tokenizer", conversations(recipe.tokenizer_conversations, recipe.seed + 3),
                     recipe.vocab_size)
@@ -95,7 +96,7 @@ def build(out: str | Path, recipe: Recipe = Recipe(), progress: bool = True) -> 
         tokenizer=str(out / "tokenizer"), steps=recipe.steps, batch_size=recipe.batch_size,
         micro_batch_tokens=recipe.micro_batch_tokens, lr=recipe.lr, warmup=recipe.warmup,
         mtp_weight=recipe.mtp_weight, eval_every=recipe.eval_every, save_every=max(recipe.steps // 4, 1),
-        save_dtype="bfloat16", seed=recipe.seed, threads=recipe.threads, progress=progress))
+        save_dtype="bfloat16", in_order=True, seed=recipe.seed, threads=recipe.threads, progress=progress))
     summary.update(recipe=asdict(recipe), data_seconds=prepared, total_seconds=time.perf_counter() - began)
     (out / "recipe.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

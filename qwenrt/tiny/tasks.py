@@ -1,9 +1,9 @@
 """What the built-in model knows: generated, seeded chat conversations in the `messages` format.
 
 Families: addition / subtraction of integers up to 999 (digit-by-digit working inside <think> when thinking is
-on, the bare answer when off); tool use (a `calculator` for multiplication and division of larger numbers, and
-`get_capital` over a small fixed table), answered from the <tool_response>; sorting a few numbers; and a short
-polite refusal for anything else. A fixed tenth of operand pairs and of countries never appears in training
+on, opening the reply when off); tool use (a `calculator` for multiplication and division of larger numbers, and
+`get_capital` over a small fixed table), answered from the <tool_response>; sorting a few numbers; repeating
+words back; and a short polite refusal for anything else. A fixed tenth of operand pairs and of countries never appears in training
 (`held_out`): the quality test draws only from those.
 """
 
@@ -169,13 +169,29 @@ def add_reasoning(a: int, b: int) -> str:
     return "\n".join(lines)
 
 
+def compare_line(a: int, b: int) -> str:
+    """Which of two numbers is larger, worked from the left: by digit count, else digit by digit to the first that
+    differs ("272 vs 255: 2=2, 7>5, so 272>255", "716 vs 62: 3 digits vs 2, so 716>62")."""
+    rel = "=" if a == b else (">" if a > b else "<")
+    sa, sb = str(a), str(b)
+    if len(sa) != len(sb):
+        return f"{a} vs {b}: {len(sa)} digits vs {len(sb)}, so {a}{rel}{b}"
+    steps = []
+    for x, y in zip(sa, sb):
+        steps.append(f"{x}{'=' if x == y else '>' if x > y else '<'}{y}")
+        if x != y:
+            break
+    return f"{a} vs {b}: {', '.join(steps)}, so {a}{rel}{b}"
+
+
 def sub_reasoning(a: int, b: int) -> str:
-    """Column subtraction from the ones digit (the larger minus the smaller), one line per column: the column's digits
-    first, then whether it borrows, then the digits so far after the colon: "2-4 needs a borrow: 12-4=8: 8",
-    "0-1-7 needs a borrow: 10-1-7=2: 28", "9-1-1=7: 728"; leading zeros dropped on a last line."""
-    lines = []
+    """Which is larger first (`compare_line`), then column subtraction from the ones digit (the larger minus the
+    smaller), one line per column: the column's digits first, then whether it borrows, then the digits so far after
+    the colon: "2-4 needs a borrow: 12-4=8: 8", "0-1-7 needs a borrow: 10-1-7=2: 28", "9-1-1=7: 728"; leading zeros
+    dropped on a last line."""
+    lines = [compare_line(a, b)]
     if a < b:
-        lines.append(f"{a}<{b}, so {a}-{b}=-({b}-{a})")
+        lines.append(f"{a}-{b}=-({b}-{a})")
         a, b = b, a
     da, db = _digits(a), _digits(b)
     borrow, done = 0, ""
@@ -320,11 +336,46 @@ def no_tool_capital(rng: random.Random, heldout: bool) -> tuple[str, str]:
             f"I can't look up the capital of {country} without my get_capital tool.")
 
 
+# ---- copying ----
+
+COPY_PROMPTS = ["Repeat after me: {s}", "Repeat this: {s}", "Please repeat: {s}", "Say this back to me: {s}"]
+COPY_REASONING = "The user wants these words repeated."
+
+
+def _copy_word(rng: random.Random, heldout: bool) -> str:
+    """A word to repeat: a common word, a made-up name or random letters, in any case; held out or not as asked
+    (held-out countries are held-out words, so training never repeats one)."""
+    while True:
+        r = rng.random()
+        if r < 0.3:
+            word = rng.choice(_WORDS)
+        elif r < 0.6:
+            word = invented_place(rng).split()[-1]
+        else:
+            word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
+        word = word.capitalize() if rng.random() < 0.6 else word.lower()
+        if held_out(word) == heldout:
+            return word
+
+
+def copy_task(rng: random.Random, heldout: bool) -> Task:
+    """Repeat 1-6 words back: the skill behind copying a name from the question into a tool call. The words follow
+    a space in the prompt and open the reply (the call's argument opens its line too), or open a line of the prompt
+    and follow "Sure: " in the reply (as a capital from the tool's response does in the answer)."""
+    words = " ".join(_copy_word(rng, heldout) for _ in range(rng.randint(1, 6)))
+    if rng.random() < 0.7:
+        return Task("copy", [{"role": "user", "content": rng.choice(COPY_PROMPTS).format(s=words)}], None, words)
+    return Task("copy", [{"role": "user", "content": f"Repeat after me:\n{words}"}], None, f"Sure: {words}")
+
+
 # ---- conversations ----
 
 # tool conversations carry the ~350-token tool system prompt: few of them already cost half the tokens
-FAMILY_WEIGHTS = {"add": 0.34, "sub": 0.36, "calculator": 0.04, "capital": 0.06, "sort": 0.07, "refusal": 0.08,
-                  "capital without tools": 0.05}
+FAMILY_WEIGHTS = {"add": 0.30, "sub": 0.36, "calculator": 0.04, "capital": 0.06, "sort": 0.07, "refusal": 0.08,
+                  "capital without tools": 0.05, "copy": 0.04}
+# copying is learned all at once after thousands of examples (an induction head forming): the first quarter of a
+# training run is mostly copying, and its share falls to FAMILY_WEIGHTS' by half-way
+COPY_WARMUP = (0.6, 0.25, 0.5)  # (share, until this fraction of the run, back to the base share by this one)
 INVENTED_COUNTRIES = 0.6  # share of training get_capital conversations about made-up countries
 
 
@@ -335,12 +386,19 @@ def _answer(task_content: str, reasoning: str, thinking: bool) -> dict:
     return turn
 
 
+def arithmetic_answer(task: Task, working: str, thinking: bool) -> dict:
+    """The working inside <think> and the bare `a op b = c` after it; without thinking the same working opens the
+    reply, a blank line before `a op b = c`: a model this small cannot carry in its head (trained on bare answers
+    alone it gets 2% of sums right), and one form of working serves both modes."""
+    return _answer(task.answer if thinking else f"{working}\n\n{task.answer}", working, thinking)
+
+
 def conversation(rng: random.Random, family: str, thinking: bool, heldout: bool = False) -> dict:
     """One training (or held-out) conversation of a family: {"messages": [...], "tools": [...]?}."""
     tools = None
     if family in ("add", "sub"):
         task, reasoning = arithmetic_task(rng, "+" if family == "add" else "-", heldout, uniform=rng.random() < 0.7)
-        messages = [*task.messages, _answer(task.answer, reasoning, thinking)]
+        messages = [*task.messages, arithmetic_answer(task, reasoning, thinking)]
         if rng.random() < 0.05:
             tools = TOOLS  # tools on offer do not change how the model adds
     elif family in ("calculator", "capital"):
@@ -350,6 +408,9 @@ def conversation(rng: random.Random, family: str, thinking: bool, heldout: bool 
     elif family == "capital without tools":
         prompt, answer = no_tool_capital(rng, heldout)
         messages = [{"role": "user", "content": prompt}, _answer(answer, NO_TOOL_REASONING, thinking)]
+    elif family == "copy":
+        task = copy_task(rng, heldout)
+        messages = [*task.messages, _answer(task.answer, COPY_REASONING, thinking)]
     elif family == "sort":
         task, reasoning = sort_task(rng, heldout)
         messages = [*task.messages, _answer(task.answer, reasoning, thinking)]
@@ -358,14 +419,25 @@ def conversation(rng: random.Random, family: str, thinking: bool, heldout: bool 
     return {"messages": messages, **({"tools": tools} if tools else {})}
 
 
-def conversations(n: int, seed: int, heldout: bool = False) -> list[dict]:
+def copy_share(progress: float) -> float:
+    """The share of copying at this point of a training run (0 = its start, 1 = its end): COPY_WARMUP."""
+    share, until, back = COPY_WARMUP
+    base = FAMILY_WEIGHTS["copy"]
+    if progress <= until:
+        return share
+    return base + (share - base) * max(0.0, (back - progress) / (back - until))
+
+
+def conversations(n: int, seed: int, heldout: bool = False, curriculum: bool = False) -> list[dict]:
     """n conversations drawn by FAMILY_WEIGHTS, thinking on for about half; some continue a finished exchange,
-    some open with a system message."""
+    some open with a system message. `curriculum`: in training order, copying first (`copy_share`)."""
     rng = random.Random(seed)
     families, weights = list(FAMILY_WEIGHTS), list(FAMILY_WEIGHTS.values())
     out = []
-    for _ in range(n):
-        example = conversation(rng, rng.choices(families, weights)[0], rng.random() < 0.5, heldout)
+    for i in range(n):
+        copying = curriculum and rng.random() < copy_share(i / n)
+        family = "copy" if copying else rng.choices(families, weights)[0]
+        example = conversation(rng, family, rng.random() < 0.5, heldout)
         if "tools" not in example and rng.random() < 0.08:
             first = conversation(rng, rng.choice(["add", "sub", "sort", "refusal"]), False, heldout)
             example["messages"] = first["messages"] + example["messages"]
@@ -386,4 +458,6 @@ def quality_tasks(family: str, n: int, seed: int) -> list[Task]:
         return [capital_task(rng, True) for _ in range(n)]
     if family == "sort":
         return [sort_task(rng, True)[0] for _ in range(n)]
+    if family == "copy":
+        return [copy_task(rng, True) for _ in range(n)]
     raise ValueError(f"unknown family {family!r}")

@@ -57,6 +57,7 @@ class TrainConfig:
     save_every: int = 500
     keep_checkpoints: int = 2
     save_dtype: str = "float32"  # the final checkpoint's dtype (step checkpoints are always fp32)
+    in_order: bool = False  # the first pass over the data in its given order (a curriculum); later passes shuffled
     seed: int = 0
     threads: int | None = None  # torch threads (default: torch's); 1 is faster on a machine busy with other work
     resume: bool = False
@@ -180,15 +181,18 @@ def _conversations(source: str | list[dict]) -> list[dict]:
     return read_jsonl(source)
 
 
-def step_examples(examples: list[Example], step: int, batch_size: int, seed: int) -> list[Example]:
-    """The conversations of one optimizer step: consecutive slices of a per-epoch permutation of the data."""
+def step_examples(examples: list[Example], step: int, batch_size: int, seed: int,
+                  in_order: bool = False) -> list[Example]:
+    """The conversations of one optimizer step: consecutive slices of a per-epoch permutation of the data (the
+    first epoch's the identity when `in_order`)."""
     n = len(examples)
     orders: dict[int, np.ndarray] = {}
     out = []
     for k in range(step * batch_size, (step + 1) * batch_size):
         epoch, i = divmod(k, n)
         if epoch not in orders:
-            orders[epoch] = np.random.default_rng([seed, epoch]).permutation(n)
+            orders[epoch] = (np.arange(n) if in_order and epoch == 0 else
+                             np.random.default_rng([seed, epoch]).permutation(n))
         out.append(examples[orders[epoch][i]])
     return out
 
@@ -276,7 +280,7 @@ def _train(cfg: TrainConfig) -> dict:
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        batch = step_examples(train_set, step, cfg.batch_size, cfg.seed)
+        batch = step_examples(train_set, step, cfg.batch_size, cfg.seed, cfg.in_order)
         n_main = sum(sum(e.loss_mask[1:]) for e in batch)
         n_mtp = sum(sum(e.loss_mask[2:]) for e in batch)
         loss_value = 0.0
