@@ -84,8 +84,7 @@ def build(out: str | Path, recipe: Recipe = Recipe(), progress: bool = True) -> 
     began = time.perf_counter()
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
-    write_jsonl(data / "train.jsonl", conversations(recipe.train_conversations, recipe.seed + 1,
-                                                             curriculum=True))
+    write_jsonl(data / "train.jsonl", conversations(recipe.train_conversations, recipe.seed + 1, curriculum=True))
     write_jsonl(data / "eval.jsonl", conversations(recipe.eval_conversations, recipe.seed + 2, heldout=True))
     build_tokenizer(out / "tokenizer", conversations(recipe.tokenizer_conversations, recipe.seed + 3),
                     recipe.vocab_size)

@@ -3,8 +3,8 @@
 Families: addition / subtraction of integers up to 999 (digit-by-digit working inside <think> when thinking is
 on, opening the reply when off); tool use (a `calculator` for multiplication and division of larger numbers, and
 `get_capital` over a small fixed table), answered from the <tool_response>; sorting a few numbers; repeating
-words back; and a short polite refusal for anything else. A fixed tenth of operand pairs and of countries never appears in training
-(`held_out`): the quality test draws only from those.
+words back; and a short polite refusal for anything else. A fixed tenth of operand pairs and of countries never
+appears in training (`held_out`): the quality test draws only from those.
 """
 
 from __future__ import annotations
@@ -374,8 +374,9 @@ def copy_task(rng: random.Random, heldout: bool) -> Task:
 FAMILY_WEIGHTS = {"add": 0.30, "sub": 0.36, "calculator": 0.04, "capital": 0.06, "sort": 0.07, "refusal": 0.08,
                   "capital without tools": 0.05, "copy": 0.04}
 # copying is learned all at once after thousands of examples (an induction head forming): the first quarter of a
-# training run is mostly copying, and its share falls to FAMILY_WEIGHTS' by half-way
-COPY_WARMUP = (0.6, 0.25, 0.5)  # (share, until this fraction of the run, back to the base share by this one)
+# training run is mostly copying. `copy_share` is drawn before the families' own draw (which has copying too): 62%
+# of the first quarter, ~8% from half-way on
+COPY_WARMUP = (0.6, 0.25, 0.5)  # (share, until this fraction of the run, down to FAMILY_WEIGHTS' by this one)
 INVENTED_COUNTRIES = 0.6  # share of training get_capital conversations about made-up countries
 
 
@@ -420,7 +421,8 @@ def conversation(rng: random.Random, family: str, thinking: bool, heldout: bool 
 
 
 def copy_share(progress: float) -> float:
-    """The share of copying at this point of a training run (0 = its start, 1 = its end): COPY_WARMUP."""
+    """The chance that a conversation at this point of a training run (0 = its start, 1 = its end) is a copy
+    before the families are drawn: COPY_WARMUP."""
     share, until, back = COPY_WARMUP
     base = FAMILY_WEIGHTS["copy"]
     if progress <= until:
