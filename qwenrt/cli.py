@@ -159,7 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", default=None, help="continue from the last step checkpoint in OUT")
     for flag, kind, what in (("steps", int, "optimizer steps"), ("batch-size", int, "conversations per step"),
                              ("micro-batch-tokens", int, "padded tokens per micro-batch (gradient accumulation)"),
+                             ("length-groups", int, "runs of this many steps regrouped by length: less padding "
+                              "(default 1: off)"),
                              ("lr", float, "peak learning rate"), ("warmup", int, "warm-up steps"),
+                             ("hold", int, "steps at the peak learning rate before the cosine decay"),
                              ("min-lr-ratio", float, "final learning rate / peak (cosine)"),
                              ("weight-decay", float, "AdamW weight decay"), ("clip", float, "gradient norm clip"),
                              ("mtp-weight", float, "weight of the MTP head's loss (0: no MTP head)"),

@@ -5,7 +5,8 @@ import json
 import random
 import re
 
-from qwenrt.tiny.tasks import (CAPITALS, FAMILY_WEIGHTS, add_reasoning, compare_line, conversations, copy_share,
+from qwenrt.tiny.tasks import (CAPITALS, FAMILY_WEIGHTS, add_reasoning, compare_line, conversations, copy_conversations,
+                               copy_share,
                                held_out, invented_place, quality_tasks, sub_reasoning)
 
 
@@ -102,6 +103,16 @@ def test_copying_comes_first_in_a_training_run_and_never_repeats_held_out_words(
     trained = {w for c in data for w in c["messages"][-1]["content"].removeprefix("Sure: ").split()
                if c["messages"][-2]["content"].startswith(("Repeat", "Please repeat", "Say this"))}
     assert trained and not [w for w in trained if held_out(w)]
+
+
+def test_the_copy_phase_is_copying_alone_and_never_held_out_words():
+    data = copy_conversations(300, 5)
+    assert data == copy_conversations(300, 5)
+    for c in data:
+        prompt, reply = c["messages"][-2]["content"], c["messages"][-1]["content"]
+        words = reply.removeprefix("Sure: ")
+        assert prompt.endswith((f": {words}", f":\n{words}")) and not any(held_out(w) for w in words.split())
+    assert 0.3 < sum("reasoning_content" in c["messages"][-1] for c in data) / len(data) < 0.7
 
 
 def test_invented_places_are_not_real_ones():

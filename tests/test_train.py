@@ -2,12 +2,14 @@
 seeded determinism and exact resumption, the `qwenrt train` command."""
 
 import json
+import random
 import shutil
 from dataclasses import replace
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from tokenizers import Tokenizer as BackendTokenizer
 
 import qwenrt
 import qwenrt.kernels
@@ -18,9 +20,10 @@ from qwenrt.tiny.recipe import Recipe, build
 from qwenrt.tiny.tasks import conversations
 from qwenrt.tokenizer import Tokenizer
 from qwenrt.train import TrainConfig, train
-from qwenrt.train.bpe import SPECIAL_TOKENS
+from qwenrt.errors import QwenrtError
+from qwenrt.train.bpe import SPECIAL_TOKENS, build_tokenizer
 from qwenrt.train.data import encode_conversation
-from qwenrt.train.trainer import build_model, sequence_losses, step_examples
+from qwenrt.train.trainer import build_model, lr_at, sequence_losses, step_examples
 
 
 @pytest.fixture(scope="session")
@@ -45,6 +48,8 @@ def test_quick_checkpoint_is_a_qwen35_checkpoint(quick):
     out, _ = quick
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["Qwen3_5ForCausalLM"] and config["mtp_num_hidden_layers"] == 1
+    modes = {(out / name).stat().st_mode & 0o777 for name in ("config.json", "model.safetensors", "tokenizer.json")}
+    assert len(modes) == 1  # the weights as readable as the rest (safetensors alone would make them 0600)
     stored = load_file(out / "model.safetensors")
     assert stored["model.embed_tokens.weight"].dtype == torch.bfloat16
     assert any(n.startswith("mtp.layers.0.self_attn.") for n in stored) and "lm_head.weight" not in stored
@@ -54,6 +59,24 @@ def test_quick_checkpoint_is_a_qwen35_checkpoint(quick):
     mtp = load_mtp_head(model)
     ids = torch.tensor([tokenizer.encode("What is 12 + 30?")])
     assert mtp_hidden(model, mtp, ids).shape == (1, ids.shape[1] - 1, model.config.text.hidden_size)
+
+
+def test_capitals_apart_gives_a_name_the_same_tokens_wherever_it_stands(quick, tmp_path):
+    """The recipe's pre-tokenizer: a made-up name after a space (a question), a newline (a tool call's argument) or
+    a '>' has the same tokens, so copying it is copying tokens; Qwen3.5's joins the space to the name."""
+    out, _ = quick
+    tokenizer = Tokenizer(out)
+    name = tokenizer.encode("Velmoria")
+    for before in (" ", "\n", ">"):
+        assert tokenizer.encode(f"capital of{before}Velmoria?")[-len(name) - 1:-1] == name, before
+    assert tokenizer.encode("127") == [tokenizer.token_to_id(d) for d in "127"]
+    data = conversations(50, 3)
+    build_tokenizer(tmp_path / "qwen", data, 512, "qwen3.5")
+    for directory, pieces in ((out, ["Ġ", "V", "elmoria"]), (tmp_path / "qwen", ["ĠVelmoria"])):
+        backend = BackendTokenizer.from_file(str(directory / "tokenizer.json"))
+        assert [p for p, _ in backend.pre_tokenizer.pre_tokenize_str(" Velmoria")] == pieces
+    with pytest.raises(QwenrtError, match="unknown pre-tokenizer 'gpt2'"):
+        build_tokenizer(tmp_path / "bad", data, 512, "gpt2")
 
 
 class _NoKernels:
@@ -120,12 +143,12 @@ def test_loss_mask_covers_exactly_what_the_model_generates(quick):
 
 
 def test_training_is_deterministic_and_resumable(quick, tmp_path):
-    """Two runs with one seed give identical weights, and so does a run resumed from its step checkpoint; another
-    seed (another data order) does not."""
+    """Two runs with one seed give identical weights, and so does a run resumed from its step checkpoint (in the
+    middle of a group of steps regrouped by length); another seed (another data order) does not."""
     out, _ = quick
     data = conversations(40, 11)
     cfg = TrainConfig(out=str(tmp_path / "a"), data=data, init=str(out), steps=4, batch_size=4, save_every=2,
-                      warmup=1, progress=False, threads=1)
+                      warmup=1, length_groups=4, progress=False, threads=1)
     train(cfg)
     train(replace(cfg, out=str(tmp_path / "again")))
     shutil.copytree(tmp_path / "a", tmp_path / "b")
@@ -149,6 +172,49 @@ def test_in_order_takes_the_first_pass_as_given():
 
     assert epoch(0, True) == examples != epoch(0, False)
     assert sorted(epoch(1, True)) == examples != epoch(1, True) and epoch(1, True) == epoch(1, False)
+
+
+def test_length_groups_deal_the_same_conversations_in_bands_of_like_length():
+    examples = ["x" * n for n in random.Random(0).choices(range(1, 300), k=48)]
+
+    def run(groups, seed=0):
+        return [step_examples(examples, step, 4, seed, True, groups) for step in range(8)]
+
+    plain, grouped = run(1), run(4)
+    assert grouped == run(4) and grouped != run(4, seed=1)
+    for first in (0, 4):  # each group of 4 steps: the same conversations, dealt out in bands of like length
+        bands = grouped[first:first + 4]
+        assert sorted(sum(bands, [])) == sorted(sum(plain[first:first + 4], []))
+        assert all(len(b) == 4 for b in bands)
+        by_length = sorted(bands, key=lambda b: len(b[0]))
+        assert all(max(map(len, a)) <= min(map(len, b)) for a, b in zip(by_length, by_length[1:]))
+
+    def padding(steps):
+        return sum(max(map(len, b)) - len(e) for b in steps for e in b)
+
+    assert padding(grouped) < 0.5 * padding(plain)
+
+
+def test_learning_rate_warms_up_holds_then_decays():
+    cfg = TrainConfig(out="unused", data=[], steps=100, lr=1.0, warmup=10, hold=20, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == 0.1 and lr_at(9, cfg) == 1.0
+    assert all(lr_at(step, cfg) == 1.0 for step in range(10, 31))
+    decay = [lr_at(step, cfg) for step in range(30, 101)]
+    assert all(b < a for a, b in zip(decay, decay[1:])) and lr_at(100, cfg) == pytest.approx(0.1)
+
+
+def test_bad_training_settings_get_one_line_errors(capsys, tmp_path):
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in conversations(4, 4)))
+    for flags, message in ((["--batch-size", "0"], "batch_size must be at least 1, not 0"),
+                           (["--steps", "-1"], "steps must be at least 1, not -1"),
+                           (["--length-groups", "0"], "length_groups must be at least 1"),
+                           (["--lr", "0"], "lr 0.0 is out of range"),
+                           (["--save-dtype", "int8"], "save_dtype must be float32, bfloat16 or float16")):
+        assert main(["train", str(tmp_path / "run"), "--data", str(data), *flags]) == 1, flags
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and message in err, (flags, err)
+    assert not (tmp_path / "run").exists()
 
 
 def test_train_command_on_jsonl(quick, tmp_path, capsys):

@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from qwenrt.tiny.tasks import conversations
+from qwenrt.tiny.tasks import conversations, copy_conversations
 from qwenrt.train.bpe import build_tokenizer
 from qwenrt.train.data import write_jsonl
 from qwenrt.train.trainer import TrainConfig, train
@@ -34,12 +34,15 @@ class Recipe:
     linear_value_heads: int = 4  # > key heads, as in the larger Qwen3.5 models
     linear_head_dim: int = 32
     vocab_size: int = 4096  # a cap: the BPE stops where merges run out
+    pretokenizer: str = "qwen3.5"  # or "capitals-apart": names keep their tokens wherever they stand (bpe.py)
     tokenizer_conversations: int = 4000
     train_conversations: int = 38400  # each seen once
     eval_conversations: int = 200
     steps: int = 2400
+    copy_steps: int = 0  # the run opens with this many steps of copying alone, at the peak lr
     batch_size: int = 16
     micro_batch_tokens: int = 2048  # small: like lengths together, little padding
+    length_groups: int = 8  # steps regrouped by length: 25% fewer tokens padded and run than steps as drawn
     lr: float = 2e-3
     warmup: int = 40
     mtp_weight: float = 0.3
@@ -49,11 +52,12 @@ class Recipe:
 
     @classmethod
     def quick(cls) -> Recipe:
-        """The same recipe cut to seconds (a smaller model, little data, few steps): the tests check that the
-        held-out loss falls."""
+        """The same recipe cut to seconds (a smaller model, little data, few steps; the copy phase and the
+        capitals-apart tokenizer on, so the tests run them): the tests check that the held-out loss falls."""
         return cls(hidden_size=64, intermediate_size=128, attention_heads=2, kv_heads=1, head_dim=32,
-                   linear_head_dim=16, vocab_size=1024, tokenizer_conversations=800, train_conversations=400,
-                   eval_conversations=40, steps=12, batch_size=8, lr=1e-2, warmup=2, eval_every=4, threads=1)
+                   linear_head_dim=16, vocab_size=1024, pretokenizer="capitals-apart", tokenizer_conversations=800,
+                   train_conversations=400, eval_conversations=40, steps=12, copy_steps=2, batch_size=8, lr=1e-2,
+                   warmup=2, eval_every=4, threads=1)
 
     def model_config(self, vocab_size: int) -> dict:
         """The text config.json dict (HF names) for a tokenizer of `vocab_size` tokens (padded to a multiple of 64)."""
@@ -84,18 +88,20 @@ def build(out: str | Path, recipe: Recipe = Recipe(), progress: bool = True) -> 
     began = time.perf_counter()
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
-    write_jsonl(data / "train.jsonl", conversations(recipe.train_conversations, recipe.seed + 1, curriculum=True))
+    write_jsonl(data / "train.jsonl", copy_conversations(recipe.copy_steps * recipe.batch_size, recipe.seed + 4)
+                + conversations(recipe.train_conversations, recipe.seed + 1, curriculum=True))
     write_jsonl(data / "eval.jsonl", conversations(recipe.eval_conversations, recipe.seed + 2, heldout=True))
     build_tokenizer(out / "tokenizer", conversations(recipe.tokenizer_conversations, recipe.seed + 3),
-                    recipe.vocab_size)
+                    recipe.vocab_size, recipe.pretokenizer)
     prepared = time.perf_counter() - began
     config = recipe.model_config(Tokenizer(out / "tokenizer").vocab_size)
     summary = train(TrainConfig(
         out=str(out), data=str(data / "train.jsonl"), eval_data=str(data / "eval.jsonl"), model_config=config,
         tokenizer=str(out / "tokenizer"), steps=recipe.steps, batch_size=recipe.batch_size,
-        micro_batch_tokens=recipe.micro_batch_tokens, lr=recipe.lr, warmup=recipe.warmup,
+        micro_batch_tokens=recipe.micro_batch_tokens, lr=recipe.lr, warmup=recipe.warmup, hold=recipe.copy_steps,
         mtp_weight=recipe.mtp_weight, eval_every=recipe.eval_every, save_every=max(recipe.steps // 4, 1),
-        save_dtype="bfloat16", in_order=True, seed=recipe.seed, threads=recipe.threads, progress=progress))
+        save_dtype="bfloat16", in_order=True, length_groups=recipe.length_groups, seed=recipe.seed,
+        threads=recipe.threads, progress=progress))
     summary.update(recipe=asdict(recipe), data_seconds=prepared, total_seconds=time.perf_counter() - began)
     (out / "recipe.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

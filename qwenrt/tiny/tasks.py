@@ -449,6 +449,12 @@ def conversations(n: int, seed: int, heldout: bool = False, curriculum: bool = F
     return out
 
 
+def copy_conversations(n: int, seed: int) -> list[dict]:
+    """n "repeat after me" conversations, thinking on for about half: the recipe opens with these alone."""
+    rng = random.Random(seed)
+    return [conversation(rng, "copy", rng.random() < 0.5) for _ in range(n)]
+
+
 def quality_tasks(family: str, n: int, seed: int) -> list[Task]:
     """n held-out tasks of a family for the quality test (operands uniform in 0..999 for arithmetic)."""
     rng = random.Random(seed)

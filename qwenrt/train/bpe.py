@@ -1,5 +1,6 @@
 """A Qwen3.5-form tokenizer trained on your own text: byte-level BPE with the Qwen3.5 pre-tokenizer (one token per
-digit), every Qwen3.5 special token, and the published Qwen3.5 chat template.
+digit) or a variant that also keeps capitals apart, every Qwen3.5 special token, and the published Qwen3.5 chat
+template.
 
 `build_tokenizer(dir, conversations, vocab_size)` writes tokenizer.json, tokenizer_config.json,
 chat_template.jinja and generation_config.json, the files `qwenrt.tokenizer.Tokenizer` and transformers read.
@@ -32,8 +33,15 @@ SPECIAL_TOKENS = (
 NOT_SPECIAL = frozenset({"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>",
                          "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>",
                          "<|file_sep|>"})
-PRETOKENIZE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # Qwen3.5's pre-tokenizer (shared/reference.md §1.4)
+PRETOKENIZERS = {
+    # Qwen3.5's (shared/reference.md §1.4): a word takes the space (or other mark) before it
+    "qwen3.5": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    # the same, but a capital letter stands alone and nothing joins it: a name has the same tokens after a space, a
+    # newline or a '>' (in a question, a tool call's argument, a tool's response), as digits do in Qwen3.5
+    "capitals-apart": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|\p{Lu}|[^\r\n\p{L}\p{N}]?[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|\p{N}"
+                      r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
 _SPECIAL_SPLIT = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
 
 
@@ -42,24 +50,26 @@ def chat_template() -> str:
     return TEMPLATE_FILE.read_text(encoding="utf-8")
 
 
-def _empty_bpe() -> BackendTokenizer:
+def _empty_bpe(pretokenizer: str) -> BackendTokenizer:
+    if pretokenizer not in PRETOKENIZERS:
+        raise QwenrtError(f"unknown pre-tokenizer {pretokenizer!r} (known: {', '.join(PRETOKENIZERS)})")
     tok = BackendTokenizer(models.BPE(ignore_merges=True))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE), behavior="isolated"),
+        pre_tokenizers.Split(Regex(PRETOKENIZERS[pretokenizer]), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     return tok
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int) -> BackendTokenizer:
+def train_bpe(texts: Iterable[str], vocab_size: int, pretokenizer: str = "qwen3.5") -> BackendTokenizer:
     """Byte-level BPE over `texts` (special-token strings in them are cut out first), then the Qwen3.5 special
-    tokens appended as added tokens; vocab_size counts them."""
+    tokens appended as added tokens; vocab_size counts them. `pretokenizer`: a PRETOKENIZERS key."""
     bpe_size = vocab_size - len(SPECIAL_TOKENS)
     if bpe_size <= 256:
         raise QwenrtError(f"vocab_size {vocab_size} leaves no room for merges beyond the 256 bytes and "
                           f"{len(SPECIAL_TOKENS)} special tokens")
-    tok = _empty_bpe()
+    tok = _empty_bpe(pretokenizer)
     trainer = trainers.BpeTrainer(vocab_size=bpe_size, min_frequency=2, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator((piece for text in texts for piece in _SPECIAL_SPLIT.split(text) if piece), trainer)
@@ -70,7 +80,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> BackendTokenizer:
 def byte_tokenizer() -> BackendTokenizer:
     """The 256 byte tokens and the special tokens, no merges."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = _empty_bpe()
+    tok = _empty_bpe("qwen3.5")
     tok.model = models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[], ignore_merges=True)
     _add_special_tokens(tok)
     return tok
@@ -101,7 +111,8 @@ def write_tokenizer(directory: Path, tok: BackendTokenizer) -> None:
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
-def build_tokenizer(directory: str | Path, conversations: list[dict], vocab_size: int) -> None:
+def build_tokenizer(directory: str | Path, conversations: list[dict], vocab_size: int,
+                    pretokenizer: str = "qwen3.5") -> None:
     """Train the tokenizer on `conversations` ({"messages", "tools"} dicts) as the chat template renders them, and
     write its files into `directory`."""
     from qwenrt.tokenizer import Tokenizer
@@ -111,4 +122,4 @@ def build_tokenizer(directory: str | Path, conversations: list[dict], vocab_size
     renderer = Tokenizer(directory)
     texts = [renderer.apply_chat_template(c["messages"], add_generation_prompt=False, tools=c.get("tools"))
              for c in conversations]
-    write_tokenizer(directory, train_bpe(texts, vocab_size))
+    write_tokenizer(directory, train_bpe(texts, vocab_size, pretokenizer))

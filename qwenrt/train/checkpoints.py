@@ -52,9 +52,11 @@ def save_checkpoint(directory: Path, model, mtp, config: dict, tokenizer_dir: Pa
     if mtp is not None:
         tensors.update(mtp_state_dict(mtp))
     tensors = {n: t.detach().to(torch.float32 if _keeps_fp32(n) else dtype).contiguous() for n, t in tensors.items()}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(dict(config, dtype=str(dtype).removeprefix("torch.")), indent=2)
                                      + "\n")
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    # safetensors creates its file private (0600); the weights get the mode the umask gives every other file
+    (tmp / "model.safetensors").chmod((tmp / "config.json").stat().st_mode & 0o777)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, tmp / name)

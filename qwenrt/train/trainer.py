@@ -47,6 +47,7 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup: int = 50
+    hold: int = 0  # steps at the peak learning rate after the warm-up, before the cosine decay begins
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     clip: float = 1.0
@@ -58,17 +59,38 @@ class TrainConfig:
     keep_checkpoints: int = 2
     save_dtype: str = "float32"  # the final checkpoint's dtype (step checkpoints are always fp32)
     in_order: bool = False  # the first pass over the data in its given order (a curriculum); later passes shuffled
+    length_groups: int = 1  # >1: each run of this many steps is regrouped by length (less padding), then shuffled
     seed: int = 0
     threads: int | None = None  # torch threads (default: torch's); 1 is faster on a machine busy with other work
     resume: bool = False
     progress: bool = True
 
+    def __post_init__(self):
+        """A one-line error for settings no run can use (they come from the command line)."""
+        counts = ("steps", "batch_size", "micro_batch_tokens", "max_len", "eval_every", "eval_batch", "save_every",
+                  "keep_checkpoints", "length_groups")
+        for name in counts:
+            if getattr(self, name) < 1:
+                raise QwenrtError(f"training: {name} must be at least 1, not {getattr(self, name)}")
+        if self.threads is not None and self.threads < 1:
+            raise QwenrtError(f"training: threads must be at least 1, not {self.threads}")
+        checks = {"lr": self.lr > 0, "warmup": self.warmup >= 0, "hold": self.hold >= 0,
+                  "min_lr_ratio": 0 <= self.min_lr_ratio <= 1,
+                  "weight_decay": self.weight_decay >= 0, "clip": self.clip > 0, "mtp_weight": self.mtp_weight >= 0}
+        for name, ok in checks.items():
+            if not ok:
+                raise QwenrtError(f"training: {name} {getattr(self, name)} is out of range")
+        if self.save_dtype not in ("float32", "bfloat16", "float16"):
+            raise QwenrtError(f"training: save_dtype must be float32, bfloat16 or float16, not {self.save_dtype!r}")
+
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up over cfg.warmup steps, then cosine from cfg.lr to cfg.lr·min_lr_ratio at cfg.steps."""
+    """Linear warm-up over cfg.warmup steps, cfg.hold steps at cfg.lr, then cosine down to cfg.lr·min_lr_ratio at
+    cfg.steps."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
-    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    start = cfg.warmup + cfg.hold
+    progress = min(1.0, max(0, step - start) / max(1, cfg.steps - start))
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -181,10 +203,19 @@ def _conversations(source: str | list[dict]) -> list[dict]:
     return read_jsonl(source)
 
 
-def step_examples(examples: list[Example], step: int, batch_size: int, seed: int,
-                  in_order: bool = False) -> list[Example]:
+def step_examples(examples: list[Example], step: int, batch_size: int, seed: int, in_order: bool = False,
+                  length_groups: int = 1) -> list[Example]:
     """The conversations of one optimizer step: consecutive slices of a per-epoch permutation of the data (the
-    first epoch's the identity when `in_order`)."""
+    first epoch's the identity when `in_order`). With `length_groups` > 1 the conversations of each run of that
+    many steps are sorted by length and dealt out again, a step per band of like lengths, in a seeded order: the
+    run sees the same data, padded far less (a curriculum keeps its order between runs)."""
+    if length_groups > 1:
+        group, slot = divmod(step, length_groups)
+        first = group * length_groups
+        pooled = [e for s in range(first, first + length_groups)
+                  for e in step_examples(examples, s, batch_size, seed, in_order)]
+        band = np.random.default_rng([seed, group, 1]).permutation(length_groups)[slot]
+        return sorted(pooled, key=len)[band * batch_size:(band + 1) * batch_size]
     n = len(examples)
     orders: dict[int, np.ndarray] = {}
     out = []
@@ -280,7 +311,7 @@ def _train(cfg: TrainConfig) -> dict:
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        batch = step_examples(train_set, step, cfg.batch_size, cfg.seed, cfg.in_order)
+        batch = step_examples(train_set, step, cfg.batch_size, cfg.seed, cfg.in_order, cfg.length_groups)
         n_main = sum(sum(e.loss_mask[1:]) for e in batch)
         n_mtp = sum(sum(e.loss_mask[2:]) for e in batch)
         loss_value = 0.0
