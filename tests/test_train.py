@@ -14,13 +14,13 @@ from tokenizers import Tokenizer as BackendTokenizer
 import qwenrt
 import qwenrt.kernels
 from qwenrt.cli import main
+from qwenrt.errors import QwenrtError
 from qwenrt.mtp import load_mtp_head, mtp_hidden
 from qwenrt.ops.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from qwenrt.tiny.recipe import Recipe, build
 from qwenrt.tiny.tasks import conversations
 from qwenrt.tokenizer import Tokenizer
 from qwenrt.train import TrainConfig, train
-from qwenrt.errors import QwenrtError
 from qwenrt.train.bpe import SPECIAL_TOKENS, build_tokenizer
 from qwenrt.train.data import encode_conversation
 from qwenrt.train.trainer import build_model, lr_at, sequence_losses, step_examples
