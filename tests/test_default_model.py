@@ -40,7 +40,7 @@ def test_tokenizer_keeps_every_qwen35_special_token(tiny):
     assert SPECIAL_TOKENS == tuple(t for _, t in QWEN3_5_SPECIAL_TOKENS)
     ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
     assert None not in ids and len(set(ids)) == len(ids)
-    assert 1024 <= tokenizer.vocab_size <= 8192  # the BPE stops where pairs seen twice run out
+    assert 300 <= tokenizer.vocab_size <= 8192  # the BPE keeps the tokens its corpus uses 40 times or more
     assert tokenizer.encode("127") == [tokenizer.token_to_id(d) for d in "127"]  # one token per digit
 
 
@@ -74,9 +74,11 @@ def _operands(task):
     return int(a), op, int(b)
 
 
-def test_calculator_calls_and_answers(tiny):
-    """Issue 10's bars hold for the calculator (not for get_capital: see the model card)."""
-    tasks = quality_tasks("calculator", 20, SEED)
+def test_tool_calls_and_answers(tiny):
+    """Issue 10's bars: 90% right calls (function and arguments, parsed by our parser) and 90% right answers after
+    the tool's response, for the calculator and for get_capital on countries training never names."""
+    tasks = quality_tasks("calculator", 20, SEED) + quality_tasks("capital", 20, SEED)
+    assert all(held_out(t.call["arguments"]["country"]) for t in tasks[20:])
     for thinking in (False, True):
         quality = tool_quality(*tiny, tasks, thinking)
         assert quality["call"] >= 0.9 and quality["answer"] >= 0.9, quality

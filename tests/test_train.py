@@ -4,6 +4,7 @@ seeded determinism and exact resumption, the `qwenrt train` command."""
 import json
 import random
 import shutil
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -21,7 +22,7 @@ from qwenrt.tiny.recipe import Recipe, build
 from qwenrt.tiny.tasks import conversations
 from qwenrt.tokenizer import Tokenizer
 from qwenrt.train import TrainConfig, train
-from qwenrt.train.bpe import SPECIAL_TOKENS, build_tokenizer
+from qwenrt.train.bpe import SPECIAL_TOKENS, build_tokenizer, train_bpe
 from qwenrt.train.data import encode_conversation
 from qwenrt.train.trainer import build_model, lr_at, sequence_losses, step_examples
 
@@ -77,6 +78,24 @@ def test_capitals_apart_gives_a_name_the_same_tokens_wherever_it_stands(quick, t
         assert [p for p, _ in backend.pre_tokenizer.pre_tokenize_str(" Velmoria")] == pieces
     with pytest.raises(QwenrtError, match="unknown pre-tokenizer 'gpt2'"):
         build_tokenizer(tmp_path / "bad", data, 512, "gpt2")
+
+
+def test_min_count_drops_the_tokens_its_corpus_seldom_uses(tmp_path):
+    """Without min_count BPE keeps intermediates the corpus's own encoding hardly uses (a held-out name would bring
+    them out untrained); with it every merged token is used at least min_count times, and text still round-trips."""
+    words = ["always", "always", "away", "Norway", "anyway", "the way"] * 3 + ["cat", "cats", "hat", "that"] * 20
+    texts = [f"<|im_start|>user\nRepeat after me: {w}<|im_end|>" for w in words]
+    pieces = [f"user\nRepeat after me: {w}" for w in words]  # what BPE sees: special tokens cut out
+    counts = {}
+    for min_count in (0, 10):
+        tok = train_bpe(texts, 512, "capitals-apart", min_count)
+        merged = {t for t in tok.get_vocab(with_added_tokens=False) if len(t) > 1}
+        used = Counter(i for e in tok.encode_batch(pieces, add_special_tokens=False) for i in e.ids)
+        counts[min_count] = {t: used[tok.token_to_id(t)] for t in merged}
+        assert all(tok.decode(tok.encode(t).ids, skip_special_tokens=False) == t for t in texts + ["Nigeria anyway"])
+        assert tok.token_to_id("<|im_end|>") == tok.get_vocab_size() - len(SPECIAL_TOKENS) + 2
+    assert min(counts[0].values()) < 10 <= min(counts[10].values())
+    assert counts[0]["way"] == 0 and "way" not in counts[10] and counts[10]["Ġcat"] == 20
 
 
 class _NoKernels:
@@ -230,3 +249,19 @@ def test_train_command_on_jsonl(quick, tmp_path, capsys):
     assert main(["train", str(tmp_path / "bad"), "--data", str(data), "--init", str(out)]) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "no assistant message" in err
+
+
+def test_recipe_steps_shorten_the_copying_phase_alike(monkeypatch, tmp_path, capsys):
+    """`qwenrt train --recipe tiny --steps N`: the run still opens with the recipe's share of copying, then the
+    mix (not N steps of copying alone)."""
+    built = []
+
+    def build(out, recipe):
+        built.append(recipe)
+        return {"steps": recipe.steps, "seconds": 0.0, "tokens": 0, "history": []}
+
+    monkeypatch.setattr("qwenrt.tiny.recipe.build", build)
+    assert main(["train", str(tmp_path / "rebuilt"), "--recipe", "tiny", "--steps", "380"]) == 0
+    full = Recipe()
+    assert built[0].steps == 380 and built[0].copy_steps == full.copy_steps * 380 // full.steps > 0
+    assert built[0].copy_steps < 380 and "trained 380 steps" in capsys.readouterr().out

@@ -33,13 +33,15 @@ class Recipe:
     linear_key_heads: int = 2
     linear_value_heads: int = 4  # > key heads, as in the larger Qwen3.5 models
     linear_head_dim: int = 32
-    vocab_size: int = 4096  # a cap: the BPE stops where merges run out
-    pretokenizer: str = "qwen3.5"  # or "capitals-apart": names keep their tokens wherever they stand (bpe.py)
+    vocab_size: int = 1024  # a cap: the BPE stops where merges run out, and tokenizer_min_count cuts it
+    pretokenizer: str = "capitals-apart"  # names keep their tokens wherever they stand (bpe.py), or "qwen3.5"
     tokenizer_conversations: int = 4000
-    train_conversations: int = 38400  # each seen once
+    tokenizer_min_count: int = 40  # tokens its corpus uses fewer times are dropped: a held-out name falls into
+    # pieces training used often (bpe.train_bpe's min_count)
+    train_conversations: int = 41600  # each seen once
     eval_conversations: int = 200
-    steps: int = 2400
-    copy_steps: int = 0  # the run opens with this many steps of copying alone, at the peak lr
+    steps: int = 3800  # copy_steps of them, then train_conversations / batch_size
+    copy_steps: int = 1200  # the run opens with this many steps of copying alone, at the peak lr
     batch_size: int = 16
     micro_batch_tokens: int = 2048  # small: like lengths together, little padding
     length_groups: int = 8  # steps regrouped by length: 25% fewer tokens padded and run than steps as drawn
@@ -52,10 +54,10 @@ class Recipe:
 
     @classmethod
     def quick(cls) -> Recipe:
-        """The same recipe cut to seconds (a smaller model, little data, few steps; the copy phase and the
-        capitals-apart tokenizer on, so the tests run them): the tests check that the held-out loss falls."""
+        """The same recipe cut to seconds (a smaller model, little data, few steps, a tokenizer cut at its own
+        corpus's scale): the tests check that the held-out loss falls."""
         return cls(hidden_size=64, intermediate_size=128, attention_heads=2, kv_heads=1, head_dim=32,
-                   linear_head_dim=16, vocab_size=1024, pretokenizer="capitals-apart", tokenizer_conversations=800,
+                   linear_head_dim=16, vocab_size=1024, tokenizer_conversations=800, tokenizer_min_count=8,
                    train_conversations=400, eval_conversations=40, steps=12, copy_steps=2, batch_size=8, lr=1e-2,
                    warmup=2, eval_every=4, threads=1)
 
@@ -92,7 +94,7 @@ def build(out: str | Path, recipe: Recipe = Recipe(), progress: bool = True) -> 
                 + conversations(recipe.train_conversations, recipe.seed + 1, curriculum=True))
     write_jsonl(data / "eval.jsonl", conversations(recipe.eval_conversations, recipe.seed + 2, heldout=True))
     build_tokenizer(out / "tokenizer", conversations(recipe.tokenizer_conversations, recipe.seed + 3),
-                    recipe.vocab_size, recipe.pretokenizer)
+                    recipe.vocab_size, recipe.pretokenizer, recipe.tokenizer_min_count)
     prepared = time.perf_counter() - began
     config = recipe.model_config(Tokenizer(out / "tokenizer").vocab_size)
     summary = train(TrainConfig(

@@ -26,6 +26,8 @@ def train_command(out: str, recipe: str | None = None, **options) -> str:
         if unknown:
             raise QwenrtError(f"--recipe takes only --steps, --seed and --threads, not "
                               f"--{', --'.join(sorted(unknown))}")
+        if "steps" in options:  # shortened: the same share of the run copies first
+            options["copy_steps"] = Recipe().copy_steps * options["steps"] // Recipe().steps
         summary = build(out, replace(Recipe(), **options))
     else:
         if "data" not in options:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -62,9 +63,11 @@ def _empty_bpe(pretokenizer: str) -> BackendTokenizer:
     return tok
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, pretokenizer: str = "qwen3.5") -> BackendTokenizer:
+def train_bpe(texts: Iterable[str], vocab_size: int, pretokenizer: str = "qwen3.5",
+              min_count: int = 0) -> BackendTokenizer:
     """Byte-level BPE over `texts` (special-token strings in them are cut out first), then the Qwen3.5 special
-    tokens appended as added tokens; vocab_size counts them. `pretokenizer`: a PRETOKENIZERS key."""
+    tokens appended as added tokens; vocab_size counts them (a cap: merges can run out first). `pretokenizer`: a
+    PRETOKENIZERS key. `min_count`: drop every merged token that encoding `texts` uses fewer times (`_drop_rare`)."""
     bpe_size = vocab_size - len(SPECIAL_TOKENS)
     if bpe_size <= 256:
         raise QwenrtError(f"vocab_size {vocab_size} leaves no room for merges beyond the 256 bytes and "
@@ -72,9 +75,28 @@ def train_bpe(texts: Iterable[str], vocab_size: int, pretokenizer: str = "qwen3.
     tok = _empty_bpe(pretokenizer)
     trainer = trainers.BpeTrainer(vocab_size=bpe_size, min_frequency=2, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator((piece for text in texts for piece in _SPECIAL_SPLIT.split(text) if piece), trainer)
+    pieces = [piece for text in texts for piece in _SPECIAL_SPLIT.split(text) if piece]
+    tok.train_from_iterator(pieces, trainer)
+    if min_count > 0:
+        _drop_rare(tok, pieces, min_count)
     _add_special_tokens(tok)
     return tok
+
+
+def _drop_rare(tok: BackendTokenizer, pieces: list[str], min_count: int) -> None:
+    """Remove the merged tokens that the encoding of `pieces` uses fewer than `min_count` times, and the merges
+    that make or use them, until none is left. BPE keeps every intermediate of its merge chains ("way" on the way
+    to " always"): a token that only a held-out name brings out has an embedding training never moved, and a small
+    model cannot copy it. Without it the name falls into pieces that training used often."""
+    while True:
+        counts = Counter(i for enc in tok.encode_batch(pieces, add_special_tokens=False) for i in enc.ids)
+        model = json.loads(tok.to_str())["model"]
+        rare = {t for t, i in model["vocab"].items() if len(t) > 1 and counts[i] < min_count}
+        if not rare:
+            return
+        kept = sorted((i, t) for t, i in model["vocab"].items() if t not in rare)
+        merges = [(a, b) for a, b in model["merges"] if not {a, b, a + b} & rare]
+        tok.model = models.BPE(vocab={t: new for new, (_, t) in enumerate(kept)}, merges=merges, ignore_merges=True)
 
 
 def byte_tokenizer() -> BackendTokenizer:
@@ -112,9 +134,9 @@ def write_tokenizer(directory: Path, tok: BackendTokenizer) -> None:
 
 
 def build_tokenizer(directory: str | Path, conversations: list[dict], vocab_size: int,
-                    pretokenizer: str = "qwen3.5") -> None:
+                    pretokenizer: str = "qwen3.5", min_count: int = 0) -> None:
     """Train the tokenizer on `conversations` ({"messages", "tools"} dicts) as the chat template renders them, and
-    write its files into `directory`."""
+    write its files into `directory`. `pretokenizer`, `min_count`: as train_bpe's."""
     from qwenrt.tokenizer import Tokenizer
 
     directory = Path(directory)
@@ -122,4 +144,4 @@ def build_tokenizer(directory: str | Path, conversations: list[dict], vocab_size
     renderer = Tokenizer(directory)
     texts = [renderer.apply_chat_template(c["messages"], add_generation_prompt=False, tools=c.get("tools"))
              for c in conversations]
-    write_tokenizer(directory, train_bpe(texts, vocab_size, pretokenizer))
+    write_tokenizer(directory, train_bpe(texts, vocab_size, pretokenizer, min_count))
