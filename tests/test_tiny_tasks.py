@@ -5,9 +5,8 @@ import json
 import random
 import re
 
-from qwenrt.tiny.tasks import (CAPITALS, FAMILY_WEIGHTS, add_reasoning, compare_line, conversations, copy_conversations,
-                               copy_share,
-                               held_out, invented_place, quality_tasks, sub_reasoning)
+from qwenrt.tiny.tasks import (CAPITALS, FAMILY_WEIGHTS, add_reasoning, compare_line, conversations,
+                               copy_conversations, copy_share, held_out, invented_place, quality_tasks, sub_reasoning)
 
 
 def _check_columns(working: str) -> str:

@@ -26,9 +26,10 @@ def train_command(out: str, recipe: str | None = None, **options) -> str:
         if unknown:
             raise QwenrtError(f"--recipe takes only --steps, --seed and --threads, not "
                               f"--{', --'.join(sorted(unknown))}")
+        full = Recipe()
         if "steps" in options:  # shortened: the same share of the run copies first
-            options["copy_steps"] = Recipe().copy_steps * options["steps"] // Recipe().steps
-        summary = build(out, replace(Recipe(), **options))
+            options["copy_steps"] = full.copy_steps * options["steps"] // full.steps
+        summary = build(out, replace(full, **options))
     else:
         if "data" not in options:
             raise QwenrtError("qwenrt train needs --data (or --recipe tiny)")
