@@ -10,6 +10,17 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
 
 
+def int8_groups(x: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as the int4 prefill GEMM takes it: q = round(x·(127/amax)) per row and group of G columns, and
+    d = amax/127, both in fp32 as the kernel computes them -> (q·d in fp64 [M, K], d [M, K/G])."""
+    xg = x.float().view(x.shape[0], -1, G)
+    amax = xg.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    q = torch.round(xg * inv).clamp(-127, 127)  # half to even, as the kernel's conversion
+    d = amax / 127
+    return (q.double() * d.double()).view_as(x), d.squeeze(-1)
+
+
 def teacher_forced_logits(model, ids: torch.Tensor, prefill: int, modules: bool = False) -> torch.Tensor:
     """Prefill ids[:, :prefill], then decode the rest one token at a time as the engine does (or through the modules'
     forward): logits [B, T - prefill + 1, V] at the positions prefill-1 .. T-1."""

@@ -22,7 +22,7 @@ from qwenrt.ops.linear import MAX_KERNEL_ROWS
 from qwenrt.ops.rope import apply_rope
 from qwenrt.quant import QuantSpec, dequantize_weight, quantize_weight
 from tests.checkpoints import VOCAB
-from tests.numerics import rel_err, teacher_forced_logits
+from tests.numerics import int8_groups, rel_err, teacher_forced_logits
 
 # Every CPU gets a kernel level (the portable one at least); only turning them off leaves torch paths alone.
 needs_kernels = pytest.mark.skipif(os.environ.get("QWENRT_KERNELS") == "0", reason="QWENRT_KERNELS=0: torch paths only")
@@ -87,28 +87,51 @@ def test_quantized_gemv_matches_its_dequantized_weight(M, spec):
             assert rel_err(y, ref) < 5e-5, (N, K)
 
 
+PREFILL_SHAPES = [(1, 16, 256), (7, 37, 384), (70, 100, 640), (129, 33, 1024), (9, 4200, 1024)]  # M, N, K: rows
+# past whole tiles, columns past whole panels and blocks, more weight rows than one packed slice holds (4096 at 1024)
+
+
 @needs_kernels
-@pytest.mark.parametrize("spec", [QuantSpec(8), QuantSpec(4, 32), QuantSpec(4, 64), QuantSpec(4, 128)], ids=str)
-def test_prefill_gemm_matches_its_dequantized_weight_and_the_gemv(spec):
-    """The prefill GEMMs take x in the GEMVs' fixed point and sum each block (int8: 256 columns, int4: a group)
-    exactly in int32: within one bf16 rounding of the fp64 product with the dequantized weight, and equal to the
-    GEMV's rows but for summation order (one bf16 ulp at most). Shapes with rows past whole tiles, columns past
-    whole panels and blocks, and more weight rows than one packed slice holds (4096 at K = 1024)."""
-    g = torch.Generator().manual_seed(spec.bits)
+def test_int8_prefill_gemm_matches_its_dequantized_weight_and_the_gemv():
+    """The int8 prefill GEMM takes x in the GEMV's fixed point and sums each block of 256 columns exactly in int32:
+    within one bf16 rounding of the fp64 product with the dequantized weight, and equal to the GEMV's rows but for
+    summation order (one bf16 ulp at most)."""
+    g = torch.Generator().manual_seed(8)
     kernels = cpu_kernels()
-    for M, N, K in [(1, 16, 256), (7, 37, 384), (70, 100, 640), (129, 33, 1024), (9, 4200, 1024)]:
+    for M, N, K in PREFILL_SHAPES:
         x = torch.randn(M, K, generator=g).bfloat16()
-        stored = quantize_weight(torch.randn(N, K, generator=g) * 0.02, spec)
-        pieces = [stored[name] for name in ("qweight", "scales", "zeros") if name in stored]
-        if spec.bits == 8:
-            y, rows = kernels.gemm_q8(x, *pieces), kernels.gemv_q8(x[:8].contiguous(), *[[p] for p in pieces], "bf16")
-        else:
-            y = kernels.gemm_q4(x, *pieces, spec.group_size)
-            rows = kernels.gemv_q4(x[:8].contiguous(), *[[p] for p in pieces], spec.group_size, "bf16")
+        stored = quantize_weight(torch.randn(N, K, generator=g) * 0.02, QuantSpec(8))
+        y = kernels.gemm_q8(x, stored["qweight"], stored["scales"])
+        rows = kernels.gemv_q8(x[:8].contiguous(), [stored["qweight"]], [stored["scales"]], "bf16")
         assert y.dtype == torch.bfloat16 and y.shape == (M, N)
-        ref = x.double() @ dequantize_weight(stored, spec).double().t()
+        ref = x.double() @ dequantize_weight(stored, QuantSpec(8)).double().t()
         assert rel_err(y, ref) < 4e-3, (M, N, K)  # one bf16 rounding of each output
         assert torch.allclose(y[:8].float(), rows[0].float(), rtol=2 ** -7, atol=1e-6), (M, N, K)
+
+
+@needs_kernels
+@pytest.mark.parametrize("G", [32, 64, 128])
+def test_int4_prefill_gemm_sums_8bit_activations_exactly(G):
+    """The int4 prefill GEMM takes x in 8 bits per row and group (as llama.cpp's Q4_0 x Q8_0): exact integer sums,
+    so within one bf16 rounding of the fp64 product of that x with the dequantized weight; against the bf16 x the
+    difference is what the rounding of x implies, at most Σ|W|·d/2 per output (checked; and it is not zero, or the
+    test would not see the path)."""
+    g = torch.Generator().manual_seed(G)
+    kernels = cpu_kernels()
+    for M, N, K in PREFILL_SHAPES:
+        x = torch.randn(M, K, generator=g).bfloat16()
+        stored = quantize_weight(torch.randn(N, K, generator=g) * 0.02, QuantSpec(4, G))
+        y = kernels.gemm_q4(x, stored["qweight"], stored["scales"], stored["zeros"], G)
+        assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+        w = dequantize_weight(stored, QuantSpec(4, G)).double()  # [N, K]
+        x8, d = int8_groups(x, G)
+        ref8 = x8 @ w.t()
+        assert rel_err(y, ref8) < 4e-3, (M, N, K)  # one bf16 rounding of each output
+        exact = x.double() @ w.t()
+        bound = (d.double().repeat_interleave(G, 1) / 2) @ w.abs().t()  # [M, N]: Σ_k |W_nk|·d_k/2
+        slack = 2 ** -8 * exact.abs() + 1e-5 * exact.abs().max()  # y's bf16 rounding, fp32 sums
+        assert ((y.double() - exact).abs() <= bound + slack).all(), (M, N, K)
+        assert (x8 != x.double()).any()
 
 
 @needs_kernels

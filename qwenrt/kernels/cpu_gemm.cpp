@@ -1,19 +1,19 @@
 // Prefill products (M rows of x at once) on CPUs without native bf16 arithmetic, for the bf16, int8 and int4
 // weight formats. Each weight is packed a panel of kNR rows at a time into the layout the tile loop reads (one
-// vector: kLanes rows at one column, or × 2 columns for int16), a broadcast element of x multiplies it, and a tile
-// of x rows × kNR outputs stays in registers for the whole of K; outputs are rounded once to bf16.
+// vector: kLanes rows at one column, × 2 columns for int16, × 4 for 8-bit codes), a broadcast element (pair, quad)
+// of x multiplies it, and a tile of x rows × kNR outputs stays in registers for the whole of K; outputs are rounded
+// once to bf16.
 // bf16  the weight widened to fp32 panels, fp32 FMAs summed in fp32: torch's bf16 GEMM's products and sums, without
 //       its emulated bf16 arithmetic, and without widening whole matrices for torch's fp32 GEMM (which ran at 53-70
 //       GMAC/s on 2 Zen 3 cores, 55-70% of their FMA peak, at the 0.8B's prefill shapes).
-// int8/int4  x in 16-bit fixed point per block of columns, as the GEMVs take it (gemv_common.h); the weight widened
-//       to int16; vpmaddwd multiplies a pair of columns, 2·kLanes exact products summed into int32 per instruction,
-//       and each block's integer sums are scaled in fp32. On Zen 3 vpmaddwd issues about once per cycle, as many
-//       products as the two fp32 FMA pipes: against dequantizing to fp32 it saves the widened copies, not
-//       arithmetic. Doubling that takes 8-bit activations (vpmaddubsw), a numerics change not made here.
-//   int8  W = q·s (row scales): per block of kQ8Block columns Σ q·x_q exactly, times x's block scale, summed in
-//         fp32, times s at the end.
-//   int4  W = (q - 8)·s + z (per row and group of G columns): per group Σ (q - 8)·x_q times s·(x's group scale),
-//         plus z·Σx over the group.
+// int8  x in 16-bit fixed point per block of kQ8Block columns, as the GEMV takes it (gemv_common.h); the weight
+//       widened to int16; vpmaddwd multiplies a pair of columns, 2·kLanes exact products summed into int32 per
+//       instruction; per block Σ q·x_q times x's block scale, summed in fp32, times the row scale s at the end.
+// int4  x in 8 bits per row and group of G columns (to_int8: q = round(127·x/amax), as llama.cpp's Q8_0 blocks for
+//       its Q4_0 products), the weight's unsigned 4-bit codes c as bytes; vpmaddubsw multiplies a quad of columns,
+//       4·kLanes exact products per instruction (twice vpmaddwd's): 0.8B shapes at 512 rows 110 -> 157 GMAC/s,
+//       AVX2 EPYC, 2 threads. W = (c - 8)·s + z per row and group: Σ c·x_q times s·d, plus (z - 8·s)·d·Σx_q. The
+//       error against the bf16 x is that of x's 8-bit rounding, at most Σ|W|·d/2 per output (tests/test_kernels.py).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
@@ -57,6 +57,81 @@ inline void tile_sums(const int16_t* const* x, const int16_t* panel, int64_t p0,
       const I xb = set1_i32(pair);
       lo[m] = add_i32(lo[m], madd_i16(w0, xb));
       hi[m] = add_i32(hi[m], madd_i16(w1, xb));
+    }
+  }
+  for (int m = 0; m < Rows; ++m) fold(m, lo[m], hi[m]);
+}
+
+// x in 8 bits per row and group of G columns: q = round(x / d) with d = amax / 127 (|q| <= 127), and d·Σq per
+// group, through which the int4 zero points enter. NaN becomes 127, as the 16-bit fixed point has it.
+struct Int8Rows {
+  std::vector<int8_t> q;     // [M, K]
+  std::vector<float> scale;  // [M, groups]: d
+  std::vector<float> sums;   // [M, groups]: d·Σq
+};
+
+inline Int8Rows to_int8(const at::Tensor& x, int64_t G) {
+  const int64_t M = x.size(0), K = x.size(1), groups = K / G;
+  const auto* X = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  Int8Rows out{std::vector<int8_t>(M * K), std::vector<float>(M * groups), std::vector<float>(M * groups)};
+  qwenrt::parallel_for_work(0, M * groups, G, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint16_t* xg = X + i * G;  // row i / groups, group i % groups: K = groups·G
+      F largest = zero();
+      for (int64_t j = 0; j < G; j += kLanes) {
+        const F v = load_bf16(xg + j);
+        largest = max(max(v, sub(zero(), v)), largest);  // a NaN lane keeps the largest so far
+      }
+      float lanes[kLanes], amax = 0.f;
+      store(lanes, largest);
+      for (float v : lanes) amax = std::max(amax, v);
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t total = 0;
+      int8_t* q = out.q.data() + i * G;
+      for (int64_t j = 0; j < G; j += kLanes) {  // min first: NaN -> 127
+        int32_t v[kLanes];
+        const I r = to_int(max(min(mul(load_bf16(xg + j), set1(inv)), set1(127.f)), set1(-127.f)));
+        std::memcpy(v, &r, sizeof v);
+        for (int l = 0; l < kLanes; ++l) {
+          q[j + l] = static_cast<int8_t>(v[l]);
+          total += v[l];
+        }
+      }
+      out.scale[i] = amax / 127.f;
+      out.sums[i] = static_cast<float>(total) * out.scale[i];
+    }
+  });
+  return out;
+}
+
+constexpr int kMR8 = std::min(6, (kRegisters - 3) / 4);  // x rows per 8-bit tile: 4 accumulators each (3 on AVX2: 2 or 4 measured slower)
+constexpr int64_t kFlushQuads = 8;  // int16 sums of 8 column quads stay below 2^15: 8 · 2 · 15 · 127 = 30480
+
+// An 8-bit panel: [K/4][kNR][4] bytes, the codes of weight row n0 + j at columns 4p..4p+3 at (p·kNR + j)·4.
+// The int32 sums of Rows x rows (8-bit) with it over column quads [p0, p1) (a multiple of kFlushQuads), handed to
+// `fold(m, sums over rows 0..kLanes-1, over kLanes..kNR-1)`: vpmaddubsw sums 2 products into int16 (unsigned
+// codes times signed x), 8 quads add up in int16, vpmaddwd by ones widens them to int32.
+template <int Rows, typename Fold>
+inline void tile_sums_u8(const int8_t* const* x, const uint8_t* panel, int64_t p0, int64_t p1, Fold&& fold) {
+  I lo[Rows], hi[Rows];
+  for (int m = 0; m < Rows; ++m) lo[m] = hi[m] = zero_i();
+  const I ones = set1_i16(1);
+  for (int64_t f = p0; f < p1; f += kFlushQuads) {
+    I lo16[Rows], hi16[Rows];
+    for (int m = 0; m < Rows; ++m) lo16[m] = hi16[m] = zero_i();
+    for (int64_t p = f; p < f + kFlushQuads; ++p) {
+      const I w0 = load_i(panel + p * 4 * kNR), w1 = load_i(panel + p * 4 * kNR + 4 * kLanes);
+      for (int m = 0; m < Rows; ++m) {
+        int32_t quad;
+        std::memcpy(&quad, x[m] + 4 * p, 4);
+        const I xb = set1_i32(quad);
+        lo16[m] = add_i16(lo16[m], maddubs_i8(w0, xb));
+        hi16[m] = add_i16(hi16[m], maddubs_i8(w1, xb));
+      }
+    }
+    for (int m = 0; m < Rows; ++m) {
+      lo[m] = add_i32(lo[m], madd_i16(lo16[m], ones));
+      hi[m] = add_i32(hi[m], madd_i16(hi16[m], ones));
     }
   }
   for (int m = 0; m < Rows; ++m) fold(m, lo[m], hi[m]);
@@ -212,7 +287,20 @@ at::Tensor gemm_q8(at::Tensor x, at::Tensor q, at::Tensor scales) {
       });
 }
 
-// x [M, K] bf16 · int4 q [N, K/2] (stored layout, groups of G) with bf16 scales/zeros [N, K/G] -> [M, N] bf16
+// A row of the int4 stored layout (byte b of group g: column g·G + b in the low nibble, g·G + G/2 + b in the high)
+// -> its K codes in column order. Arguments by value and restrict: byte stores may alias anything, and through a
+// lambda's captured references the compiler reloaded every bound after each one (4x slower packing).
+inline void unpack_q4_row(const uint8_t* __restrict bytes, int64_t K, int64_t G, uint8_t* __restrict row) {
+  const int64_t half = G / 2;
+  for (int64_t g = 0; g < K / G; ++g)
+    for (int64_t b = 0; b < half; ++b) {
+      row[g * G + b] = bytes[g * half + b] & 15;
+      row[g * G + half + b] = bytes[g * half + b] >> 4;
+    }
+}
+
+// x [M, K] bf16 · int4 q [N, K/2] (stored layout, groups of G) with bf16 scales/zeros [N, K/G] -> [M, N] bf16,
+// x in 8 bits per row and group (to_int8)
 at::Tensor gemm_q4(at::Tensor x, at::Tensor q, at::Tensor scales, at::Tensor zeros, int64_t G) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous(), "gemm_q4: uint8 weights [N, K/2]");
   const int64_t N = q.size(0), K = 2 * q.size(1), groups = K / std::max<int64_t>(G, 1);
@@ -221,44 +309,44 @@ at::Tensor gemm_q4(at::Tensor x, at::Tensor q, at::Tensor scales, at::Tensor zer
   for (const auto* t : {&scales, &zeros})
     TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->numel() == N * groups,
                 "gemm_q4: bf16 scales and zeros [N, K/G]");
-  const FixedPoint in = to_fixed_point(x, G);  // Kp == K
-  const int64_t pairs = K / 2;
-  const std::vector<float> sums = block_sums(in, G);  // Σx per row and group, as the GEMV takes it
+  const Int8Rows in = to_int8(x, G);
   const uint8_t* Q = q.data_ptr<uint8_t>();
   const auto* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
   const auto* Z = reinterpret_cast<const uint16_t*>(zeros.data_ptr<at::BFloat16>());
-  // per panel, its rows' scales and zeros by group: [panels][groups][kNR] fp32 (zero past N)
+  // per panel, its rows' scales and z - 8·s by group: [panels][groups][kNR] fp32 (zero past N); W = code·s + z - 8·s
   const int64_t panels = (N + kNR - 1) / kNR;
   std::vector<float> panel_s(panels * groups * kNR, 0.f), panel_z(panels * groups * kNR, 0.f);
   for (int64_t n = 0; n < N; ++n)
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t at = (n / kNR * groups + g) * kNR + n % kNR;
       panel_s[at] = bf16_to_float(S[n * groups + g]);
-      panel_z[at] = bf16_to_float(Z[n * groups + g]);
+      panel_z[at] = bf16_to_float(Z[n * groups + g]) - 8.f * panel_s[at];
     }
-  return run_panels<int16_t, kMR>(
-      x, N, pairs * 2 * kNR, 4 * pairs,
-      [&](int64_t n0, int16_t* panel, std::vector<int16_t>& codes) {
-        pack(N, K, pairs, n0, panel, codes, [&](int64_t n, int16_t* row) {  // code - 8: W = code·s + z
-          const uint8_t* bytes = Q + n * pairs;
-          for (int64_t g = 0; g < groups; ++g)
-            for (int64_t j = 0; j < G / 2; ++j) {
-              row[g * G + j] = static_cast<int16_t>((bytes[g * G / 2 + j] & 15) - 8);
-              row[g * G + G / 2 + j] = static_cast<int16_t>((bytes[g * G / 2 + j] >> 4) - 8);
-            }
-        });
+  return run_panels<uint8_t, kMR8>(
+      x, N, K * kNR, K,
+      [&](int64_t n0, uint8_t* panel, std::vector<uint8_t>& codes) {  // codes: one row's K codes
+        for (int j = 0; j < kNR; ++j) {
+          const int64_t n = n0 + j;
+          uint8_t* row = codes.data();
+          if (n < N) {
+            unpack_q4_row(Q + n * (K / 2), K, G, row);
+          } else {
+            std::memset(row, 0, K);
+          }
+          for (int64_t p = 0; p < K / 4; ++p) std::memcpy(panel + (p * kNR + j) * 4, row + 4 * p, 4);
+        }
       },
-      [&](int64_t rows, int64_t m0, int64_t n0, const int16_t* panel, float* acc) {
+      [&](int64_t rows, int64_t m0, int64_t n0, const uint8_t* panel, float* acc) {
         const float* ps = panel_s.data() + n0 / kNR * groups * kNR;
         const float* pz = panel_z.data() + n0 / kNR * groups * kNR;
-        dispatch_rows<kMR>(rows, [&](auto r) {
+        dispatch_rows<kMR8>(rows, [&](auto r) {
           constexpr int Rows = decltype(r)::value;
-          const int16_t* xr[Rows];
+          const int8_t* xr[Rows];
           for (int m = 0; m < Rows; ++m) xr[m] = in.q.data() + (m0 + m) * K;
           std::fill(acc, acc + Rows * kNR, 0.f);
           for (int64_t g = 0; g < groups; ++g)
-            tile_sums<Rows>(xr, panel, g * G / 2, (g + 1) * G / 2, [&](int m, I l, I h) {
-              const F xs = set1(in.scale[(m0 + m) * groups + g]), sx = set1(sums[(m0 + m) * groups + g]);
+            tile_sums_u8<Rows>(xr, panel, g * G / 4, (g + 1) * G / 4, [&](int m, I l, I h) {
+              const F xs = set1(in.scale[(m0 + m) * groups + g]), sx = set1(in.sums[(m0 + m) * groups + g]);
               const I parts[2] = {l, h};
               for (int v = 0; v < 2; ++v) {
                 float* a = acc + m * kNR + v * kLanes;

@@ -59,6 +59,9 @@ template <int n> inline I srli_i16(I a) { return _mm512_srli_epi16(a, n); }
 template <int n> inline I slli_i32(I a) { return _mm512_slli_epi32(a, n); }
 template <int n> inline I srli_i32(I a) { return _mm512_srli_epi32(a, n); }
 inline I madd_i16(I a, I b) { return _mm512_madd_epi16(a, b); }  // int32 lane j = a[2j]·b[2j] + a[2j+1]·b[2j+1]
+// int16 lane j = u[2j]·s[2j] + u[2j+1]·s[2j+1], u's bytes unsigned, s's signed (saturating: callers stay below)
+inline I maddubs_i8(I u, I s) { return _mm512_maddubs_epi16(u, s); }
+inline I add_i16(I a, I b) { return _mm512_add_epi16(a, b); }
 inline I widen_i8(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p)); }
 inline F to_float(I a) { return _mm512_cvtepi32_ps(a); }
 inline I to_int(F a) { return _mm512_cvtps_epi32(a); }  // round to nearest
@@ -109,6 +112,8 @@ template <int n> inline I srli_i16(I a) { return _mm256_srli_epi16(a, n); }
 template <int n> inline I slli_i32(I a) { return _mm256_slli_epi32(a, n); }
 template <int n> inline I srli_i32(I a) { return _mm256_srli_epi32(a, n); }
 inline I madd_i16(I a, I b) { return _mm256_madd_epi16(a, b); }
+inline I maddubs_i8(I u, I s) { return _mm256_maddubs_epi16(u, s); }
+inline I add_i16(I a, I b) { return _mm256_add_epi16(a, b); }
 inline I widen_i8(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)); }
 inline F to_float(I a) { return _mm256_cvtepi32_ps(a); }
 inline I to_int(F a) { return _mm256_cvtps_epi32(a); }
@@ -126,6 +131,8 @@ union I {
   int32_t i32[kLanes];
   int16_t i16[2 * kLanes];
   uint16_t u16[2 * kLanes];
+  uint8_t u8[4 * kLanes];
+  int8_t s8[4 * kLanes];
   float f[kLanes];
 };
 
@@ -180,6 +187,18 @@ inline I madd_i16(I a, I b) {
   I r;
   QWENRT_LANES(r.i32[j] = int32_t{a.i16[2 * j]} * b.i16[2 * j] + int32_t{a.i16[2 * j + 1]} * b.i16[2 * j + 1]);
   return r;
+}
+inline I maddubs_i8(I u, I s) {
+  I r;
+  for (int j = 0; j < 2 * kLanes; ++j) {
+    const int32_t v = int32_t{u.u8[2 * j]} * s.s8[2 * j] + int32_t{u.u8[2 * j + 1]} * s.s8[2 * j + 1];
+    r.i16[j] = static_cast<int16_t>(std::max(-32768, std::min(32767, v)));
+  }
+  return r;
+}
+inline I add_i16(I a, I b) {
+  for (int j = 0; j < 2 * kLanes; ++j) a.u16[j] = static_cast<uint16_t>(a.u16[j] + b.u16[j]);
+  return a;
 }
 inline I widen_i8(const int8_t* p) { I r; for (int j = 0; j < 2 * kLanes; ++j) r.i16[j] = p[j]; return r; }
 inline F to_float(I a) { F r; QWENRT_LANES(r.v[j] = static_cast<float>(a.i32[j])); return r; }
