@@ -19,7 +19,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("x"), arg("w"));
   m.def("gemm_q8", &gemm_q8, "x [M, K] bf16 · int8 W [N, K]ᵀ (bf16 row scales) -> [M, N] bf16: prefill, int32 sums",
         arg("x"), arg("q"), arg("scales"));
-  m.def("gemm_q4", &gemm_q4, "x [M, K] bf16 · int4 W (stored layout, groups of G) -> [M, N] bf16: prefill, x in 8 bits per group",
+  m.def("gemm_q4", &gemm_q4, "x [M, K] bf16 · int4 W (stored layout, groups of G) -> [M, N] bf16: prefill, x in 8 bits "
+        "per group",
         arg("x"), arg("q"), arg("scales"), arg("zeros"), arg("G"));
   m.def("dequantize_q4", &dequantize_q4, "int4 stored layout -> the dense weight written into out (bf16 or fp32)",
         arg("q"), arg("scales"), arg("zeros"), arg("G"), arg("out"));

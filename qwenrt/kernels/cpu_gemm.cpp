@@ -77,14 +77,7 @@ inline Int8Rows to_int8(const at::Tensor& x, int64_t G) {
   qwenrt::parallel_for_work(0, M * groups, G, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const uint16_t* xg = X + i * G;  // row i / groups, group i % groups: K = groups·G
-      F largest = zero();
-      for (int64_t j = 0; j < G; j += kLanes) {
-        const F v = load_bf16(xg + j);
-        largest = max(max(v, sub(zero(), v)), largest);  // a NaN lane keeps the largest so far
-      }
-      float lanes[kLanes], amax = 0.f;
-      store(lanes, largest);
-      for (float v : lanes) amax = std::max(amax, v);
+      const float amax = abs_max_bf16(xg, G);
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
       int32_t total = 0;
       int8_t* q = out.q.data() + i * G;
@@ -104,7 +97,8 @@ inline Int8Rows to_int8(const at::Tensor& x, int64_t G) {
   return out;
 }
 
-constexpr int kMR8 = std::min(6, (kRegisters - 3) / 4);  // x rows per 8-bit tile: 4 accumulators each (3 on AVX2: 2 or 4 measured slower)
+// x rows per 8-bit tile: 4 accumulators each (3 on AVX2; 2 and 4 measured slower there)
+constexpr int kMR8 = std::min(6, (kRegisters - 3) / 4);
 constexpr int64_t kFlushQuads = 8;  // int16 sums of 8 column quads stay below 2^15: 8 · 2 · 15 · 127 = 30480
 
 // An 8-bit panel: [K/4][kNR][4] bytes, the codes of weight row n0 + j at columns 4p..4p+3 at (p·kNR + j)·4.

@@ -37,6 +37,22 @@ inline float bf16_to_float(uint16_t v) {
   return f;
 }
 
+// The largest |x| of n bf16 values; a NaN is skipped (a NaN lane keeps the largest so far, as std::max would).
+inline float abs_max_bf16(const uint16_t* x, int64_t n) {
+  using namespace qwenrt::simd;
+  const int64_t vec = n / kLanes * kLanes;
+  F largest = zero();
+  for (int64_t j = 0; j < vec; j += kLanes) {
+    const F v = load_bf16(x + j);
+    largest = max(max(v, sub(zero(), v)), largest);
+  }
+  float lanes[kLanes], amax = 0.f;
+  store(lanes, largest);
+  for (float v : lanes) amax = std::max(amax, v);
+  for (int64_t j = vec; j < n; ++j) amax = std::max(amax, std::fabs(bf16_to_float(x[j])));
+  return amax;
+}
+
 struct FixedPoint {  // x in 16-bit fixed point per block of columns, zero padded to whole blocks
   std::vector<int16_t> q;    // [M, Kp]
   std::vector<float> scale;  // [M, Kp / block]: x ≈ q·scale
@@ -54,20 +70,11 @@ inline FixedPoint to_fixed_point(const at::Tensor& x, int64_t block) {
   FixedPoint in{std::vector<int16_t>(M * Kp, 0), std::vector<float>(M * blocks), Kp};
   qwenrt::parallel_for_work(0, M * blocks, block, [&](int64_t i0, int64_t i1) {
     std::vector<int32_t> wide(block);
-    float lanes[kLanes];
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t m = i / blocks, b = i % blocks;
       const uint16_t* xb = X + m * K + b * block;
       const int64_t width = std::min(block, K - b * block), vec = width / kLanes * kLanes;
-      F largest = zero();
-      for (int64_t j = 0; j < vec; j += kLanes) {
-        const F v = load_bf16(xb + j);
-        largest = max(max(v, sub(zero(), v)), largest);  // a NaN lane keeps the largest so far
-      }
-      store(lanes, largest);
-      float amax = 0.f;
-      for (float v : lanes) amax = std::max(amax, v);
-      for (int64_t j = vec; j < width; ++j) amax = std::max(amax, std::fabs(bf16_to_float(xb[j])));
+      const float amax = abs_max_bf16(xb, width);
       int e = 0;
       std::frexp(amax, &e);  // amax = f·2^e, f in [0.5, 1): |x| / 2^(e-15) < 2^15
       in.scale[i] = amax > 0.f ? std::ldexp(1.0f, e - 15) : 0.f;

@@ -116,17 +116,17 @@ def encode_conversation(tokenizer, conversation: dict, where: str = "conversatio
 def _turn_start(tokenizer, before: list[dict], turn: dict, tools, ids: list[int], where: str) -> int:
     """Index of the first generated token of `turn`: the length of its generation prompt's tokens."""
     thinking = bool((turn.get("reasoning_content") or "").strip())
-    candidates = (  # rendered lazily: the first usually fits, and rendering is most of the encoding time
-        lambda: tokenizer.apply_chat_template(before, add_generation_prompt=True, enable_thinking=thinking,
-                                              tools=tools),
+
+    def prompts():  # rendered lazily: the first usually fits, and rendering is most of the encoding time
+        yield tokenizer.apply_chat_template(before, add_generation_prompt=True, enable_thinking=thinking, tools=tools)
         # a turn before the last user query is rendered without its think block
-        lambda: tokenizer.apply_chat_template(before, add_generation_prompt=False, tools=tools)
-        + f"{IM_START}assistant\n",
-    ) if any(m["role"] == "user" for m in before) else ()
-    for render in candidates:
-        prefix = tokenizer.encode(render())
-        if ids[:len(prefix)] == prefix:
-            return len(prefix)
+        yield tokenizer.apply_chat_template(before, add_generation_prompt=False, tools=tools) + f"{IM_START}assistant\n"
+
+    if any(m["role"] == "user" for m in before):
+        for prompt in prompts():
+            prefix = tokenizer.encode(prompt)
+            if ids[:len(prefix)] == prefix:
+                return len(prefix)
     raise QwenrtError(f"{where}: an assistant turn's prompt does not tokenize to a prefix of the conversation "
                       "(the turn must follow a user message)")
 
