@@ -3,6 +3,8 @@ verification of several tokens keeps exactly the accepted ones (DeltaNet state r
 output with drafts == without, token for token, and sampling keeps the target distribution."""
 
 import math
+import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ import qwenrt
 from qwenrt import QwenrtError
 from qwenrt.cache import HybridCache
 from qwenrt.engine import Engine, Request
+from qwenrt.engine.core import MAX_PENDING, _pend
 from qwenrt.engine.request import Sequence
 from qwenrt.engine.runner import ModelRunner
 from qwenrt.engine.speculative import DraftPolicy
@@ -283,16 +286,20 @@ def test_the_head_takes_the_positions_of_plain_steps(mtp_dense):
         assert drafted == [int(engine.runner.draft_logits(whole[:, -1]).argmax())]
 
 
-def simulate_auto(policy: DraftPolicy, steps: int, accepted) -> list[int]:
+def simulate_auto(policy: DraftPolicy, steps: int, accepted, cost=None) -> list[int]:
     """Drive `policy` as the engine does: a step verifies the drafts chosen one step before and drafts the ones
-    chosen now; it costs 1 s, 0.1 s per verified draft and 0.05 s per draft made, 3 s more the first time (a first
-    call's setup). accepted(k) -> drafts kept of k. Returns the counts verified at each step."""
+    chosen now; it costs cost(i, verified, drafted) seconds, by default 1 s, 0.1 s per verified draft and 0.05 s per
+    draft made, 3 s more the first time (a first call's setup). accepted(k) -> drafts kept of k. Returns the counts
+    verified at each step."""
+    if cost is None:
+        def cost(i, verified, drafted):
+            return 1.0 + 0.1 * verified + 0.05 * drafted + (3.0 if i == 0 else 0.0)
     verified, out = 0, []
     for i in range(steps):
         k = policy.choose(1)
         if verified:
             policy.record(verified, accepted(verified))
-        policy.observe(1, verified, k, 1.0 + 0.1 * verified + 0.05 * k + (3.0 if i == 0 else 0.0))
+        policy.observe(1, verified, k, cost(i, verified, k))
         out.append(verified)
         verified = k
     return out
@@ -304,6 +311,24 @@ def test_auto_turns_speculation_off_where_it_does_not_pay():
     assert 0 < sum(off[100:]) < 20
     on = simulate_auto(DraftPolicy(3), 400, lambda k: k)  # everything accepted
     assert on[-100:].count(3) > 85
+
+
+def test_auto_probes_less_often_while_they_find_nothing():
+    off = simulate_auto(DraftPolicy(3), 3000, lambda k: 0)
+    probes = [i for i in range(1, len(off)) if off[i] and not off[i - 1]]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > 4 * gaps[0], gaps
+    assert gaps[-1] <= DraftPolicy.PROBE_OFF_MAX + 2 * DraftPolicy.PROBE_STEPS
+
+
+def test_auto_stays_off_where_speculation_breaks_even():
+    """Every draft accepted, but a cycle of k drafts costs as much as k + 1 plain steps (qwenrt-tiny's case), with
+    +-5% noise: drafting gains nothing, and each switch costs, so `auto` must not flip on with the noise (it did,
+    and ran at 0.89x of plain decoding there)."""
+    rng = random.Random(0)
+    steps = simulate_auto(DraftPolicy(3), 2000, lambda k: k,
+                          lambda i, verified, drafted: (1 + drafted) * (1 + 0.1 * rng.random()))
+    assert sum(1 for k in steps[200:] if k) < 20  # probes only
 
 
 def test_auto_times_only_whole_cycles(mtp_dense):
@@ -331,3 +356,16 @@ def test_speculative_tokens_are_checked(mtp_dense):
             qwenrt.generate(model, None, [1, 2], max_tokens=2, speculative_tokens=bad)
     assert len(qwenrt.complete(model, None, [1, 2, 3], max_tokens=6, ignore_eos=True,
                                speculative_tokens=2).tokens) == 6
+
+
+def test_pending_pairs_keep_the_newest_within_the_bound():
+    """While `auto` decodes plainly each step queues its hidden state for the head's next draft: at most
+    MAX_PENDING of them, the newest, with the index of the first kept."""
+    seq = SimpleNamespace(mtp_pending=[], mtp_count=0, mtp_index=None)
+    rows = torch.arange(3 * MAX_PENDING, dtype=torch.float32)[:, None].repeat(1, 4)  # row i holds i
+    _pend(seq, 10, rows[:5])
+    for i in range(5, len(rows), 3):  # chunks of 3 rows, as steps verifying two drafts queue them
+        _pend(seq, 10 + i, rows[i:i + 3])
+    assert seq.mtp_count == MAX_PENDING == sum(len(r) for r in seq.mtp_pending)
+    assert torch.equal(torch.cat(seq.mtp_pending), rows[-MAX_PENDING:])
+    assert seq.mtp_index == 10 + len(rows) - MAX_PENDING

@@ -85,14 +85,17 @@ def _size(n: int) -> str:
 def _pend(seq: Sequence, first: int, rows: torch.Tensor) -> None:
     """Queue pairs for the MTP head: the hidden states rows [n, D] of the inputs at indices first.. (whose next
     tokens are taken). Its next draft runs over them in one call; beyond MAX_PENDING it skips the oldest."""
-    if seq.mtp_pending is None:
-        seq.mtp_index, seq.mtp_pending = first, rows
-    else:
-        seq.mtp_pending = torch.cat([seq.mtp_pending, rows])
-    if len(seq.mtp_pending) > MAX_PENDING:
-        skip = len(seq.mtp_pending) - MAX_PENDING
+    if not seq.mtp_count:
+        seq.mtp_index = first
+    seq.mtp_pending.append(rows)  # joined when the head reads them: a plain step only appends
+    seq.mtp_count += len(rows)
+    while seq.mtp_count > MAX_PENDING:
+        skip = min(seq.mtp_count - MAX_PENDING, len(seq.mtp_pending[0]))
         seq.mtp_index += skip
-        seq.mtp_pending = seq.mtp_pending[skip:]
+        seq.mtp_count -= skip
+        seq.mtp_pending[0] = seq.mtp_pending[0][skip:]
+        if not len(seq.mtp_pending[0]):
+            seq.mtp_pending.pop(0)
 
 
 def _start_history(seq: Sequence, logits: torch.Tensor) -> None:
@@ -432,10 +435,10 @@ class Engine:
             # its next draft, in one call): a head that skipped them would draft a probe from a gapped context
             inputs = [s.prompt_len + len(s.tokens) - 1 for s in seqs]  # each input's index
             logits, hidden = self.runner.decode(seqs)  # [B, V], [B, D]
-            for b, seq in enumerate(seqs):
+            for b, (seq, row) in enumerate(zip(seqs, hidden.split(1))):
                 self._run(outputs, [seq], lambda s=seq, row=logits[b:b + 1]: self._sample(s, row, outputs))
                 if seq.draft_state is not None and seq.finish_reason is None:
-                    _pend(seq, inputs[b], hidden[b:b + 1])
+                    _pend(seq, inputs[b], row)
         else:
             verified = self.runner.verify(seqs, drafts)
             for seq, d, v in zip(seqs, drafts, verified):
@@ -546,7 +549,8 @@ class Engine:
                 # the next turn of a conversation (or an agent's next call) continues from here
                 self.prefix_cache.insert((seq.key + seq.tokens)[:seq.state.length], seq.state)
             self.scheduler.finish(seq)
-            seq.state = seq.history = seq.vision_embeds = seq.draft_state = seq.mtp_pending = None
+            seq.state = seq.history = seq.vision_embeds = seq.draft_state = None
+            seq.mtp_pending, seq.mtp_count = [], 0
             with self._lock:
                 self._sequences.pop(seq.request_id, None)
         out = seq.output(text, tokens, logprobs, error)

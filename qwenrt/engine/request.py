@@ -156,11 +156,13 @@ class Sequence:
         self.snapshots: list[int] = [self.prompt_len]  # prompt lengths where a prefix snapshot is taken, ascending
         # speculative decoding (set by the engine): most drafts per step, whether `auto` picks the count, the drafts
         # for the next step; the MTP head's cache, the index of its next (hidden, next token) pair, the final-normed
-        # hidden states [m, D] of the pairs waiting for it (their next tokens now known), its committed entries
+        # hidden states of the pairs waiting for it (their next tokens now known: chunks [n, D], mtp_count rows in
+        # all), its committed entries
         self.max_drafts, self.auto_drafts, self.drafts = 0, False, []
         self.draft_state: SequenceState | None = None
         self.mtp_index: int | None = None
-        self.mtp_pending: torch.Tensor | None = None
+        self.mtp_pending: list[torch.Tensor] = []
+        self.mtp_count = 0
         self.mtp_entries = 0
         self.draft_counts: DraftCounts | None = None
         self.arrival_time = time.perf_counter()

@@ -105,7 +105,8 @@ class ModelRunner:
             cos, sin = model.rotary(positions[..., :pairs], h.dtype)
             self.mtp(h[:, :pairs], embeds, cos, sin, HybridCache([seq.draft_state]))
             seq.mtp_index, seq.mtp_entries = start + pairs, seq.draft_state.length
-        seq.mtp_pending = h[0, pairs:]  # [n - pairs, D]: at most the prompt's last position
+        rows = h[0, pairs:]  # [n - pairs, D]: at most the prompt's last position
+        seq.mtp_pending, seq.mtp_count = [rows], len(rows)
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,7 +176,7 @@ class ModelRunner:
         """Up to ks[b] draft tokens per sequence from the MTP head: one forward over each sequence's pending
         (hidden, next token) pairs (its cache first rewound past earlier drafts' entries) gives the first; each
         further one reuses the head on its own output. A sequence without pending pairs gets none."""
-        ready = [b for b, s in enumerate(seqs) if ks[b] > 0 and s.mtp_pending is not None and len(s.mtp_pending)]
+        ready = [b for b, s in enumerate(seqs) if ks[b] > 0 and s.mtp_count]
         drafts: list[list[int]] = [[] for _ in seqs]
         if not ready:
             return drafts
@@ -205,7 +206,7 @@ class ModelRunner:
     def _catch_up(s: Sequence) -> tuple[list[int], int]:
         """A sequence's pending pairs: (their next tokens, the position of the first); its head cache is rewound past
         earlier drafts' entries and marked as holding the pairs."""
-        m = len(s.mtp_pending)
+        m = s.mtp_count
         tokens = (s.prompt.ids + s.tokens)[s.mtp_index + 1:s.mtp_index + 1 + m]
         first = s.mtp_index + s.state.rope_delta
         s.draft_state.length = s.mtp_entries
@@ -216,21 +217,21 @@ class ModelRunner:
     def _draft_native(self, seqs: list[Sequence], ks: list[int], plan: MTPPlan) -> list[list[int]]:
         """The MTP plan over every sequence's pending pairs (no padding: each its own count), then one row per
         sequence per further draft."""
-        dev = seqs[0].mtp_pending.device
-        counts = [len(s.mtp_pending) for s in seqs]
+        dev = seqs[0].mtp_pending[0].device
+        counts = [s.mtp_count for s in seqs]
         caught = [self._catch_up(s) for s in seqs]
         states = [s.draft_state for s in seqs]
         for state, n in zip(states, counts):
             state.reserve(state.length + n + max(ks) - 1)
         ids = torch.tensor([t for tokens, _ in caught for t in tokens], device=dev)  # [N]
-        out = plan.hidden(torch.cat([s.mtp_pending for s in seqs]), ids, states, counts,
+        out = plan.hidden(torch.cat([r for s in seqs for r in s.mtp_pending]), ids, states, counts,
                           [first for _, first in caught])  # [N, D]
         for state, n in zip(states, counts):
             state.length += n
         last = out[torch.tensor(counts).cumsum(0) - 1]  # [R, D]: each sequence's newest pair
         where = [first + n for (_, first), n in zip(caught, counts)]
         for s in seqs:
-            s.mtp_pending = None
+            s.mtp_pending, s.mtp_count = [], 0
 
         def step(h, tokens, i):
             out = plan.hidden(h, tokens, states, [1] * len(seqs), [w + i for w in where])
@@ -244,12 +245,12 @@ class ModelRunner:
         """The same through the head's modules (other dtypes and devices): the pending pairs padded to one width by
         repeating each sequence's last (the padding is rolled back)."""
         model, mtp = self.model, self.mtp
-        width = max(len(s.mtp_pending) for s in seqs)
+        width = max(s.mtp_count for s in seqs)
         hidden, nxt, pos, counts = [], [], [], []
         for s in seqs:
-            m = len(s.mtp_pending)
+            m = s.mtp_count
             pad = [m - 1] * (width - m)
-            hidden.append(s.mtp_pending[list(range(m)) + pad])
+            hidden.append(torch.cat(s.mtp_pending)[list(range(m)) + pad])
             tokens, first = self._catch_up(s)
             nxt.append(tokens + [tokens[-1]] * (width - m))
             pos.append(list(range(first, first + m)) + [first + m - 1] * (width - m))
@@ -262,7 +263,7 @@ class ModelRunner:
         where = [p[m - 1] + 1 for p, m in zip(pos, counts)]
         for s in seqs:
             s.draft_state.length = s.mtp_entries
-            s.mtp_pending = None
+            s.mtp_pending, s.mtp_count = [], 0
 
         def step(h, tokens, i):
             cos, sin = model.rotary(torch.tensor(where, device=dev)[:, None] + i, model.dtype)

@@ -66,22 +66,29 @@ class DraftPolicy:
     counts agree times a cycle of k (one that switches is not counted). A count's time is the least of its last
     WINDOW such steps: other work only ever slows a step (a first call, a cache growing, the machine busy for a
     moment), so the least is the step's own cost, and slow steps, even several, do not settle the choice.
-    Now and then it tries another count for PROBE_STEPS steps, so that every figure stays current: while off, one
-    draft every PROBE_OFF steps; while on, the other counts in turn every PROBE_ON steps."""
+    Speculation is turned on only where it promises MARGIN_ON more tokens per second than plain decoding, and kept on
+    while it promises MARGIN more: a count that merely breaks even would flip on and off with the timing noise, and
+    each switch costs (the head catches up on the positions it skipped). Now and then it tries another count for
+    PROBE_STEPS steps, so that every figure stays current: while on, the other counts in turn every PROBE_ON steps;
+    while off, one draft after PROBE_OFF steps, the wait doubling (up to PROBE_OFF_MAX) while probes find nothing."""
 
-    PROBE_ON, PROBE_OFF = 32, 64
+    PROBE_ON, PROBE_OFF, PROBE_OFF_MAX = 32, 64, 1024
     PROBE_STEPS = 2  # a probe's first step drafts, its second verifies and drafts again: one counted cycle
     MIN_SAMPLES = 3  # steps timed before a count's time is trusted
     WINDOW = 8  # its time: the least of this many latest steps
     ALPHA = 0.3  # moving-average weight of a new acceptance figure
     PRIOR = 0.5  # acceptance assumed before any is seen
-    MARGIN = 0.02  # speculation must promise this much more speed than plain decoding
+    MARGIN_ON, MARGIN = 0.10, 0.02  # gain over plain decoding that turns speculation on / keeps it on
 
     def __init__(self, max_k: int):
         self.max_k = max_k
         self.acceptance = [self.PRIOR] * max_k  # P(draft i accepted | drafts before it accepted)
         self.cost: dict[tuple[int, int], deque[float]] = {}  # (batch, k) -> latest seconds per step
+        self.least: dict[tuple[int, int], float] = {}  # (batch, k) -> its time, once it has MIN_SAMPLES steps
+        self.chosen: dict[int, int] = {}  # batch -> the count chosen last outside probes
         self.steps = 0
+        self.wait = self.PROBE_OFF  # steps between probes while off
+        self.next_probe = self.PROBE_OFF
 
     def expected_tokens(self, k: int) -> float:
         """Tokens one step with k drafts yields on average (the sampled one, then each accepted draft). A later
@@ -95,37 +102,56 @@ class DraftPolicy:
         return tokens
 
     def _times(self, batch: int) -> dict[int, float]:
-        """Seconds per step with k drafts at this batch size, for the counts with MIN_SAMPLES timed steps; once 0 and
-        1 are timed, the others not yet timed follow from them (verification grows about linearly in its tokens)."""
-        known = {k: min(c) for (b, k), c in self.cost.items()
-                 if b == batch and len(c) >= self.MIN_SAMPLES}
+        """Seconds per step with k drafts at this batch size, for the counts timed MIN_SAMPLES times; once 0 and 1
+        are timed, the others not yet timed follow from them (verification grows about linearly in its tokens)."""
+        known = {k: self.least[batch, k] for k in range(self.max_k + 1) if (batch, k) in self.least}
         if 0 in known and 1 in known:
             return {k: known.get(k, known[0] + k * (known[1] - known[0])) for k in range(self.max_k + 1)}
         return known
 
+    def _best(self, batch: int, times: dict[int, float]) -> int:
+        plain = times[0]
+        # a step with drafts never costs less than a plain one (a faster sample is noise)
+        rate = {k: self.expected_tokens(k) / max(times[k], plain) for k in range(1, self.max_k + 1)}
+        best = max(rate, key=rate.get)
+        margin = self.MARGIN if self.chosen.get(batch) else self.MARGIN_ON
+        if rate[best] < (1 + margin) / plain:
+            best = 0
+        self.chosen[batch] = best
+        return best
+
     def choose(self, batch: int) -> int:
         self.steps += 1
+        if self.chosen.get(batch) == 0 and self.steps < self.next_probe:
+            return 0  # off: nothing new is known about drafting until the next probe
         times = self._times(batch)
         for k in (1, 0):  # measure speculation and plain decoding first
             if k not in times:
                 return k
-        plain = times[0]
-        # a step with drafts never costs less than a plain one (a faster sample is noise); it must gain MARGIN
-        rate = {k: self.expected_tokens(k) / max(times[k], plain) for k in range(1, self.max_k + 1)}
-        best = max(rate, key=rate.get)
-        if rate[best] < (1 + self.MARGIN) / plain:
-            best = 0
-        if best == 0 and self.steps % self.PROBE_OFF < self.PROBE_STEPS:
+        best = self._best(batch, times)
+        if best:
+            self.wait, self.next_probe = self.PROBE_OFF, self.steps + self.PROBE_OFF
+            if self.steps % self.PROBE_ON < self.PROBE_STEPS:
+                return (best + self.steps // self.PROBE_ON) % (self.max_k + 1)
+            return best
+        if self.steps < self.next_probe:
+            return 0
+        if self.steps < self.next_probe + self.PROBE_STEPS:
             return 1
-        if best > 0 and self.steps % self.PROBE_ON < self.PROBE_STEPS:
-            return (best + self.steps // self.PROBE_ON) % (self.max_k + 1)
-        return best
+        self.wait = min(2 * self.wait, self.PROBE_OFF_MAX)  # the probe found nothing worth turning on
+        self.next_probe = self.steps + self.wait
+        return 0
 
     def observe(self, batch: int, verified: int, drafted: int, seconds: float) -> None:
         """A step of `batch` sequences verified `verified` drafts each and drafted `drafted` for the next one in
         `seconds`; it times a cycle of k drafts when the two agree."""
         if verified == drafted:
-            self.cost.setdefault((batch, verified), deque(maxlen=self.WINDOW)).append(seconds)
+            times = self.cost.get((batch, verified))
+            if times is None:
+                times = self.cost[batch, verified] = deque(maxlen=self.WINDOW)
+            times.append(seconds)
+            if len(times) >= self.MIN_SAMPLES:
+                self.least[batch, verified] = min(times)
 
     def record(self, drafted: int, accepted: int) -> None:
         """One sequence's verification: `accepted` of its `drafted` drafts kept."""
