@@ -62,41 +62,6 @@ inline void tile_sums(const int16_t* const* x, const int16_t* panel, int64_t p0,
   for (int m = 0; m < Rows; ++m) fold(m, lo[m], hi[m]);
 }
 
-// x in 8 bits per row and group of G columns: q = round(x / d) with d = amax / 127 (|q| <= 127), and d·Σq per
-// group, through which the int4 zero points enter. NaN becomes 127, as the 16-bit fixed point has it.
-struct Int8Rows {
-  std::vector<int8_t> q;     // [M, K]
-  std::vector<float> scale;  // [M, groups]: d
-  std::vector<float> sums;   // [M, groups]: d·Σq
-};
-
-inline Int8Rows to_int8(const at::Tensor& x, int64_t G) {
-  const int64_t M = x.size(0), K = x.size(1), groups = K / G;
-  const auto* X = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  Int8Rows out{std::vector<int8_t>(M * K), std::vector<float>(M * groups), std::vector<float>(M * groups)};
-  qwenrt::parallel_for_work(0, M * groups, G, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const uint16_t* xg = X + i * G;  // row i / groups, group i % groups: K = groups·G
-      const float amax = abs_max_bf16(xg, G);
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t total = 0;
-      int8_t* q = out.q.data() + i * G;
-      for (int64_t j = 0; j < G; j += kLanes) {  // min first: NaN -> 127
-        int32_t v[kLanes];
-        const I r = to_int(max(min(mul(load_bf16(xg + j), set1(inv)), set1(127.f)), set1(-127.f)));
-        std::memcpy(v, &r, sizeof v);
-        for (int l = 0; l < kLanes; ++l) {
-          q[j + l] = static_cast<int8_t>(v[l]);
-          total += v[l];
-        }
-      }
-      out.scale[i] = amax / 127.f;
-      out.sums[i] = static_cast<float>(total) * out.scale[i];
-    }
-  });
-  return out;
-}
-
 // x rows per 8-bit tile: 4 accumulators each (3 on AVX2; 2 and 4 measured slower there)
 constexpr int kMR8 = std::min(6, (kRegisters - 3) / 4);
 constexpr int64_t kFlushQuads = 8;  // int16 sums of 8 column quads stay below 2^15: 8 · 2 · 15 · 127 = 30480

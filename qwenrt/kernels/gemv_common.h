@@ -93,19 +93,40 @@ inline FixedPoint to_fixed_point(const at::Tensor& x, int64_t block) {
   return in;
 }
 
-// Σx per row and block of fp (its fixed-point values times the block's scale) [M, blocks], then `pad` zeros for
-// vector loads past the end: the int4 kernels' zero points enter through it.
-inline std::vector<float> block_sums(const FixedPoint& fp, int64_t block, int64_t pad = 0) {
-  const int64_t n = static_cast<int64_t>(fp.scale.size());  // rows · blocks: block i starts at fp.q[i·block]
-  std::vector<float> sums(n + pad, 0.f);
-  qwenrt::parallel_for_work(0, n, block, [&](int64_t i0, int64_t i1) {
+// x in 8 bits per row and group of G columns: q = round(x / d) with d = amax / 127 (|q| <= 127), and d·Σq per
+// group, through which the int4 zero points enter. NaN becomes 127, as the 16-bit fixed point has it.
+struct Int8Rows {
+  std::vector<int8_t> q;     // [M, K]
+  std::vector<float> scale;  // [M, groups]: d
+  std::vector<float> sums;   // [M, groups]: d·Σq
+};
+
+inline Int8Rows to_int8(const at::Tensor& x, int64_t G) {
+  using namespace qwenrt::simd;
+  const int64_t M = x.size(0), K = x.size(1), groups = K / G;
+  const auto* X = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  Int8Rows out{std::vector<int8_t>(M * K), std::vector<float>(M * groups), std::vector<float>(M * groups)};
+  qwenrt::parallel_for_work(0, M * groups, G, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      int64_t sum = 0;
-      for (int64_t j = 0; j < block; ++j) sum += fp.q[i * block + j];
-      sums[i] = static_cast<float>(sum) * fp.scale[i];
+      const uint16_t* xg = X + i * G;  // row i / groups, group i % groups: K = groups·G
+      const float amax = abs_max_bf16(xg, G);
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t total = 0;
+      int8_t* q = out.q.data() + i * G;
+      for (int64_t j = 0; j < G; j += kLanes) {  // min first: NaN -> 127
+        int32_t v[kLanes];
+        const I r = to_int(max(min(mul(load_bf16(xg + j), set1(inv)), set1(127.f)), set1(-127.f)));
+        std::memcpy(v, &r, sizeof v);
+        for (int l = 0; l < kLanes; ++l) {
+          q[j + l] = static_cast<int8_t>(v[l]);
+          total += v[l];
+        }
+      }
+      out.scale[i] = amax / 127.f;
+      out.sums[i] = static_cast<float>(total) * out.scale[i];
     }
   });
-  return sums;
+  return out;
 }
 
 }  // namespace qwenrt::gemv

@@ -4,10 +4,12 @@
 //         fp32 (no shuffles), multiplied by x's even and odd columns, split once per call. Exact products, fp32 sums.
 //   int8  x in 16-bit fixed point per block of 256 columns (gemv_common.h); int8 widened to int16 and multiplied by
 //         it with vpmaddwd: int32 sums, exact; each block's sum scaled in fp32.
-//   int4  x in 16-bit fixed point per group. The packed bytes, read as 16-bit words, give four int16 vectors of
-//         nibbles by shifts and masks; x is stored in the matching column order (per call). vpmaddwd sums their
-//         products exactly in int32 (0..15 x int16); per group the sum is scaled in fp32, and the zero points enter
-//         through Σ (z - 8·s)·Σx per group.
+//   int4  x in 8 bits per row and group (to_int8: q = round(127·x/amax), d = amax/127, as llama.cpp's Q8_0 x for
+//         its Q4_0 products, and as the int4 prefill GEMM takes it). A mask and a shift give the packed bytes' low
+//         and high nibbles as unsigned bytes; x is stored in the matching column order (per call). vpmaddubsw sums
+//         their products exactly in int16 (0..15 x -127..127, 4 per lane), vpmaddwd by ones in int32; per group
+//         the sum is scaled in fp32 by s·d, and the zero points enter through Σ (z - 8·s)·d·Σq per group. Against
+//         the bf16 x the error is that of x's 8-bit rounding, at most Σ|W|·d/2 per output.
 // Rows are processed R at a time with every accumulator in a register; the weight stream is prefetched 16 KB ahead.
 #pragma once
 #include <array>
@@ -139,9 +141,8 @@ constexpr int64_t kQ4UnitBytes = 4 * kLanes;    // packed bytes per vector load
 constexpr int64_t kQ4Unit = 2 * kQ4UnitBytes;  // their columns
 
 struct Q4Input {
-  std::vector<int16_t> x;           // [M, units, 4, 2·kLanes] fixed-point x in the order the nibbles unpack
-  std::vector<float> sums;          // [M, groups (+ kLanes)] Σ x per group, of the fixed-point values
-  FixedPoint fp;                    // x in fixed point per group, in column order (for a row's partial last unit)
+  Int8Rows q8;                      // x in 8 bits per row and group, column order: d per group, d·Σq, tails
+  std::vector<int8_t> x;            // [M, units, 2, kQ4UnitBytes] q in the order the low and high nibbles unpack
   int64_t units, groups;
   std::array<int32_t, kLanes> lane_group;  // group of product lane j, relative to its period's first
 };
@@ -153,22 +154,20 @@ constexpr int64_t q4_units_per_period(int64_t G) { return G > kQ4Unit ? G / kQ4U
 inline Q4Input q4_input(const at::Tensor& x, int64_t G) {
   const int64_t M = x.size(0), K = x.size(1), groups = K / G, row_bytes = K / 2;
   Q4Input in;
-  in.fp = to_fixed_point(x, G);
-  const FixedPoint& fp = in.fp;
+  in.q8 = to_int8(x, G);
   in.units = (row_bytes + kQ4UnitBytes - 1) / kQ4UnitBytes;
   in.groups = groups;
   for (int j = 0; j < kLanes; ++j) in.lane_group[j] = G < kQ4Unit ? static_cast<int32_t>(8 * j / G) : 0;
   const int half_shift = __builtin_ctzll(G / 2);  // G is a power of two
-  in.x.assign(M * in.units * 4 * 2 * kLanes, 0);
-  in.sums = block_sums(fp, G, kLanes);
+  in.x.assign(M * in.units * 2 * kQ4UnitBytes, 0);
   for (int64_t m = 0; m < M; ++m) {
-    const int16_t* q = fp.q.data() + m * fp.Kp;
-    int16_t* xm = in.x.data() + m * in.units * 8 * kLanes;
+    const int8_t* q = in.q8.q.data() + m * K;
+    int8_t* xm = in.x.data() + m * in.units * 2 * kQ4UnitBytes;
     for (int64_t byte = 0; byte < row_bytes; ++byte) {  // its low nibble is column `low`, its high one low + G/2
-      const int64_t u = byte / kQ4UnitBytes, i = byte % kQ4UnitBytes / 2, e = byte % 2 * 2;  // e: low nibble's vector
+      const int64_t u = byte / kQ4UnitBytes, i = byte % kQ4UnitBytes;
       const int64_t low = ((byte >> half_shift) << (half_shift + 1)) + (byte & (G / 2 - 1));
-      xm[(u * 4 + e) * 2 * kLanes + i] = q[low];
-      xm[(u * 4 + e + 1) * 2 * kLanes + i] = q[low + G / 2];
+      xm[2 * u * kQ4UnitBytes + i] = q[low];
+      xm[(2 * u + 1) * kQ4UnitBytes + i] = q[low + G / 2];
     }
   }
   return in;
@@ -178,39 +177,48 @@ inline Q4Input q4_input(const at::Tensor& x, int64_t G) {
 [[gnu::noinline]] inline float q4_tail(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64_t from,
                                        int64_t n, int m) {
   const uint8_t* row = s.w + n * (K / 2);
-  const int16_t* q = in.fp.q.data() + m * in.fp.Kp;
+  const int8_t* q = in.q8.q.data() + m * K;
   float total = 0.f;
   for (int64_t g = from / (G / 2); g < in.groups; ++g) {
-    int64_t sum = 0;
+    int32_t sum = 0;
     for (int64_t b = std::max(g * G / 2, from); b < (g + 1) * G / 2; ++b)
-      sum += int64_t{row[b] & 15} * q[g * G + b % (G / 2)] + int64_t{row[b] >> 4} * q[g * G + G / 2 + b % (G / 2)];
-    total += static_cast<float>(sum) * in.fp.scale[m * in.groups + g] * bf16_to_float(s.scales[n * in.groups + g]);
+      sum += int32_t{row[b] & 15} * q[g * G + b % (G / 2)] + int32_t{row[b] >> 4} * q[g * G + G / 2 + b % (G / 2)];
+    total += static_cast<float>(sum) * (in.q8.scale[m * in.groups + g] * bf16_to_float(s.scales[n * in.groups + g]));
   }
   return total;
 }
 
+// The int32 sums of one unit's codes (v: kQ4UnitBytes packed bytes) with x's 8-bit values there, as int16 lanes
+// of 4 products each (≤ 4·15·127): vpmaddubsw multiplies the unsigned codes by the signed x, two per lane.
+inline I q4_unit_sums(I v, I low4, const int8_t* xu) {
+  const I lo = and_i(v, low4), hi = and_i(srli_i16<4>(v), low4);
+  return add_i16(maddubs_i8(lo, load_i(xu)), maddubs_i8(hi, load_i(xu + kQ4UnitBytes)));
+}
+
 // U units per period (the units of one group when G > kQ4Unit): each period's integer sums are complete in
-// registers, scaled, and added to fp32 accumulators, so nothing but those is carried from period to period.
+// registers (int16 lanes of 4·U products ≤ 4·2·15·127), widened to int32 by vpmaddwd with ones, scaled, and added to
+// fp32 accumulators, so nothing but those is carried from period to period.
 // OneGroup: a period lies in one group (G >= kQ4Unit), whose scale is a broadcast; else each product lane takes its
 // group's. A compile-time choice: a branch on it in the loop kept the compiler from holding the accumulators in
 // registers (int4 head GEMV ~25% slower, AVX2 EPYC).
 template <int M, int U, bool OneGroup>
 void q4_periods(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64_t n0, int64_t n1) {
+  static_assert(U <= 2, "int16 sums of 4·U products of 15·127 stay below 2^15");
   const int64_t groups = in.groups, row_bytes = K / 2, groups_per_period = OneGroup ? 1 : kQ4Unit / G;
   const int64_t full_periods = row_bytes / (U * kQ4UnitBytes), tail = full_periods * U * kQ4UnitBytes;
   I lane_group;
   std::memcpy(&lane_group, in.lane_group.data(), sizeof lane_group);
-  const I low4 = set1_i16(0x000F);
+  const I low4 = set1_i16(0x0F0F), ones = set1_i16(1);
   // One unit per period: each row's unit sum is scaled into its accumulator at once (x read from L1 as it is used),
-  // so only the accumulators stay live across the rows and a block takes 6 rows at M = 1, not 2 (the layer
-  // matrices of a 0.8B int4 step: 18.8 vs 16.3 GB/s, AVX2 EPYC, medians of 6 interleaved runs). Not 7: with x's
-  // four vectors, the nibble mask and four temporaries in the 16 registers one accumulator went to memory.
+  // so only the accumulators stay live across the rows. Temporaries: the nibble mask, ones, the weight vector, its
+  // two nibble vectors, two x vectors, the sum and the scale.
   constexpr bool kFused = U == 1;
-  constexpr int kRows = kFused ? block_rows(M, 0, 1, 10) : block_rows(M, 4 * U, 1, 10);
-  // sc[(m·kRows + r)·groups + g]: the block's row r's scale of group g times x row m's fixed-point scale there, the
-  // one factor an integer sum needs (x's scales are powers of two: the product is exact)
+  constexpr int kRows = kFused ? block_rows(M, 0, 1, 9) : block_rows(M, 2 * U, 1, 8);
+  // sc[(m·kRows + r)·groups + g]: the block's row r's scale of group g times x row m's scale d there, the one factor
+  // an integer sum needs
   std::vector<float> sc(M * kRows * groups + kLanes, 0.f);
-  const float* xscale = in.fp.scale.data();  // [M, groups]
+  const float* xscale = in.q8.scale.data();  // [M, groups]
+  const float* xsums = in.q8.sums.data();    // [M, groups]
   // the scale of a period's sums: a broadcast where the period lies in one group, else each lane's group's
   auto period_scale = [&](const float* scr, int64_t p) {
     if constexpr (OneGroup) return set1(scr[p]);
@@ -218,7 +226,7 @@ void q4_periods(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64
   };
   over_rows<kRows>(n0, n1, [&](auto rows, int64_t n) {
     constexpr int R = decltype(rows)::value;
-    float offset[M][R];  // Σ_g (z - 8·s)·Σx: each weight enters the integer sums as its code q = w/s - z/s + 8
+    float offset[M][R];  // Σ_g (z - 8·s)·d·Σq: each weight enters the integer sums as its code c = w/s - z/s + 8
     for (int r = 0; r < R; ++r) {
       const uint16_t* sr = s.scales + (n + r) * groups;
       const uint16_t* zr = s.zeros + (n + r) * groups;
@@ -229,7 +237,7 @@ void q4_periods(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64
         const F sv = load_bf16(sr + g), coef = fnmadd(sv, set1(8.f), load_bf16(zr + g));
         for (int m = 0; m < M; ++m) {
           store(sc.data() + (m * kRows + r) * groups + g, mul(sv, load(xscale + m * groups + g)));
-          off[m] = fmadd(coef, load(in.sums.data() + m * groups + g), off[m]);
+          off[m] = fmadd(coef, load(xsums + m * groups + g), off[m]);
         }
       }
       for (int m = 0; m < M; ++m) offset[m][r] = reduce_add(off[m]);
@@ -237,7 +245,7 @@ void q4_periods(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64
         const float sv = bf16_to_float(sr[g]);
         for (int m = 0; m < M; ++m) {
           sc[(m * kRows + r) * groups + g] = sv * xscale[m * groups + g];
-          offset[m][r] += (bf16_to_float(zr[g]) - 8.f * sv) * in.sums[m * groups + g];
+          offset[m][r] += (bf16_to_float(zr[g]) - 8.f * sv) * xsums[m * groups + g];
         }
       }
     }
@@ -245,19 +253,15 @@ void q4_periods(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < R; ++r) acc[m][r] = zero();
     const uint8_t* block = s.w + n * row_bytes;
+    const int8_t* x = in.x.data();
     for (int64_t p = 0; p < full_periods; ++p) {
       prefetch_ahead(block + p * U * kQ4UnitBytes * R, U * kQ4UnitBytes * R);
       if constexpr (kFused) {
         for (int r = 0; r < R; ++r) {
           const I v = load_i(block + r * row_bytes + p * kQ4UnitBytes);
-          const I e0 = and_i(v, low4), e1 = and_i(srli_i16<4>(v), low4), e2 = and_i(srli_i16<8>(v), low4);
-          const I e3 = srli_i16<12>(v);
           for (int m = 0; m < M; ++m) {
-            const int16_t* xu = in.x.data() + (m * in.units + p) * 8 * kLanes;
-            const I s01 = add_i32(madd_i16(e0, load_i(xu)), madd_i16(e1, load_i(xu + 2 * kLanes)));
-            const I s23 = add_i32(madd_i16(e2, load_i(xu + 4 * kLanes)), madd_i16(e3, load_i(xu + 6 * kLanes)));
-            acc[m][r] = fmadd(to_float(add_i32(s01, s23)), period_scale(sc.data() + (m * kRows + r) * groups, p),
-                              acc[m][r]);
+            const I sums = madd_i16(q4_unit_sums(v, low4, x + (m * in.units + p) * 2 * kQ4UnitBytes), ones);
+            acc[m][r] = fmadd(to_float(sums), period_scale(sc.data() + (m * kRows + r) * groups, p), acc[m][r]);
           }
         }
         continue;
@@ -266,18 +270,15 @@ void q4_periods(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64
       for (int r = 0; r < R; ++r)
         for (int u = 0; u < U; ++u) {
           const I v = load_i(block + r * row_bytes + (p * U + u) * kQ4UnitBytes);
-          const I e0 = and_i(v, low4), e1 = and_i(srli_i16<4>(v), low4), e2 = and_i(srli_i16<8>(v), low4);
-          const I e3 = srli_i16<12>(v);
           for (int m = 0; m < M; ++m) {
-            const int16_t* xu = in.x.data() + (m * in.units + p * U + u) * 8 * kLanes;
-            const I s01 = add_i32(madd_i16(e0, load_i(xu)), madd_i16(e1, load_i(xu + 2 * kLanes)));
-            const I s23 = add_i32(madd_i16(e2, load_i(xu + 4 * kLanes)), madd_i16(e3, load_i(xu + 6 * kLanes)));
-            isum[m][r] = u == 0 ? add_i32(s01, s23) : add_i32(isum[m][r], add_i32(s01, s23));
+            const I part = q4_unit_sums(v, low4, x + (m * in.units + p * U + u) * 2 * kQ4UnitBytes);
+            isum[m][r] = u == 0 ? part : add_i16(isum[m][r], part);
           }
         }
       for (int r = 0; r < R; ++r)
         for (int m = 0; m < M; ++m)
-          acc[m][r] = fmadd(to_float(isum[m][r]), period_scale(sc.data() + (m * kRows + r) * groups, p), acc[m][r]);
+          acc[m][r] = fmadd(to_float(madd_i16(isum[m][r], ones)),
+                            period_scale(sc.data() + (m * kRows + r) * groups, p), acc[m][r]);
     }
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < R; ++r) s.out[m * s.N + n + r] = reduce_add(acc[m][r]) + offset[m][r];
