@@ -25,9 +25,13 @@ constexpr int kValueChunks = kRegisters / 8;  // output vectors per head held in
 inline F load_row(const float* p) { return load(p); }
 inline F load_row(const at::BFloat16* p) { return load_bf16(reinterpret_cast<const uint16_t*>(p)); }
 
+constexpr int64_t kAhead = 16384;  // bytes of the key and value streams prefetched ahead of their use
+
 // Scores of query heads [g0, g0 + GB) against keys [s0, s0 + KB): KB·GB dot products over D, each key read once.
 template <int GB, int KB, typename T>
 inline void score_block(const float* q, const T* k, int64_t D, int64_t S, int64_t s0, int64_t g0, float* p) {
+  const auto* ahead = reinterpret_cast<const char*>(k + s0 * D) + kAhead;  // the keys are one stream: 16 KB on
+  for (int64_t b = 0; b < static_cast<int64_t>(KB * D * sizeof(T)); b += 64) __builtin_prefetch(ahead + b, 0, 3);
   F acc[KB][GB];
   for (int j = 0; j < KB; ++j)
     for (int g = 0; g < GB; ++g) acc[j][g] = zero();
@@ -50,30 +54,52 @@ void scores(const float* q, const T* k, int64_t D, int64_t S, int64_t g0, float*
   for (; s < S; ++s) score_block<GB, 1>(q, k, D, S, s, g0, p);
 }
 
+// out[g][d0, d0 + C·kLanes) += Σ_{s in [s0, s1)} p[g][s]·v[s] for heads [g0, g0 + GB): C output vectors per head in
+// registers (a compile-time count: with a run-time one the compiler kept them in memory, a load and a store per FMA).
+template <int GB, int C, typename T>
+inline void value_chunks(const float* p, const T* v, int64_t D, int64_t S, int64_t s0, int64_t s1, int64_t d0,
+                         int64_t g0, float* out) {
+  F acc[GB][C];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = load(out + (g0 + g) * D + d0 + kLanes * c);
+  for (int64_t s = s0; s < s1; ++s) {
+    F vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load_row(v + s * D + d0 + kLanes * c);
+    for (int g = 0; g < GB; ++g) {
+      const F pg = set1(p[(g0 + g) * S + s]);
+      for (int c = 0; c < C; ++c) acc[g][c] = fmadd(pg, vv[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < C; ++c) store(out + (g0 + g) * D + d0 + kLanes * c, acc[g][c]);
+}
+
+// value_chunks with C = chunks (≤ C): the last, partial chunk of a head whose D is not a multiple of kValueChunks.
+template <int GB, int C, typename T>
+inline void value_chunks_upto(int chunks, const float* p, const T* v, int64_t D, int64_t S, int64_t s0, int64_t s1,
+                              int64_t d0, int64_t g0, float* out) {
+  if constexpr (C > 1) {
+    if (chunks < C) return value_chunks_upto<GB, C - 1>(chunks, p, v, D, S, s0, s1, d0, g0, out);
+  }
+  value_chunks<GB, C>(p, v, D, S, s0, s1, d0, g0, out);
+}
+
 // out[g] = Σ_s p[g][s]·v[s] for heads [g0, g0 + GB): keys in blocks that stay in cache, kValueChunks vectors of
-// output dims at a time held in registers.
+// output dims at a time held in registers; the next block's values are prefetched while one is summed.
 template <int GB, typename T>
 void weighted_values(const float* p, const T* v, int64_t D, int64_t S, int64_t g0, float* out) {
   constexpr int64_t kKeys = 64;
   constexpr int64_t kWidth = kValueChunks * kLanes;
+  const int64_t block_bytes = kKeys * D * static_cast<int64_t>(sizeof(T)), passes = (D + kWidth - 1) / kWidth;
+  const int64_t lines_per_pass = (block_bytes / 64 + passes - 1) / passes;
   for (int64_t s0 = 0; s0 < S; s0 += kKeys) {
     const int64_t s1 = std::min(S, s0 + kKeys);
-    for (int64_t d0 = 0; d0 < D; d0 += kWidth) {
-      const int chunks = static_cast<int>(std::min<int64_t>(kValueChunks, (D - d0) / kLanes));
-      F acc[GB][kValueChunks];
-      for (int g = 0; g < GB; ++g)
-        for (int c = 0; c < kValueChunks; ++c)
-          acc[g][c] = c < chunks ? load(out + (g0 + g) * D + d0 + kLanes * c) : zero();
-      for (int64_t s = s0; s < s1; ++s) {
-        F vv[kValueChunks];
-        for (int c = 0; c < kValueChunks; ++c) vv[c] = c < chunks ? load_row(v + s * D + d0 + kLanes * c) : zero();
-        for (int g = 0; g < GB; ++g) {
-          const F pg = set1(p[(g0 + g) * S + s]);
-          for (int c = 0; c < kValueChunks; ++c) acc[g][c] = fmadd(pg, vv[c], acc[g][c]);
-        }
-      }
-      for (int g = 0; g < GB; ++g)
-        for (int c = 0; c < chunks; ++c) store(out + (g0 + g) * D + d0 + kLanes * c, acc[g][c]);
+    const auto* next = reinterpret_cast<const char*>(v + s1 * D);
+    for (int64_t d0 = 0, pass = 0; d0 < D; d0 += kWidth, ++pass) {
+      for (int64_t l = pass * lines_per_pass; l < (pass + 1) * lines_per_pass; ++l)
+        __builtin_prefetch(next + 64 * l, 0, 3);
+      value_chunks_upto<GB, kValueChunks>(static_cast<int>(std::min<int64_t>(kValueChunks, (D - d0) / kLanes)), p,
+                                          v, D, S, s0, s1, d0, g0, out);
     }
   }
 }
