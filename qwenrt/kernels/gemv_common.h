@@ -30,6 +30,12 @@ inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + kPrefetch + i, 0, 3);
 }
 
+// The same bytes of the next block's rows (a block: R consecutive rows from row0): each row is a stream of its
+// own, read R rows later.
+inline void prefetch_next_rows(const uint8_t* row0, int64_t row_bytes, int R, int64_t offset) {
+  for (int r = 0; r < R; ++r) __builtin_prefetch(row0 + (R + r) * row_bytes + offset, 0, 3);
+}
+
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
   float f;

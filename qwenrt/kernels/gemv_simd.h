@@ -72,8 +72,16 @@ void bf16_rows(const Bf16Input& in, const Segment& s, int64_t K, int64_t n0, int
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < R; ++r) acc[m][r] = zero();
     const uint8_t* block = s.w + n * row_bytes;
+    // Prefetch: where the block's R rows fit in 16 KB, the weight stream as one, 16 KB ahead (the next block);
+    // where they do not, each row's own stream, a block ahead: the one stream 16 KB ahead reached the later rows'
+    // lines late (the 0.8B's MLP down, rows of 7 KB: 1.15x, AVX2 EPYC)
+    const bool by_row = R * row_bytes > kPrefetch;
     for (int64_t k = 0; k < full; k += kBf16Step) {
-      prefetch_ahead(block + k * 2 * R, 2 * kBf16Step * R);
+      if (by_row) {
+        if (k % 32 == 0) prefetch_next_rows(block, row_bytes, R, 2 * k);
+      } else {
+        prefetch_ahead(block + k * 2 * R, 2 * kBf16Step * R);
+      }
       for (int r = 0; r < R; ++r) {
         const I pairs = load_i(block + r * row_bytes + 2 * k);
         const F lo = bf16_low(pairs), hi = bf16_high(pairs);
