@@ -74,7 +74,8 @@ inline void value_chunks(const float* p, const T* v, int64_t D, int64_t S, int64
     for (int c = 0; c < C; ++c) store(out + (g0 + g) * D + d0 + kLanes * c, acc[g][c]);
 }
 
-// value_chunks with C = chunks (≤ C): the last, partial chunk of a head whose D is not a multiple of kValueChunks.
+// value_chunks with C = chunks (≤ C): the last, partial pass over a head whose D is not a multiple of
+// kValueChunks·kLanes.
 template <int GB, int C, typename T>
 inline void value_chunks_upto(int chunks, const float* p, const T* v, int64_t D, int64_t S, int64_t s0, int64_t s1,
                               int64_t d0, int64_t g0, float* out) {
