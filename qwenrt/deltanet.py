@@ -100,7 +100,7 @@ class GatedDeltaNet(nn.Module):
         if conv_state is None:
             B, _, C = mixed.shape
             conv_state = mixed.new_zeros(B, C, self.conv1d.weight.shape[-1] - 1, dtype=torch.float32)
-        return F.silu(kernels.causal_conv1d(mixed.contiguous(), conv_state, self.fp32_parameters()[0])), conv_state
+        return kernels.causal_conv1d_silu(mixed.contiguous(), conv_state, self.fp32_parameters()[0]), conv_state
 
     def fused_decode_step(self, kernels, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor):
         """The same step as `forward` for T = 1 in one native call; conv and recurrent state updated in place."""

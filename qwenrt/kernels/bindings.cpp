@@ -27,7 +27,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_decode_step", &attention_decode_step,
         "q/k norm, RoPE, KV write, attention and output gate for one new token per sequence");
   m.def("rms_norm", &rms_norm, "zero-centred RMSNorm: (x [+ residual], normed)");
-  m.def("causal_conv1d", &causal_conv1d, "DeltaNet short conv over a prefill chunk, token-major (state in place)");
+  m.def("causal_conv1d_silu", &causal_conv1d_silu,
+        "DeltaNet short conv and its SiLU over a prefill chunk, token-major (state in place)");
   m.def("gdn_decode_step", &gdn_decode_step, "fused Gated DeltaNet decode step (state updated in place)");
   m.def("gdn_decode_steps", &gdn_decode_steps,
         "the fused step over T successive tokens of one sequence, the state after each but the last saved");

@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -228,19 +229,34 @@ at::Tensor gdn_decode_steps(at::Tensor mixed, at::Tensor conv_state, at::Tensor 
   return out;
 }
 
-// The DeltaNet short convolution over a prefill chunk, token-major (no transposes): x [B, T, C] (in_proj_qkv
-// output), conv_state [B, C, K-1] fp32 (the K-1 inputs before x; updated in place to the last K-1), conv_w [C, K]
-// fp32 -> conv(x) [B, T, C] in x's dtype: fp32 sums rounded once, as the reference's conv1d. (SiLU stays torch's.)
+// The DeltaNet short convolution and its SiLU over a prefill chunk, token-major (no transposes): x [B, T, C]
+// (in_proj_qkv output), conv_state [B, C, K-1] fp32 (the K-1 inputs before x; updated in place to the last K-1),
+// conv_w [C, K] fp32 -> silu(conv(x)) [B, T, C] in x's dtype, rounded where the reference rounds: the conv's fp32
+// sums once (as conv1d), then the SiLU (as torch.silu on that). One vectorized pass: the scalar conv followed by
+// torch's bf16 SiLU took 56 ms a layer for the 0.8B's 2,048 x 6,144, this 28 (2 threads, AVX2 EPYC).
 namespace {
 
 template <typename T>
-void conv_chunk(const T* X, float* CS, const float* W, T* Y, int64_t B, int64_t Tn, int64_t C, int64_t K) {
+inline float silu_rounded(float conv) {  // silu(round(conv)), rounded
+  const float c = static_cast<float>(static_cast<T>(conv));
+  return static_cast<float>(static_cast<T>(silu(c)));
+}
+
+template <typename T>
+void conv_silu_chunk(const T* X, float* CS, const float* W, T* Y, int64_t B, int64_t Tn, int64_t C, int64_t K) {
+  using namespace qwenrt::simd;
+  constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
   std::vector<float> WT(K * C);  // [K, C]: unit stride over channels in the inner loop
   for (int64_t c = 0; c < C; ++c)
     for (int64_t j = 0; j < K; ++j) WT[j * C + c] = W[c * K + j];
+  auto load_x = [](const T* p) {
+    if constexpr (kBf16) return load_bf16(reinterpret_cast<const uint16_t*>(p));
+    else return load(p);
+  };
   at::parallel_for(0, C, 256, [&](int64_t c0, int64_t c1) {
     const int64_t width = c1 - c0;
     std::vector<float> past((K - 1) * width), tail((K - 1) * width);  // [K-1, width] inputs at t = -(K-1)..-1
+    alignas(64) float lanes[kLanes];
     for (int64_t b = 0; b < B; ++b) {
       const T* xb = X + b * Tn * C;
       float* sb = CS + b * C * (K - 1);
@@ -252,16 +268,31 @@ void conv_chunk(const T* X, float* CS, const float* W, T* Y, int64_t B, int64_t 
       for (int64_t t = 0; t < std::min(Tn, K - 1); ++t)  // the first K-1 outputs reach into the state
         for (int64_t c = c0; c < c1; ++c) {
           float acc = 0.f;
-          for (int64_t j = 0; j < K; ++j) acc += WT[j * C + c] * input(t - (K - 1) + j, c);
-          Y[(b * Tn + t) * C + c] = static_cast<T>(acc);
+          for (int64_t j = 0; j < K; ++j) acc = std::fma(WT[j * C + c], input(t - (K - 1) + j, c), acc);
+          Y[(b * Tn + t) * C + c] = static_cast<T>(silu_rounded<T>(acc));
         }
       for (int64_t t = K - 1; t < Tn; ++t) {
         T* yt = Y + (b * Tn + t) * C;
         const T* x0 = xb + (t - (K - 1)) * C;
-        for (int64_t c = c0; c < c1; ++c) {
+        int64_t c = c0;
+        for (; c + kLanes <= c1; c += kLanes) {
+          F acc = zero();
+          for (int64_t j = 0; j < K; ++j) acc = fmadd(load(WT.data() + j * C + c), load_x(x0 + j * C + c), acc);
+          const F y = qwenrt::simd::silu(kBf16 ? qwenrt::simd::round_bf16(acc) : acc);
+          store(lanes, kBf16 ? qwenrt::simd::round_bf16(y) : y);
+          if constexpr (kBf16) {  // already rounded: the high half of each fp32 is the bf16
+            uint32_t bits[kLanes];
+            std::memcpy(bits, lanes, sizeof bits);
+            auto* out = reinterpret_cast<uint16_t*>(yt + c);
+            for (int l = 0; l < kLanes; ++l) out[l] = static_cast<uint16_t>(bits[l] >> 16);
+          } else {
+            std::memcpy(yt + c, lanes, sizeof lanes);
+          }
+        }
+        for (; c < c1; ++c) {
           float acc = 0.f;
-          for (int64_t j = 0; j < K; ++j) acc += WT[j * C + c] * static_cast<float>(x0[j * C + c]);
-          yt[c] = static_cast<T>(acc);
+          for (int64_t j = 0; j < K; ++j) acc = std::fma(WT[j * C + c], static_cast<float>(x0[j * C + c]), acc);
+          yt[c] = static_cast<T>(silu_rounded<T>(acc));
         }
       }
       for (int64_t j = 0; j < K - 1; ++j)  // the new state: the last K-1 inputs
@@ -274,21 +305,21 @@ void conv_chunk(const T* X, float* CS, const float* W, T* Y, int64_t B, int64_t 
 
 }  // namespace
 
-at::Tensor causal_conv1d(at::Tensor x, at::Tensor conv_state, at::Tensor conv_w) {
+at::Tensor causal_conv1d_silu(at::Tensor x, at::Tensor conv_state, at::Tensor conv_w) {
   TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              "causal_conv1d: x must be contiguous [B, T, C] bf16 or fp32");
+              "causal_conv1d_silu: x must be contiguous [B, T, C] bf16 or fp32");
   TORCH_CHECK(conv_state.scalar_type() == at::kFloat && conv_state.is_contiguous() &&
-              conv_w.scalar_type() == at::kFloat && conv_w.is_contiguous(), "causal_conv1d: fp32 state and weight");
+              conv_w.scalar_type() == at::kFloat && conv_w.is_contiguous(), "causal_conv1d_silu: fp32 state and weight");
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2), K = conv_w.size(1);
   TORCH_CHECK(conv_w.size(0) == C && conv_state.size(0) == B && conv_state.size(1) == C &&
-              conv_state.size(2) == K - 1, "causal_conv1d: shapes");
+              conv_state.size(2) == K - 1, "causal_conv1d_silu: shapes");
   auto y = at::empty_like(x);
   if (x.scalar_type() == at::kBFloat16) {
-    conv_chunk(x.data_ptr<at::BFloat16>(), conv_state.data_ptr<float>(), conv_w.data_ptr<float>(),
-               y.data_ptr<at::BFloat16>(), B, T, C, K);
+    conv_silu_chunk(x.data_ptr<at::BFloat16>(), conv_state.data_ptr<float>(), conv_w.data_ptr<float>(),
+                    y.data_ptr<at::BFloat16>(), B, T, C, K);
   } else {
-    conv_chunk(x.data_ptr<float>(), conv_state.data_ptr<float>(), conv_w.data_ptr<float>(), y.data_ptr<float>(), B, T,
-               C, K);
+    conv_silu_chunk(x.data_ptr<float>(), conv_state.data_ptr<float>(), conv_w.data_ptr<float>(), y.data_ptr<float>(),
+                    B, T, C, K);
   }
   return y;
 }

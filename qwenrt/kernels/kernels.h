@@ -24,7 +24,7 @@ at::Tensor gdn_decode_steps(at::Tensor mixed, at::Tensor conv_state, at::Tensor 
                             int64_t num_k_heads, double eps, bool bf16, at::Tensor saved_conv,
                             at::Tensor saved_state);
 std::vector<at::Tensor> rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor w, double eps);
-at::Tensor causal_conv1d(at::Tensor x, at::Tensor conv_state, at::Tensor conv_w);
+at::Tensor causal_conv1d_silu(at::Tensor x, at::Tensor conv_state, at::Tensor conv_w);
 at::Tensor attention_decode_step(at::Tensor qg, at::Tensor k, at::Tensor v, at::Tensor q_norm_w, at::Tensor k_norm_w,
                                  at::Tensor cos, at::Tensor sin, at::Tensor keys, at::Tensor values,
                                  at::Tensor lengths, double eps);
