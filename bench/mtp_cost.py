@@ -80,7 +80,7 @@ def main(argv=None) -> None:
     def draft(k):
         v = verify(1)  # fresh (hidden, next token) pairs: the last two positions
         full = seq.prompt.ids + seq.tokens
-        seq.mtp_index, seq.mtp_pending = len(full) - 3, torch.cat([v.hidden[:1], v.hidden[:1]])
+        seq.mtp_index, seq.mtp_pending, seq.mtp_count = len(full) - 3, [v.hidden[:1], v.hidden[:1]], 2
         return timed(lambda: runner.draft([seq], [k]))
 
     def decode():

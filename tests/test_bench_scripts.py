@@ -1,5 +1,6 @@
-"""The measurement scripts in bench/ still run: each starts (imports, arguments), and the two that need no large
-checkpoint run end to end on small ones. They are benchmarks, so only their working is checked here, not figures."""
+"""The measurement scripts in bench/ still run: each starts (imports, arguments), and those that need no large
+checkpoint run end to end on small ones or the built-in model. They are benchmarks, so only their working is checked
+here, not figures."""
 
 from __future__ import annotations
 
@@ -52,3 +53,11 @@ def test_profile_decode_times_the_engine_decode_path(dense_ckpt):
                  "attention_decode_step", "rms_norm"):
         assert name in rows, (name, done.stdout)
     assert float(rows["LM head"].split("|")[4]) > 0  # its weight GB/s
+
+
+def test_mtp_cost_times_a_speculative_step_on_the_built_in_model():
+    """bench/mtp_cost.py sets up a sequence's queued MTP inputs by hand: it must follow the engine's layout."""
+    done = run("bench/mtp_cost.py", "--model", "qwenrt/tiny/model", "--prompt-len", "16", "--repeats", "1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert {"decode step", "verify 3", "draft 3"} <= set(rows), done.stdout
