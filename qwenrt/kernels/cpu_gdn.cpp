@@ -99,9 +99,11 @@ void delta_rule_step(float* s, const float* k, const float* q, const float* v, f
 // A_log, dt_bias [Hv] fp32, state [B, Hv, Dk, Dv] fp32 (in place), z [B, Hv, Dv], norm_w [Dv] fp32
 // -> out [B, Hv·Dv] (gated RMSNorm applied). The projections mixed, a, b, z come in the compute dtype, bf16 or
 // fp32, and so does the output; with bf16 the step rounds where the bf16 reference does.
-at::Tensor gdn_decode_step(at::Tensor mixed, at::Tensor conv_state, at::Tensor conv_w, at::Tensor a,
-                              at::Tensor b, at::Tensor A_log, at::Tensor dt_bias, at::Tensor state,
-                              at::Tensor z, at::Tensor norm_w, int64_t num_k_heads, double eps, bool bf16) {
+// save_state: where a copy of the updated state goes as well (null: nowhere), written by each head as it finishes,
+// while its state is in cache (a verification keeps the state after each token: 1 MB a 0.8B layer).
+static at::Tensor gdn_step(at::Tensor mixed, at::Tensor conv_state, at::Tensor conv_w, at::Tensor a, at::Tensor b,
+                           at::Tensor A_log, at::Tensor dt_bias, at::Tensor state, at::Tensor z, at::Tensor norm_w,
+                           int64_t num_k_heads, double eps, bool bf16, float* save_state) {
   for (auto* t : {&conv_state, &conv_w, &A_log, &dt_bias, &state, &norm_w}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "gdn_decode_step: contiguous fp32 state/weights");
   }
@@ -183,6 +185,7 @@ at::Tensor gdn_decode_step(at::Tensor mixed, at::Tensor conv_state, at::Tensor c
       float* s = S + bh * Dk * Dv;
       float* o = O + bh * Dv;
       delta_rule_step(s, k.data(), q.data(), v, decay, beta, Dk, Dv, u.data(), o);
+      if (save_state != nullptr) std::memcpy(save_state + bh * Dk * Dv, s, Dk * Dv * sizeof(float));
       // gated RMSNorm: w · round(o·rsqrt(mean(o²)+eps)) · silu(z)
       float ms = 0.f;
       for (int64_t j = 0; j < Dv; ++j) { const float oj = rd(o[j]); ms += oj * oj; }
@@ -197,6 +200,12 @@ at::Tensor gdn_decode_step(at::Tensor mixed, at::Tensor conv_state, at::Tensor c
     std::copy(O, O + B * Hv * Dv, out.data_ptr<float>());
   }
   return out;
+}
+
+at::Tensor gdn_decode_step(at::Tensor mixed, at::Tensor conv_state, at::Tensor conv_w, at::Tensor a,
+                              at::Tensor b, at::Tensor A_log, at::Tensor dt_bias, at::Tensor state,
+                              at::Tensor z, at::Tensor norm_w, int64_t num_k_heads, double eps, bool bf16) {
+  return gdn_step(mixed, conv_state, conv_w, a, b, A_log, dt_bias, state, z, norm_w, num_k_heads, eps, bf16, nullptr);
 }
 
 // T successive tokens of one sequence (a speculative verification): the step above on each row in turn, the state
@@ -216,15 +225,13 @@ at::Tensor gdn_decode_steps(at::Tensor mixed, at::Tensor conv_state, at::Tensor 
   auto out = at::empty({T, z.size(1) * z.size(2)}, mixed.options());
   const int64_t row_bytes = out.size(1) * out.element_size();
   for (int64_t t = 0; t < T; ++t) {
-    const auto o = gdn_decode_step(mixed.narrow(0, t, 1), conv_state, conv_w, a.narrow(0, t, 1), b.narrow(0, t, 1),
-                                   A_log, dt_bias, state, z.narrow(0, t, 1), norm_w, num_k_heads, eps, bf16);
+    float* save = t + 1 < T ? saved_state.data_ptr<float>() + t * state.numel() : nullptr;
+    const auto o = gdn_step(mixed.narrow(0, t, 1), conv_state, conv_w, a.narrow(0, t, 1), b.narrow(0, t, 1), A_log,
+                            dt_bias, state, z.narrow(0, t, 1), norm_w, num_k_heads, eps, bf16, save);
     std::memcpy(static_cast<char*>(out.data_ptr()) + t * row_bytes, o.data_ptr(), row_bytes);
-    if (t + 1 < T) {
+    if (t + 1 < T)
       std::memcpy(saved_conv.data_ptr<float>() + t * conv_state.numel(), conv_state.data_ptr<float>(),
                   conv_state.numel() * sizeof(float));
-      std::memcpy(saved_state.data_ptr<float>() + t * state.numel(), state.data_ptr<float>(),
-                  state.numel() * sizeof(float));
-    }
   }
   return out;
 }
