@@ -435,10 +435,10 @@ class Engine:
             # its next draft, in one call): a head that skipped them would draft a probe from a gapped context
             inputs = [s.prompt_len + len(s.tokens) - 1 for s in seqs]  # each input's index
             logits, hidden = self.runner.decode(seqs)  # [B, V], [B, D]
-            for b, (seq, row) in enumerate(zip(seqs, hidden.split(1))):
+            for b, seq in enumerate(seqs):
                 self._run(outputs, [seq], lambda s=seq, row=logits[b:b + 1]: self._sample(s, row, outputs))
                 if seq.draft_state is not None and seq.finish_reason is None:
-                    _pend(seq, inputs[b], row)
+                    _pend(seq, inputs[b], hidden[b:b + 1])
         else:
             verified = self.runner.verify(seqs, drafts)
             for seq, d, v in zip(seqs, drafts, verified):
