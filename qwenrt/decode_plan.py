@@ -231,7 +231,7 @@ class DecodePlan:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states h [N, D] -> logits [N, V] fp32."""
-        return self.head(h, mode="bf16")[0].float()
+        return self.head(h, mode="bf16_fp32")[0]
 
     def hidden(self, input_ids: torch.Tensor, sequences: list[SequenceState], counts: list[int],
                saved: list[list] | None = None) -> torch.Tensor:

@@ -9,7 +9,7 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using pybind11::arg;
-  m.def("gemv_bf16", &gemv_bf16, "x [M<=8, K] bf16 · each w [N, K]ᵀ bf16 -> [M, N] per weight (mode fp32|bf16|swiglu)",
+  m.def("gemv_bf16", &gemv_bf16, "x [M<=8, K] bf16 · each w [N, K]ᵀ bf16 -> [M, N] per weight (mode fp32|bf16|bf16_fp32|swiglu)",
         arg("x"), arg("ws"), arg("mode"));
   m.def("gemv_q8", &gemv_q8, "x [M<=8, K] bf16 · each int8 W [N, K]ᵀ (bf16 row scales) -> [M, N] per weight",
         arg("x"), arg("qs"), arg("scales"), arg("mode"));

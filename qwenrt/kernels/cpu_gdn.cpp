@@ -168,7 +168,7 @@ static at::Tensor gdn_step(at::Tensor mixed, at::Tensor conv_state, at::Tensor c
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(Dk));
   // 2. per value head: normalised q/k of its key head, then the delta rule and the gated norm
   qwenrt::parallel_for_work(0, B * Hv, 3 * Dk * Dv, [&](int64_t h0, int64_t h1) {  // the delta rule: ~3 per state element
-    std::vector<float> q(Dk), k(Dk), u(Dv);
+    std::vector<float> q(Dk), k(Dk), u(Dv), gate(Dv);
     for (int64_t bh = h0; bh < h1; ++bh) {
       const int64_t bi = bh / Hv, h = bh % Hv, hk = h / r;
       const float* row = Y + bi * C;
@@ -190,7 +190,12 @@ static at::Tensor gdn_step(at::Tensor mixed, at::Tensor conv_state, at::Tensor c
       float ms = 0.f;
       for (int64_t j = 0; j < Dv; ++j) { const float oj = rd(o[j]); ms += oj * oj; }
       const float inv = 1.0f / std::sqrt(ms / Dv + static_cast<float>(eps));
-      for (int64_t j = 0; j < Dv; ++j) o[j] = rd(NW[j] * rd(rd(o[j]) * inv) * silu(Z[bh * Dv + j]));
+      for (int64_t j = 0; j < Dv; ++j) gate[j] = Z[bh * Dv + j];
+      int64_t j = 0;
+      for (; qwenrt::simd::kFma && j + qwenrt::simd::kLanes <= Dv; j += qwenrt::simd::kLanes)
+        qwenrt::simd::store(gate.data() + j, qwenrt::simd::silu(qwenrt::simd::load(gate.data() + j)));
+      for (; j < Dv; ++j) gate[j] = silu(gate[j]);
+      for (j = 0; j < Dv; ++j) o[j] = rd(NW[j] * rd(rd(o[j]) * inv) * gate[j]);
     }
   });
   if (bf16) {

@@ -30,6 +30,7 @@
 namespace {
 
 using namespace qwenrt::gemv;
+using namespace qwenrt::simd;
 
 // ---- the driver -------------------------------------------------------------------------------------------------
 
@@ -47,7 +48,7 @@ void dispatch_m(int64_t M, Fn&& f) {
   }
 }
 
-// Row blocks of all segments in one list, so the threads split the total work of the call.
+// Row blocks of the listed segments in one list, so the threads split the total work of the call.
 struct BlockList {
   std::vector<int64_t> seg, start;  // per block of kGrain rows
   static constexpr int64_t kGrain = 16;
@@ -57,84 +58,121 @@ struct BlockList {
   }
 };
 
-// row_work: the multiply-adds of one weight row (K·M): a small call stays on the calling thread
-template <typename RowFn>
-void run_blocks(const std::vector<Segment>& segs, int64_t row_work, RowFn&& rows_fn) {
-  BlockList bl(segs);
-  const int64_t total = static_cast<int64_t>(bl.seg.size());
-  qwenrt::parallel_for_work(0, total, BlockList::kGrain * row_work, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1;) {  // merge consecutive blocks of one segment into one row range
-      const int64_t i = bl.seg[b], n0 = bl.start[b];
-      int64_t e = b + 1;
-      while (e < b1 && bl.seg[e] == i) ++e;
-      const int64_t n1 = std::min(segs[i].N, bl.start[e - 1] + BlockList::kGrain);
-      rows_fn(segs[i], n0, n1);
-      b = e;
-    }
-  });
-}
-
 void check_x(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows && x.size(1) == K && x.is_contiguous(),
               "gemv: x must be contiguous [M <= 8, K]");
 }
 
-// The fp32 sums of a call (one [M, N_i] slice per weight) and what the caller gets from them:
-//   "fp32": the sums; "bf16": each rounded to bf16 once; "swiglu": two weights (gate, up) -> silu(gate)·up [M, N]
-//   rounded as torch's bf16 ops round (gate, up, silu(gate) and the product each to bf16).
+// torch's float -> bf16: round to nearest even, NaN -> 0x7FC0 (written without branches, so loops of it vectorise)
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return f != f ? uint16_t{0x7FC0} : rounded;
+}
+
+inline float bf16_round(float f) { return bf16_to_float(bf16_bits(f)); }
+
+// What the caller gets from a call's fp32 sums (one [M, N_i] slice per weight):
+//   "fp32": the sums; "bf16": each rounded to bf16 once; "bf16_fp32": the same values held in fp32 (logits);
+//   "swiglu": two weights (gate, up) -> silu(gate)·up [M, N] rounded as torch's bf16 ops round (gate, up,
+//   silu(gate) and the product each to bf16).
+// Each thread finishes the rows it summed while they are in its cache, so no pass over the outputs is left for one
+// thread at the end (the 0.8B's LM head alone is 248K of them).
 struct Outputs {
-  std::unique_ptr<float[]> sums;  // every product is written once: no zero fill
-  std::vector<Segment> segs;
-  Outputs(const at::Tensor& x, const std::vector<at::Tensor>& ws, const std::string& mode) {
-    TORCH_CHECK(mode == "fp32" || mode == "bf16" || mode == "swiglu", "gemv: output mode fp32, bf16 or swiglu");
-    TORCH_CHECK(mode != "swiglu" || (ws.size() == 2 && ws[0].size(0) == ws[1].size(0)),
+  enum class Mode { kFp32, kBf16, kBf16Fp32, kSwiglu };
+  Mode mode;
+  int64_t M;
+  std::vector<Segment> segs;       // out: the results' memory (fp32 modes) or `sums` (the others)
+  std::vector<at::Tensor> results;
+  std::unique_ptr<float[]> sums;   // bf16 and swiglu: the unrounded sums; every one is written once, so no zero fill
+
+  Outputs(const at::Tensor& x, const std::vector<at::Tensor>& ws, const std::string& name) : M(x.size(0)) {
+    if (name == "fp32") mode = Mode::kFp32;
+    else if (name == "bf16") mode = Mode::kBf16;
+    else if (name == "bf16_fp32") mode = Mode::kBf16Fp32;
+    else if (name == "swiglu") mode = Mode::kSwiglu;
+    else TORCH_CHECK(false, "gemv: output mode fp32, bf16, bf16_fp32 or swiglu");
+    TORCH_CHECK(mode != Mode::kSwiglu || (ws.size() == 2 && ws[0].size(0) == ws[1].size(0)),
                 "gemv: swiglu takes two weights (gate, up) of the same rows");
+    const bool in_place = mode == Mode::kFp32 || mode == Mode::kBf16Fp32;
     int64_t total = 0;
     for (const auto& w : ws) {
       TORCH_CHECK(w.is_contiguous() && w.dim() == 2, "gemv: weights must be contiguous 2-D");
-      total += x.size(0) * w.size(0);
+      total += M * w.size(0);
     }
-    sums.reset(new float[total]);
+    if (!in_place) sums.reset(new float[total]);
     int64_t offset = 0;
     for (const auto& w : ws) {
-      segs.push_back({static_cast<const uint8_t*>(w.data_ptr()), nullptr, nullptr, w.size(0), sums.get() + offset});
-      offset += x.size(0) * w.size(0);
+      float* out = in_place ? nullptr : sums.get() + offset;
+      if (in_place) {
+        results.push_back(at::empty({M, w.size(0)}, x.options().dtype(at::kFloat)));
+        out = results.back().data_ptr<float>();
+      } else if (mode == Mode::kBf16 || results.empty()) {
+        results.push_back(at::empty({M, w.size(0)}, x.options().dtype(at::kBFloat16)));
+      }
+      segs.push_back({static_cast<const uint8_t*>(w.data_ptr()), nullptr, nullptr, w.size(0), out});
+      offset += M * w.size(0);
     }
   }
-  std::vector<at::Tensor> finish(const at::Tensor& x, const std::string& mode) const {
-    const int64_t M = x.size(0);
-    constexpr int64_t kGrain = 16384;  // elements per thread task: a batch of 8 through the head is 2M of them
-    std::vector<at::Tensor> out;
-    if (mode == "swiglu") {
-      const int64_t N = segs[0].N;
-      auto y = at::empty({M, N}, x.options().dtype(at::kBFloat16));
-      at::BFloat16* Y = y.data_ptr<at::BFloat16>();
-      const float *G = segs[0].out, *U = segs[1].out;
-      at::parallel_for(0, M * N, kGrain, [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i) {
-          const float g = static_cast<float>(static_cast<at::BFloat16>(G[i]));
-          const float u = static_cast<float>(static_cast<at::BFloat16>(U[i]));
-          const float act = static_cast<float>(static_cast<at::BFloat16>(g / (1.0f + std::exp(-g))));
-          Y[i] = static_cast<at::BFloat16>(act * u);
+
+  // The segments whose row blocks the threads share: for swiglu the gate's, each block then summed through both.
+  std::vector<Segment> listed() const {
+    return mode == Mode::kSwiglu ? std::vector<Segment>{segs[0]} : segs;
+  }
+
+  // Rows [n0, n1) of listed segment i are summed (for swiglu, through both weights): finish them.
+  void finish_rows(size_t i, int64_t n0, int64_t n1) const {
+    const Segment& s = segs[i];
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t a = m * s.N + n0, b = m * s.N + n1;
+      if (mode == Mode::kBf16Fp32) {
+        for (int64_t j = a; j < b; ++j) s.out[j] = bf16_round(s.out[j]);
+      } else if (mode == Mode::kBf16) {
+        auto* y = reinterpret_cast<uint16_t*>(results[i].data_ptr<at::BFloat16>());
+        for (int64_t j = a; j < b; ++j) y[j] = bf16_bits(s.out[j]);
+      } else if (mode == Mode::kSwiglu) {
+        auto* y = reinterpret_cast<uint16_t*>(results[0].data_ptr<at::BFloat16>());
+        const float *G = segs[0].out, *U = segs[1].out;
+        int64_t j = a;
+        for (; kFma && j + kLanes <= b; j += kLanes) {
+          const F g = round_bf16(load(G + j));
+          float product[kLanes];
+          store(product, mul(round_bf16(silu(g)), round_bf16(load(U + j))));
+          for (int l = 0; l < kLanes; ++l) y[j + l] = bf16_bits(product[l]);
         }
-      });
-      return {y};
-    }
-    for (const auto& s : segs) {
-      auto y = at::empty({M, s.N}, x.options().dtype(mode == "fp32" ? at::kFloat : at::kBFloat16));
-      if (mode == "fp32") {
-        std::memcpy(y.data_ptr<float>(), s.out, M * s.N * sizeof(float));
-      } else {
-        at::BFloat16* Y = y.data_ptr<at::BFloat16>();
-        at::parallel_for(0, M * s.N, kGrain, [&](int64_t i0, int64_t i1) {
-          for (int64_t i = i0; i < i1; ++i) Y[i] = static_cast<at::BFloat16>(s.out[i]);
-        });
+        for (; j < b; ++j) {
+          const float g = bf16_round(G[j]);
+          const float act = bf16_round(g / (1.0f + std::exp(-g)));
+          y[j] = bf16_bits(act * bf16_round(U[j]));
+        }
       }
-      out.push_back(y);
     }
-    return out;
   }
 };
+
+// Sum the row blocks of the call's listed segments over the threads, each range finished by the thread that summed
+// it. rows_fn(segment, n0, n1) sums rows [n0, n1) of one weight; row_work: the multiply-adds of one weight row
+// (K·M), a small call staying on the calling thread.
+template <typename RowFn>
+void run_blocks(const Outputs& outs, int64_t row_work, RowFn&& rows_fn) {
+  const std::vector<Segment> listed = outs.listed();
+  const bool pair = outs.mode == Outputs::Mode::kSwiglu;
+  BlockList bl(listed);
+  const int64_t total = static_cast<int64_t>(bl.seg.size());
+  qwenrt::parallel_for_work(0, total, BlockList::kGrain * row_work * (pair ? 2 : 1), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1;) {  // merge consecutive blocks of one segment into one row range
+      const int64_t i = bl.seg[b], n0 = bl.start[b];
+      int64_t e = b + 1;
+      while (e < b1 && bl.seg[e] == i) ++e;
+      const int64_t n1 = std::min(listed[i].N, bl.start[e - 1] + BlockList::kGrain);
+      rows_fn(outs.segs[i], n0, n1);
+      if (pair) rows_fn(outs.segs[1], n0, n1);
+      outs.finish_rows(i, n0, n1);
+      b = e;
+    }
+  });
+}
 
 }  // namespace
 
@@ -146,12 +184,11 @@ std::vector<at::Tensor> gemv_bf16(at::Tensor x, std::vector<at::Tensor> ws, std:
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "gemv_bf16: bf16 input");
   for (const auto& w : ws) TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(1) == K, "gemv_bf16: weights");
   Outputs outs(x, ws, mode);
-  const auto& segs = outs.segs;
   const auto in = bf16_input(x);
   dispatch_m(x.size(0), [&](auto m) {
-    run_blocks(segs, K * m, [&](const Segment& s, int64_t n0, int64_t n1) { bf16_rows<decltype(m)::value>(in, s, K, n0, n1); });
+    run_blocks(outs, K * m, [&](const Segment& s, int64_t n0, int64_t n1) { bf16_rows<decltype(m)::value>(in, s, K, n0, n1); });
   });
-  return outs.finish(x, mode);
+  return outs.results;
 }
 
 // x [M, K] bf16 · int8 q_i [N_i, K] with bf16 row scales s_i [N_i]
@@ -171,9 +208,9 @@ std::vector<at::Tensor> gemv_q8(at::Tensor x, std::vector<at::Tensor> qs, std::v
   }
   const FixedPoint in = to_fixed_point(x, kQ8Block);
   dispatch_m(x.size(0), [&](auto m) {
-    run_blocks(segs, K * m, [&](const Segment& s, int64_t n0, int64_t n1) { q8_rows<decltype(m)::value>(in, s, K, n0, n1); });
+    run_blocks(outs, K * m, [&](const Segment& s, int64_t n0, int64_t n1) { q8_rows<decltype(m)::value>(in, s, K, n0, n1); });
   });
-  return outs.finish(x, mode);
+  return outs.results;
 }
 
 // x [M, K] bf16 · int4 q_i [N_i, K/2] with bf16 scales/zeros [N_i, K/G] (qwenrt's stored layout); K % G == 0
@@ -197,11 +234,11 @@ std::vector<at::Tensor> gemv_q4(at::Tensor x, std::vector<at::Tensor> qs, std::v
   }
   const Q4Input in = q4_input(x, G);
   dispatch_m(x.size(0), [&](auto m) {
-    run_blocks(segs, K * m, [&](const Segment& s, int64_t n0, int64_t n1) {
+    run_blocks(outs, K * m, [&](const Segment& s, int64_t n0, int64_t n1) {
       q4_rows<decltype(m)::value>(in, s, K, G, n0, n1);
     });
   });
-  return outs.finish(x, mode);
+  return outs.results;
 }
 
 // int4 stored layout -> W [N, K] written into out (bf16 or fp32), returned: prefill multiplies by it with torch's

@@ -168,14 +168,15 @@ inline Q4Input q4_input(const at::Tensor& x, int64_t G) {
   for (int j = 0; j < kLanes; ++j) in.lane_group[j] = G < kQ4Unit ? static_cast<int32_t>(8 * j / G) : 0;
   const int half_shift = __builtin_ctzll(G / 2);  // G is a power of two
   in.x.assign(M * in.units * 2 * kQ4UnitBytes, 0);
+  const int64_t run = std::min<int64_t>(kQ4UnitBytes, G / 2);  // bytes of one unit and one group: both powers of 2
   for (int64_t m = 0; m < M; ++m) {
     const int8_t* q = in.q8.q.data() + m * K;
     int8_t* xm = in.x.data() + m * in.units * 2 * kQ4UnitBytes;
-    for (int64_t byte = 0; byte < row_bytes; ++byte) {  // its low nibble is column `low`, its high one low + G/2
+    for (int64_t byte = 0; byte < row_bytes; byte += run) {  // a low nibble is column `low`, its high one low + G/2
       const int64_t u = byte / kQ4UnitBytes, i = byte % kQ4UnitBytes;
       const int64_t low = ((byte >> half_shift) << (half_shift + 1)) + (byte & (G / 2 - 1));
-      xm[2 * u * kQ4UnitBytes + i] = q[low];
-      xm[(2 * u + 1) * kQ4UnitBytes + i] = q[low + G / 2];
+      std::memcpy(xm + 2 * u * kQ4UnitBytes + i, q + low, run);
+      std::memcpy(xm + (2 * u + 1) * kQ4UnitBytes + i, q + low + G / 2, run);
     }
   }
   return in;

@@ -20,8 +20,8 @@ struct Projection {
 
   Projection(std::string format, std::vector<at::Tensor> weights, std::vector<at::Tensor> scales,
              std::vector<at::Tensor> zeros, int64_t group_size);
-  // x [M, K] bf16 -> one [M, N_i] per weight ("bf16", or "fp32" unrounded), or silu(gate)·up [M, N] ("swiglu");
-  // more than gemv::kMaxRows rows go that many at a time
+  // x [M, K] bf16 -> one [M, N_i] per weight ("bf16"; "bf16_fp32" those values in fp32; "fp32" unrounded), or
+  // silu(gate)·up [M, N] ("swiglu"); more than gemv::kMaxRows rows go that many at a time
   std::vector<at::Tensor> operator()(const at::Tensor& x, const std::string& mode) const;
 };
 

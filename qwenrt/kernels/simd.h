@@ -27,6 +27,7 @@ namespace qwenrt::simd {
 constexpr int kLanes = 16;
 constexpr int kRegisters = 32;
 constexpr const char* kName = "avx512";
+constexpr bool kFma = true;  // exp() below is within an ulp: vector SiLU rounds to bf16 as torch does
 using F = __m512;
 using I = __m512i;
 
@@ -70,12 +71,16 @@ inline I as_int(F a) { return _mm512_castps_si512(a); }
 inline F select_nan(F v, F if_nan) {  // if_nan where v is NaN, else v
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v, if_nan);
 }
+inline F select_above(F x, F limit, F v, F if_above) {  // if_above where x > limit, else v
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, limit, _CMP_GT_OQ), v, if_above);
+}
 
 #elif defined(QWENRT_SIMD_AVX2)
 
 constexpr int kLanes = 8;
 constexpr int kRegisters = 16;
 constexpr const char* kName = "avx2";
+constexpr bool kFma = true;
 using F = __m256;
 using I = __m256i;
 
@@ -120,12 +125,16 @@ inline I to_int(F a) { return _mm256_cvtps_epi32(a); }
 inline F as_float(I a) { return _mm256_castsi256_ps(a); }
 inline I as_int(F a) { return _mm256_castps_si256(a); }
 inline F select_nan(F v, F if_nan) { return _mm256_blendv_ps(v, if_nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)); }
+inline F select_above(F x, F limit, F v, F if_above) {  // if_above where x > limit, else v
+  return _mm256_blendv_ps(v, if_above, _mm256_cmp_ps(x, limit, _CMP_GT_OQ));
+}
 
 #else  // portable: fixed-size arrays in loops the compiler vectorises
 
 constexpr int kLanes = 8;
 constexpr int kRegisters = 16;
 constexpr const char* kName = "portable";
+constexpr bool kFma = false;  // exp() off by up to 1.15 ulp, which can flip a bf16 rounding: std::exp instead
 struct F { float v[kLanes]; };
 union I {
   int32_t i32[kLanes];
@@ -206,6 +215,7 @@ inline I to_int(F a) { I r; QWENRT_LANES(r.i32[j] = static_cast<int32_t>(std::ne
 inline F as_float(I a) { F r; std::memcpy(r.v, a.f, sizeof r.v); return r; }
 inline I as_int(F a) { I r; std::memcpy(r.f, a.v, sizeof r.f); return r; }
 inline F select_nan(F a, F if_nan) { QWENRT_LANES(if (std::isnan(a.v[j])) a.v[j] = if_nan.v[j]); return a; }
+inline F select_above(F x, F limit, F v, F if_above) { QWENRT_LANES(if (x.v[j] > limit.v[j]) v.v[j] = if_above.v[j]); return v; }
 #undef QWENRT_LANES
 
 #endif
@@ -216,21 +226,28 @@ inline F select_nan(F a, F if_nan) { QWENRT_LANES(if (std::isnan(a.v[j])) a.v[j]
 inline F bf16_low(I pairs) { return as_float(slli_i32<16>(pairs)); }
 inline F bf16_high(I pairs) { return as_float(and_i(pairs, set1_i32(static_cast<int32_t>(0xFFFF0000u)))); }
 
-// e^x: x = n·ln2 + r, |r| <= ln2/2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7, a few fp32 ulp),
-// times 2^n built in the exponent bits. x is clamped to [-87, 88] (e^x under/overflows fp32 just beyond), so
-// 2^n stays a normal number.
+// e^x: x = n·ln2 + r, |r| <= ln2/2 (ln 2 in two parts, the first with trailing zero bits so that n·part is exact),
+// e^r by its degree-7 Taylor polynomial (truncation < 6e-9), times 2^n built in the exponent bits: within one fp32
+// ulp of e^x with FMA (AVX2, [-87, 88.7] in steps of 7e-4: at most 0.88 ulp). 2^n is applied as two normal powers
+// of 2. Beyond fp32's largest e^x (x > 88.72) it is +inf, as std::exp's (silu(x) of a very negative x is then -0, as
+// torch's); below -87, e^-87 (~1.6e-38, where std::exp gives a denormal or 0).
 inline F exp(F x) {
-  x = min(max(x, set1(-87.0f)), set1(88.0f));
+  const F overflow = set1(88.7228394f), given = x;
+  x = min(max(x, set1(-87.0f)), overflow);
   const F n = round_nearest(mul(x, set1(1.44269504f)));
-  const F r = fnmadd(n, set1(1.90465430e-9f), fnmadd(n, set1(0.693145752f), x));  // ln 2 in two parts
-  F p = set1(1.0f / 720);
+  const F r = fnmadd(n, set1(1.42860677e-6f), fnmadd(n, set1(0.693145752f), x));  // ln 2 in two parts
+  F p = set1(1.0f / 5040);
+  p = fmadd(p, r, set1(1.0f / 720));
   p = fmadd(p, r, set1(1.0f / 120));
   p = fmadd(p, r, set1(1.0f / 24));
   p = fmadd(p, r, set1(1.0f / 6));
   p = fmadd(p, r, set1(0.5f));
   p = fmadd(p, r, set1(1.0f));
   p = fmadd(p, r, set1(1.0f));
-  return mul(p, as_float(slli_i32<23>(add_i32(to_int(n), set1_i32(127)))));
+  auto pow2 = [](F k) { return as_float(slli_i32<23>(add_i32(to_int(k), set1_i32(127)))); };  // k in [-126, 127]
+  const F half = round_nearest(mul(n, set1(0.5f)));  // n in [-126, 128]: both parts in [-63, 64]
+  const F e = mul(mul(p, pow2(half)), pow2(sub(n, half)));
+  return select_above(given, overflow, e, set1(std::numeric_limits<float>::infinity()));
 }
 
 // x / (1 + e^-x)
