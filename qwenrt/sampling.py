@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from qwenrt.errors import QwenrtError
+from qwenrt.kernels import cpu_kernels
 
 _NEG_INF = float("-inf")
 
@@ -201,7 +202,7 @@ def _checked_scores(logits: torch.Tensor, params: SamplingParams, history: Token
     logits = logits.float()
     # sampling from NaN/Inf would pick garbage silently; they show in the min or the max (NaN propagates), exactly,
     # in one pass (the whole tensor's: torch's per-row aminmax is ~20x slower)
-    if not all(bool(torch.isfinite(v)) for v in torch.aminmax(logits)):
+    if not all(math.isfinite(v) for v in torch.stack(torch.aminmax(logits)).tolist()):
         rows = (~torch.isfinite(logits)).any(-1).nonzero().view(-1).tolist()
         raise QwenrtError(f"the model produced NaN/Inf logits (batch rows {rows[:8]}): its weights or activations "
                           "overflow in this dtype (try dtype='float32')")
@@ -222,10 +223,16 @@ def sample(logits: torch.Tensor, params: SamplingParams, history: TokenCounts | 
     """
     logits = _checked_scores(logits, params, history)
     if params.greedy:
-        return logits.argmax(-1)
+        return greedy(logits)
     scores, ids = _candidates(logits, params)
     choice = torch.multinomial(scores.softmax(-1), 1, generator=generator)  # [B, 1]
     return (choice if ids is None else ids.gather(1, choice)).view(-1)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] fp32 -> [B] int64, each row's first largest (torch.argmax; the native kernel on the CPU)."""
+    kernels = cpu_kernels() if logits.device.type == "cpu" else None
+    return logits.argmax(-1) if kernels is None else kernels.argmax_rows(logits.contiguous())
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams, history: TokenCounts | None = None) -> torch.Tensor:

@@ -334,6 +334,30 @@ def test_deltanet_steps_in_one_call_equal_single_steps_and_keep_each_state(dtype
 
 
 @needs_kernels
+def test_argmax_rows_picks_what_torch_argmax_picks():
+    """Each row's first largest, ties in other lanes, blocks and the tail included; a NaN wins (the first), as do
+    infinities; rows shorter than a vector and of every length modulo it."""
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(V, generator=g) for V in (1, 3, 8, 17, 100, 1031, 248_320)]
+    rows += [torch.randint(-3, 4, (V,), generator=g).float() for V in (9, 64, 1000, 4099)]  # many ties
+    x = torch.randn(5003, generator=g)  # 3 past whole blocks of 8 or 16 lanes
+    for places in ([5002], [4995, 5001], [5001, 5002], [7, 15], [3000, 11], [12, 4]):  # tail, lanes, blocks
+        y = x.clone()
+        y[places] = 9.0
+        rows.append(y)
+    for special in (float("nan"), float("inf"), -float("inf")):
+        for places in ([0], [20], [5002], [20, 40]):
+            y = x.clone()
+            y[places] = special
+            rows.append(y)
+    rows += [torch.full((37,), -float("inf")), torch.full((37,), float("nan"))]
+    for row in rows:
+        assert cpu_kernels().argmax_rows(row[None]).tolist() == [int(row.argmax())], row.numel()
+    batch = torch.randn(4, 1031, generator=g)
+    assert torch.equal(cpu_kernels().argmax_rows(batch), batch.argmax(-1))
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_residual_norm_matches_torch_ops(dtype):
     g = torch.Generator().manual_seed(9)

@@ -32,6 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdn_decode_step", &gdn_decode_step, "fused Gated DeltaNet decode step (state updated in place)");
   m.def("gdn_decode_steps", &gdn_decode_steps,
         "the fused step over T successive tokens of one sequence, the state after each but the last saved");
+  m.def("argmax_rows", &argmax_rows, "x [B, V] fp32 -> [B] int64: each row's first largest (first NaN), as torch.argmax",
+        arg("x"));
   using qwenrt::LayerStack, qwenrt::Projection;
   pybind11::class_<Projection>(m, "Projection", "projections sharing one input, one GEMV call (bf16, q8 or q4)")
       .def(pybind11::init<std::string, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,

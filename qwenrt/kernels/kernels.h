@@ -28,3 +28,4 @@ at::Tensor causal_conv1d_silu(at::Tensor x, at::Tensor conv_state, at::Tensor co
 at::Tensor attention_decode_step(at::Tensor qg, at::Tensor k, at::Tensor v, at::Tensor q_norm_w, at::Tensor k_norm_w,
                                  at::Tensor cos, at::Tensor sin, at::Tensor keys, at::Tensor values,
                                  at::Tensor lengths, double eps);
+at::Tensor argmax_rows(at::Tensor x);
