@@ -13,6 +13,7 @@ from qwenrt.decode_plan import DecodePlan, MTPPlan
 from qwenrt.engine.request import Sequence
 from qwenrt.mtp import draft_head
 from qwenrt.multimodal import vision_embeddings
+from qwenrt.sampling import greedy
 
 
 def decode_step(model, input_ids: torch.Tensor, cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,7 +195,7 @@ class ModelRunner:
         position."""
         drafts: list[list[int]] = [[] for _ in ks]
         for i in range(max(ks)):
-            token = logits(last).argmax(-1)  # [R]
+            token = greedy(logits(last).float())  # [R]
             for j, k in enumerate(ks):
                 if i < k:
                     drafts[j].append(int(token[j]))
