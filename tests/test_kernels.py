@@ -334,6 +334,27 @@ def test_deltanet_steps_in_one_call_equal_single_steps_and_keep_each_state(dtype
 
 
 @needs_kernels
+def test_prefill_conv_silu_rounds_as_torch_in_bf16():
+    """The native short conv + SiLU over a bf16 chunk == torch's conv1d (fp32 sums) rounded, then torch's bf16 SiLU,
+    element for element: its e^x is within an ulp of torch's (one 4x too coarse flipped 1 rounding in ~1,300).
+    The portable level has no FMA (products and sums rounded apart, e^x too): there a rare rounding flips, one bf16
+    ulp of the conv's sum, relatively large where its 4 products nearly cancel."""
+    g = torch.Generator().manual_seed(0)
+    T, C, K = 64, 1024, 4
+    x = (torch.randn(1, T, C, generator=g) * 2).bfloat16()
+    w = torch.randn(C, K, generator=g) * 0.5
+    y = cpu_kernels().causal_conv1d_silu(x, torch.zeros(1, C, K - 1), w)
+    sums = F.conv1d(x.float().transpose(1, 2), w[:, None], padding=K - 1, groups=C)[..., :T]
+    reference = F.silu(sums.bfloat16()).transpose(1, 2)
+    if cpu_level() != "portable":
+        assert torch.equal(y, reference)
+    else:
+        apart = y != reference
+        assert apart.sum() <= y.numel() // 1000
+        assert ((y - reference).float().abs() <= reference.float().abs() * 2 ** -6 + 1e-6).all()
+
+
+@needs_kernels
 def test_argmax_rows_picks_what_torch_argmax_picks():
     """Each row's first largest, ties in other lanes, blocks and the tail included; a NaN wins (the first), as do
     infinities; rows shorter than a vector and of every length modulo it."""
