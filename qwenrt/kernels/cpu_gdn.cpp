@@ -268,7 +268,6 @@ void conv_silu_chunk(const T* X, float* CS, const float* W, T* Y, int64_t B, int
   at::parallel_for(0, C, 256, [&](int64_t c0, int64_t c1) {
     const int64_t width = c1 - c0;
     std::vector<float> past((K - 1) * width), tail((K - 1) * width);  // [K-1, width] inputs at t = -(K-1)..-1
-    alignas(64) float lanes[kLanes];
     for (int64_t b = 0; b < B; ++b) {
       const T* xb = X + b * Tn * C;
       float* sb = CS + b * C * (K - 1);
@@ -291,14 +290,10 @@ void conv_silu_chunk(const T* X, float* CS, const float* W, T* Y, int64_t B, int
           F acc = zero();
           for (int64_t j = 0; j < K; ++j) acc = fmadd(load(WT.data() + j * C + c), load_x(x0 + j * C + c), acc);
           const F y = qwenrt::simd::silu(kBf16 ? qwenrt::simd::round_bf16(acc) : acc);
-          store(lanes, kBf16 ? qwenrt::simd::round_bf16(y) : y);
-          if constexpr (kBf16) {  // already rounded: the high half of each fp32 is the bf16
-            uint32_t bits[kLanes];
-            std::memcpy(bits, lanes, sizeof bits);
-            auto* out = reinterpret_cast<uint16_t*>(yt + c);
-            for (int l = 0; l < kLanes; ++l) out[l] = static_cast<uint16_t>(bits[l] >> 16);
+          if constexpr (kBf16) {
+            qwenrt::simd::store_bf16(reinterpret_cast<uint16_t*>(yt + c), y);
           } else {
-            std::memcpy(yt + c, lanes, sizeof lanes);
+            store(reinterpret_cast<float*>(yt + c), y);
           }
         }
         for (; c < c1; ++c) {

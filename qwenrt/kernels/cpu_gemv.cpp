@@ -137,9 +137,7 @@ struct Outputs {
         int64_t j = a;
         for (; kFma && j + kLanes <= b; j += kLanes) {
           const F g = round_bf16(load(G + j));
-          float product[kLanes];
-          store(product, mul(round_bf16(silu(g)), round_bf16(load(U + j))));
-          for (int l = 0; l < kLanes; ++l) y[j + l] = bf16_bits(product[l]);
+          store_bf16(y + j, mul(round_bf16(silu(g)), round_bf16(load(U + j))));
         }
         for (; j < b; ++j) {
           const float g = bf16_round(G[j]);

@@ -265,4 +265,12 @@ inline F round_bf16(F x) {
 #endif
 }
 
+// Each lane rounded to bfloat16 (as round_bf16) and stored as kLanes bf16: the high half of each rounded fp32.
+inline void store_bf16(uint16_t* p, F x) {
+  uint32_t bits[kLanes];
+  const F rounded = round_bf16(x);
+  std::memcpy(bits, &rounded, sizeof bits);
+  for (int l = 0; l < kLanes; ++l) p[l] = static_cast<uint16_t>(bits[l] >> 16);
+}
+
 }  // namespace qwenrt::simd
