@@ -100,6 +100,36 @@ def _cached(model: nn.Module, what, build):
     return cached[1]
 
 
+class RopeTable:
+    """cos, sin [P, R] bf16: the rotary rows of text positions 0..P-1 (every M-RoPE axis at the same position), each
+    what rope_cos_sin gives for that position; grown by doubling as positions need. A step slices its rows instead of
+    computing them (the torch ops took ~60 us a step on qwenrt-tiny)."""
+
+    def __init__(self, inv_freq: torch.Tensor, mrope: tuple):
+        self.inv_freq, self.mrope = inv_freq, mrope
+        self.cos = self.sin = torch.empty(0, 2 * inv_freq.numel(), dtype=torch.bfloat16, device=inv_freq.device)
+
+    def upto(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables, with rows for every position below `end`."""
+        size = self.cos.shape[0]
+        if end > size:
+            size = max(size, 256)
+            while size < end:
+                size *= 2
+            positions = torch.arange(size, device=self.inv_freq.device)[:, None]  # [P, 1]
+            cos, sin = rope_cos_sin(positions, self.inv_freq, *self.mrope)
+            self.cos, self.sin = cos[:, 0].to(torch.bfloat16), sin[:, 0].to(torch.bfloat16)
+        return self.cos, self.sin
+
+    def rows(self, firsts: list[int], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, R]: counts[b] successive positions from firsts[b], in order."""
+        cos, sin = self.upto(max(f + n for f, n in zip(firsts, counts)))
+        if len(firsts) == 1:
+            return cos[firsts[0]:firsts[0] + counts[0]], sin[firsts[0]:firsts[0] + counts[0]]
+        return (torch.cat([cos[f:f + n] for f, n in zip(firsts, counts)]),
+                torch.cat([sin[f:f + n] for f, n in zip(firsts, counts)]))
+
+
 class _Rows(NamedTuple):
     """Where N rows go: counts[b] successive tokens of sequences[b], in sequence order."""
 
@@ -110,16 +140,15 @@ class _Rows(NamedTuple):
     lengths: list[torch.Tensor]  # per sequence, the cache slots its rows write (int64 [counts[b]])
 
 
-def _rows(sequences: list[SequenceState], counts: list[int], inv_freq, mrope, device,
+def _rows(sequences: list[SequenceState], counts: list[int], rope: RopeTable, device,
           firsts: list[int] | None = None) -> _Rows:
     """firsts[b]: the position of sequence b's first row (default its length + rope_delta)."""
     if firsts is None:
         firsts = [s.length + s.rope_delta for s in sequences]
-    starts = torch.tensor([first + t for first, n in zip(firsts, counts) for t in range(n)], device=device)
-    cos, sin = rope_cos_sin(starts[:, None], inv_freq, *mrope)
+    cos, sin = rope.rows(firsts, counts)
     lengths = [s.length_tensor() if n == 1 else torch.arange(s.length, s.length + n, device=device)
                for s, n in zip(sequences, counts)]
-    return _Rows(sequences, counts, cos[:, 0].to(torch.bfloat16), sin[:, 0].to(torch.bfloat16), lengths)
+    return _Rows(sequences, counts, cos, sin, lengths)
 
 
 def _deltanet(layer: _Layer, k, mixed, z, b, a, where: _Rows, saved: list[list] | None) -> torch.Tensor:
@@ -204,7 +233,7 @@ class DecodePlan:
         self.kernels, self.layers, self.head = kernels, layers, head
         self.embed, self.final_norm, self.eps = text.embed_tokens, text.norm.weight.float(), text.norm.eps
         self.stack = _stack(kernels, layers, self.eps)
-        self.inv_freq, self.mrope = model.inv_frequencies(model.device), (c.mrope_section, c.mrope_interleaved)
+        self.rope = RopeTable(model.inv_frequencies(model.device), (c.mrope_section, c.mrope_interleaved))
 
     @classmethod
     def build(cls, model: nn.Module, kernels) -> DecodePlan | None:
@@ -243,7 +272,7 @@ class DecodePlan:
         state of every layer as {layer: (conv, recurrent)} copies (speculative verification commits one of them).
         """
         k = self.kernels
-        where = _rows(sequences, counts, self.inv_freq, self.mrope, input_ids.device)
+        where = _rows(sequences, counts, self.rope, input_ids.device)
         if saved is not None:
             for b, n in enumerate(counts):
                 saved[b].extend({} for _ in range(n - 1))
@@ -265,7 +294,7 @@ class MTPPlan:
         self.norm_embed = mtp.pre_fc_norm_embedding.weight.float()
         self.norm_hidden = mtp.pre_fc_norm_hidden.weight.float()
         self.final_norm = mtp.norm.weight.float()
-        self.inv_freq, self.mrope = model.inv_frequencies(model.device), (c.mrope_section, c.mrope_interleaved)
+        self.rope = RopeTable(model.inv_frequencies(model.device), (c.mrope_section, c.mrope_interleaved))
 
     @classmethod
     def for_model(cls, model: nn.Module, draft_vocab: int) -> MTPPlan | None:
@@ -289,7 +318,7 @@ class MTPPlan:
         head's cache sequences[b] from position firsts[b] -> the head's normed output [N, D]. The caller reserves
         room and moves `length` on, as for DecodePlan.hidden."""
         k = self.kernels
-        where = _rows(sequences, counts, self.inv_freq, self.mrope, hidden.device, firsts)
+        where = _rows(sequences, counts, self.rope, hidden.device, firsts)
         e = k.rms_norm(self.embed(next_ids), None, self.norm_embed, self.eps)[1]
         h = k.rms_norm(hidden, None, self.norm_hidden, self.eps)[1]
         z = self.fc(torch.cat([e, h], dim=-1), mode="bf16")[0]
@@ -298,3 +327,48 @@ class MTPPlan:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The head's outputs h [R, D] -> logits [R, draft_vocab] bf16 (an argmax needs no more)."""
         return self.head(h, mode="bf16")[0]
+
+
+class CyclePlan:
+    """A greedy speculative cycle as one native call (`kernels.GreedyCycle`): the decode plan's layers and head and
+    the MTP plan's, bound together. It does what verify, the greedy picks, commit and the MTP draft do one call each
+    (engine/runner.py), and gives the same tokens, states and drafts; a cycle through those calls cost twice a plain
+    step on qwenrt-tiny, far more than its arithmetic. Dense models with an MTP head and a bf16 embedding table."""
+
+    def __init__(self, native, rope: RopeTable):
+        self.native, self.rope = native, rope
+
+    @classmethod
+    def for_model(cls, model: nn.Module, draft_vocab: int) -> CyclePlan | None:
+        def build(kernels):
+            decode, draft = DecodePlan.for_model(model), MTPPlan.for_model(model, draft_vocab)
+            embed = model.model.embed_tokens
+            if (decode is None or draft is None or decode.stack is None or draft.stack is None
+                    or type(embed) is not nn.Embedding or embed.weight.dtype != torch.bfloat16):
+                return None
+            return cls(kernels.GreedyCycle(decode.stack, decode.final_norm, decode.head, embed.weight,
+                                           draft.norm_embed, draft.norm_hidden, draft.fc, draft.stack,
+                                           draft.final_norm, draft.head, draft.eps), decode.rope)
+
+        return _cached(model, ("cycle", draft_vocab), build)
+
+    def __call__(self, inputs: list[list[int]], sequences: list[SequenceState], ks: list[int],
+                 pending: list[tuple[torch.Tensor, list[int]]], heads: list[SequenceState], head_lengths: list[int]):
+        """inputs[b]: sequence b's last token and its drafts; ks[b] drafts to make for its next cycle; pending[b]:
+        (hidden states [c, D] of the c inputs before, their next tokens) for its MTP head to read first (c = 0 where
+        ks[b] = 0); heads[b] the head's cache, written from slot head_lengths[b]. The caller reserves room and moves
+        the lengths on. Returns (logits [N, V] fp32, picks [N] int64, hidden [N, D], accepted per sequence, drafts
+        per sequence, saved DeltaNet states per sequence: [conv [n-1, ...], recurrent [n-1, ...]] per DeltaNet
+        layer)."""
+        counts = [len(row) for row in inputs]
+        positions = [s.length + s.rope_delta for s in sequences]
+        cos, sin = self.rope.upto(max(p + n + max(k - 1, 0) for p, n, k in zip(positions, counts, ks)))
+        ids = torch.tensor([t for row in inputs for t in row], device=cos.device)  # [N]
+        waiting = [h for h, _ in pending if len(h)]
+        rows = torch.cat(waiting) if waiting else cos.new_empty(0)  # [C, D]
+        following = torch.tensor([t for _, nxt in pending for t in nxt], dtype=torch.long, device=cos.device)
+        return self.native.run(ids, counts, positions, ks, cos, sin, [s.conv for s in sequences],
+                               [s.recurrent for s in sequences], [s.keys for s in sequences],
+                               [s.values for s in sequences], [s.length for s in sequences], rows, following,
+                               [len(nxt) for _, nxt in pending], [h.keys[0] for h in heads],
+                               [h.values[0] for h in heads], head_lengths)

@@ -197,15 +197,20 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     return torch.Generator(device=device).manual_seed(params.seed)
 
 
-def _checked_scores(logits: torch.Tensor, params: SamplingParams, history: TokenCounts | None) -> torch.Tensor:
-    """logits [B, V] in fp32, refused when not finite, with the penalties applied."""
-    logits = logits.float()
-    # sampling from NaN/Inf would pick garbage silently; they show in the min or the max (NaN propagates), exactly,
-    # in one pass (the whole tensor's: torch's per-row aminmax is ~20x slower)
+def check_finite(logits: torch.Tensor) -> None:
+    """Refuse NaN/Inf logits [B, V] with a QwenrtError: sampling from them would pick garbage silently."""
+    # they show in the min or the max (NaN propagates), exactly, in one pass (the whole tensor's: torch's per-row
+    # aminmax is ~20x slower)
     if not all(math.isfinite(v) for v in torch.stack(torch.aminmax(logits)).tolist()):
         rows = (~torch.isfinite(logits)).any(-1).nonzero().view(-1).tolist()
         raise QwenrtError(f"the model produced NaN/Inf logits (batch rows {rows[:8]}): its weights or activations "
                           "overflow in this dtype (try dtype='float32')")
+
+
+def _checked_scores(logits: torch.Tensor, params: SamplingParams, history: TokenCounts | None) -> torch.Tensor:
+    """logits [B, V] in fp32, refused when not finite, with the penalties applied."""
+    logits = logits.float()
+    check_finite(logits)
     if params.uses_penalties:
         if history is None:
             raise QwenrtError("repetition/presence/frequency penalties need a TokenCounts history, got None")

@@ -22,7 +22,7 @@ from qwenrt.decode_plan import MTPPlan
 from qwenrt.kernels import cpu_kernels
 from qwenrt.mtp import draft_head, mtp_hidden
 from qwenrt.prompt import prepare_prompt
-from qwenrt.sampling import SamplingParams
+from qwenrt.sampling import SamplingParams, greedy
 from tests.checkpoints import VOCAB, add_mtp_head
 from tests.test_engine import picture, run, tokens_of
 
@@ -40,22 +40,29 @@ def mtp_moe(moe_ckpt, tmp_path_factory):
 
 
 def oracle_drafts(engine: Engine, plain: dict[tuple, list[int]]):
-    """Replace the engine's drafts (still computed by the MTP head) by the plain run's next tokens, one of them made
-    wrong every other step: accepted and rejected drafts both occur."""
-    draft, calls = engine.runner.draft, {}
+    """Replace the engine's drafts (still computed by the MTP head, by the separate draft or within a native cycle)
+    by the plain run's next tokens, one of them made wrong every other step: accepted and rejected drafts both
+    occur."""
+    draft, cycle, calls = engine.runner.draft, engine.runner.cycle, {}
+
+    def fixed(s, done: int, count: int) -> list[int]:
+        """The plain run's `count` tokens after its first `done`, one made wrong every other call."""
+        want = list(plain[tuple(s.prompt.ids)][done:done + count])
+        calls[s.request_id] = n = calls.get(s.request_id, 0) + 1
+        if want and n % 2:
+            want[n % len(want)] = (want[n % len(want)] + 1) % VOCAB
+        return want
 
     def oracle(seqs, ks):
-        real = draft(seqs, ks)
-        out = []
-        for s, r in zip(seqs, real):
-            want = list(plain[tuple(s.prompt.ids)][len(s.tokens):len(s.tokens) + len(r)])
-            calls[s.request_id] = n = calls.get(s.request_id, 0) + 1
-            if want and n % 2:
-                want[n % len(want)] = (want[n % len(want)] + 1) % VOCAB
-            out.append(want)
+        return [fixed(s, len(s.tokens), len(r)) for s, r in zip(seqs, draft(seqs, ks))]
+
+    def oracle_cycle(seqs, drafts, ks):
+        out = cycle(seqs, drafts, ks)
+        for s, c in zip(seqs, out or ()):  # the sequence takes its accepted drafts and one more token
+            c.drafts = fixed(s, len(s.tokens) + c.accepted + 1, len(c.drafts))
         return out
 
-    engine.runner.draft = oracle
+    engine.runner.draft, engine.runner.cycle = oracle, oracle_cycle
 
 
 def generate_all(model, tok, prompts, k, oracle=None, n=30, **engine_options) -> tuple[list[list[int]], list]:
@@ -205,6 +212,85 @@ def test_rejected_drafts_leave_the_state_of_the_accepted_tokens(mtp_dense):
     for seq in (one_by_one, verified):
         seq.tokens.append(123)
     assert torch.allclose(runner.decode([verified])[0], runner.decode([one_by_one])[0], atol=1e-5)
+
+
+def test_native_cycle_equals_the_separate_calls(mtp_dense):
+    """The greedy cycle in one native call (runner.cycle) against verify, the greedy picks, commit and the head's
+    draft one call each: the same tokens, accepted counts and drafts, and caches equal tensor for tensor (model and
+    MTP head), round after round: the head's pending prompt row first, drafts partly accepted, all accepted, then
+    kept back to fewer inputs (the sequence ended among them)."""
+    model, _ = qwenrt.load(mtp_dense, dtype="bfloat16")
+    if cpu_kernels() is None:
+        return
+    runner = ModelRunner(model, VOCAB // 2)
+    prompt = [11, 22, 33, 44, 55]
+
+    def prefilled():
+        request = Request(prompt, SamplingParams(max_tokens=40))
+        seq = Sequence(request, prepare_prompt(model, None, prompt, None, None, 64, request.media_policy), None,
+                       set(), 64, lambda out: None, model.device)
+        seq.max_drafts = 2
+        seq.state = runner.allocate(seq)
+        runner.prefill(seq, len(prompt))
+        seq.tokens = [66]
+        return seq
+
+    plain = prefilled()
+    for _ in range(16):
+        plain.tokens.append(int(runner.decode([plain])[0].argmax()))
+    greedy_tokens = plain.tokens  # [66, then the model's own continuation]
+    separate, native = prefilled(), prefilled()
+
+    def same_caches():
+        a, b = separate.state, native.state
+        assert a.length == b.length
+        for i in model.config.text.linear_attention_layers:
+            assert torch.equal(a.conv[i], b.conv[i]) and torch.equal(a.recurrent[i], b.recurrent[i])
+        for i in model.config.text.full_attention_layers:
+            assert torch.equal(a.keys[i][:, :, :a.length], b.keys[i][:, :, :b.length])
+        assert separate.mtp_entries == native.mtp_entries and separate.mtp_index == native.mtp_index
+        n = separate.mtp_entries
+        assert torch.equal(separate.draft_state.keys[0][:, :, :n], native.draft_state.keys[0][:, :, :n])
+
+    wrong = (greedy_tokens[2] + 1) % VOCAB
+    for drafts, k in (([greedy_tokens[1], wrong], 2), (None, 1), (greedy_tokens[2:4], 2), (None, 2)):
+        drafts = native.drafts if drafts is None else drafts  # None: the head's own drafts from the round before
+        first = separate.state.length
+        v = runner.verify([separate], [drafts])[0]
+        picks = greedy(v.logits).tolist()
+        accepted = next((j for j, d in enumerate(drafts) if picks[j] != d), len(drafts))
+        runner.commit(separate, v, accepted + 1)
+        _pend(separate, first, v.hidden[:accepted + 1])
+        cycle = runner.cycle([native], [drafts], [k])[0]
+        assert cycle.picks == picks and cycle.accepted == accepted
+        for seq in (separate, native):
+            seq.tokens += picks[:accepted + 1]
+        assert native.tokens == greedy_tokens[:len(native.tokens)]  # greedy: the plain continuation
+        assert runner.draft([separate], [k])[0] == cycle.drafts
+        native.drafts = cycle.drafts
+        same_caches()
+    # a cycle that accepts both drafts, then keeps only its first input, as a commit of one does
+    drafts = greedy_tokens[len(native.tokens):len(native.tokens) + 2]
+    last = runner.cycle([native], [drafts], [1])[0]
+    v = runner.verify([separate], [drafts])[0]
+    assert last.accepted == 2 and last.picks == greedy(v.logits).tolist()
+    runner.commit(separate, v, 1)
+    runner.keep(native, last, 1)
+    assert separate.state.length == native.state.length
+    for i in model.config.text.linear_attention_layers:
+        assert torch.equal(separate.state.conv[i], native.state.conv[i])
+        assert torch.equal(separate.state.recurrent[i], native.state.recurrent[i])
+
+
+def test_greedy_engine_steps_take_the_native_cycle(mtp_dense):
+    """Greedy requests of a bf16 dense model with an MTP head verify and draft in one native call per step."""
+    model, _ = qwenrt.load(mtp_dense, dtype="bfloat16")
+    engine = Engine(model, speculative_tokens=2, prefix_cache_size=0)
+    cycle, fused = engine.runner.cycle, []
+    engine.runner.cycle = lambda *args: fused.append(cycle(*args)) or fused[-1]
+    for _ in engine.submit(Request(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))):
+        pass
+    assert fused and all(c is not None for c in fused) == (cpu_kernels() is not None)
 
 
 def test_sampling_with_drafts_keeps_the_distribution(mtp_dense):

@@ -25,13 +25,13 @@ from qwenrt.cache import deltanet_state_bytes, kv_bytes_per_token
 from qwenrt.engine.prefix_cache import PrefixCache, prompt_key
 from qwenrt.engine.prefix_store import PrefixStore, model_identity
 from qwenrt.engine.request import DraftCounts, Request, RequestOutput, Sequence, Status, TokenLogprob
-from qwenrt.engine.runner import ModelRunner, Verified
+from qwenrt.engine.runner import Cycle, ModelRunner, Verified
 from qwenrt.engine.scheduler import Scheduler, SchedulerConfig
 from qwenrt.engine.speculative import DraftPolicy, accept, propose_ngram
 from qwenrt.errors import QueueFullError, QwenrtError
 from qwenrt.mtp import DEFAULT_DRAFT_VOCAB
 from qwenrt.prompt import prepare_prompt
-from qwenrt.sampling import TokenCounts, sample
+from qwenrt.sampling import TokenCounts, check_finite, sample
 from qwenrt.validation import check_request
 
 DEFAULT_MAX_RUNNING = 8
@@ -439,6 +439,10 @@ class Engine:
                 self._run(outputs, [seq], lambda s=seq, row=logits[b:b + 1]: self._sample(s, row, outputs))
                 if seq.draft_state is not None and seq.finish_reason is None:
                     _pend(seq, inputs[b], hidden[b:b + 1])
+        elif (cycles := self._cycle(seqs, drafts, choice)) is not None:
+            for seq, d, c in zip(seqs, drafts, cycles):
+                self._run(outputs, [seq], lambda s=seq, d=d, c=c: self._take_cycle(s, d, c, outputs))
+            made = max((len(s.drafts) for s in seqs if s.status is Status.RUNNING), default=0)
         else:
             verified = self.runner.verify(seqs, drafts)
             for seq, d, v in zip(seqs, drafts, verified):
@@ -478,14 +482,54 @@ class Engine:
             seq.first_token_time = time.perf_counter()
         self._emit(seq, text, taken, outputs, logprobs=logprobs)
 
-    def _propose(self, seqs: list[Sequence], choice: int) -> None:
+    def _cycle(self, seqs: list[Sequence], drafts: list[list[int]], choice: int):
+        """A step's verification and next drafts in one native call (runner.cycle) where every sequence picks
+        greedily with nothing else to compute from its logits and drafts with the MTP head; None otherwise. The
+        drafts' room assumes every input is kept."""
+        if self.runner.mtp is None or any(not s.params.greedy or s.params.uses_penalties or not s.max_drafts
+                                          or s.request.logprobs is not None for s in seqs):
+            return None
+        return self.runner.cycle(seqs, drafts, self._draft_counts(seqs, choice, [1 + len(d) for d in drafts]))
+
+    def _take_cycle(self, seq: Sequence, drafts: list[int], cycle: Cycle, outputs: list) -> None:
+        """_take_verified for a cycle: its tokens were picked and its cache kept natively."""
+        first = seq.prompt_len + len(seq.tokens) - 1  # index of the cycle's first input
+        check_finite(cycle.verified.logits)
+        if seq.draft_counts is not None:
+            seq.draft_counts.add(len(drafts), cycle.accepted)
+        self.draft_counts.add(len(drafts), cycle.accepted)
+        if seq.auto_drafts:
+            self.draft_policy.record(len(drafts), cycle.accepted)
+        text, taken = "", []
+        for token in cycle.picks[:cycle.accepted + 1]:
+            taken.append(token)
+            text += seq.accept(token)
+            if seq.finish_reason is not None:
+                break
+        self.runner.keep(seq, cycle, len(taken))
+        if seq.finish_reason is None:
+            seq.drafts = cycle.drafts
+            if not cycle.drafts:  # the head drafts nothing now: these rows wait for its next draft
+                _pend(seq, first, cycle.verified.hidden[:len(taken)])
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        self._emit(seq, text, taken, outputs)
+
+    @staticmethod
+    def _draft_counts(seqs: list[Sequence], choice: int, ahead: list[int] | None = None) -> list[int]:
         """Drafts for each sequence's next step: as many as it asks (`auto`: `choice`, the policy's), within its
-        token limit and what it may still generate."""
+        token limit and what it may still generate once `ahead[b]` more tokens are taken."""
         ks = []
-        for s in seqs:
+        for b, s in enumerate(seqs):
             k = choice if s.auto_drafts else s.max_drafts
-            room = min(s.limit - s.state.length - 1, s.params.max_tokens - len(s.tokens) - 1)
+            more = ahead[b] if ahead is not None else 0
+            room = min(s.limit - s.state.length - more - 1, s.params.max_tokens - len(s.tokens) - more - 1)
             ks.append(max(0, min(k, room)))
+        return ks
+
+    def _propose(self, seqs: list[Sequence], choice: int) -> None:
+        """Drafts for each sequence's next step (_draft_counts)."""
+        ks = self._draft_counts(seqs, choice)
         if self.runner.mtp is not None:
             for s, d in zip(seqs, self.runner.draft(seqs, ks)):
                 s.drafts = d  # none: the head's pairs wait for its next draft

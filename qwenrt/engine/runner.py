@@ -9,7 +9,7 @@ import torch
 from dataclasses import dataclass
 
 from qwenrt.cache import HybridCache, SequenceState
-from qwenrt.decode_plan import DecodePlan, MTPPlan
+from qwenrt.decode_plan import CyclePlan, DecodePlan, MTPPlan
 from qwenrt.engine.request import Sequence
 from qwenrt.mtp import draft_head
 from qwenrt.multimodal import vision_embeddings
@@ -38,6 +38,17 @@ class Verified:
     logits: torch.Tensor  # [T, V] fp32: row t predicts the token after input t
     hidden: torch.Tensor  # [T, D] final-normed hidden states (what the MTP head reads)
     saved: list[dict]  # saved[t]: {DeltaNet layer: (conv, recurrent)} after input t, for t < T - 1
+
+
+@dataclass
+class Cycle:
+    """One sequence's part of a greedy cycle: picks[t] is the model's token after input t; the first accepted + 1
+    are its output; drafts: for its next cycle (none where it asked for none: then its rows wait for the head)."""
+
+    picks: list[int]
+    accepted: int
+    drafts: list[int]
+    verified: Verified  # saved[t] as the native run keeps them: [conv [n-1, ...], recurrent [n-1, ...]] per layer
 
 
 class ModelRunner:
@@ -171,6 +182,52 @@ class ModelRunner:
             for i, (conv, recurrent) in verified.saved[taken - 1].items():
                 state.conv[i].copy_(conv)
                 state.recurrent[i].copy_(recurrent)
+
+    @torch.inference_mode()
+    def cycle(self, seqs: list[Sequence], drafts: list[list[int]], ks: list[int]) -> list[Cycle] | None:
+        """verify, the greedy picks, commit and draft in one native call (CyclePlan): the head of a sequence that
+        drafts reads its pending pairs first. None where the call does not apply (the caller goes the separate way).
+        Caches keep the inputs up to the last accepted one (`keep` moves them back further)."""
+        plan = CyclePlan.for_model(self.model, self.draft_vocab) if self.model.device.type == "cpu" else None
+        if plan is None or any(s.draft_state is None for s in seqs):
+            return None
+        inputs = [[s.last_token] + d for s, d in zip(seqs, drafts)]
+        pending, empty = [], torch.empty(0)
+        for s, row, k in zip(seqs, inputs, ks):
+            c = s.mtp_count if k else 0
+            pending.append((torch.cat(s.mtp_pending), (s.prompt.ids + s.tokens)[s.mtp_index + 1:s.mtp_index + 1 + c])
+                           if c else (empty, []))
+            s.state.reserve(s.state.length + len(row))
+            s.draft_state.reserve(s.mtp_entries + c + len(row) + max(ks) - 1)
+        logits, picks, hidden, accepted, made, saved = plan(inputs, [s.state for s in seqs], ks, pending,
+                                                            [s.draft_state for s in seqs],
+                                                            [s.mtp_entries for s in seqs])
+        picks = picks.tolist()
+        out, start = [], 0
+        for s, row, a, d, kept, (_, nxt) in zip(seqs, inputs, accepted, made, saved, pending):
+            n = len(row)
+            s.state.length += a + 1
+            if d:  # the head read the pending and the accepted rows, then wrote a row per further draft
+                s.mtp_pending, s.mtp_count = [], 0
+                s.mtp_index = s.state.length  # the newest input's pair waits for the next cycle's pick
+                s.mtp_entries += len(nxt) + a + 1
+                s.draft_state.length = s.mtp_entries + max(ks) - 1
+            out.append(Cycle(picks[start:start + n], a, d,
+                             Verified(logits[start:start + n], hidden[start:start + n], kept)))
+            start += n
+        return out
+
+    @torch.inference_mode()
+    def keep(self, seq: Sequence, cycle: Cycle, taken: int) -> None:
+        """Keep only the first `taken` inputs of a cycle (fewer than it accepted: the sequence ended among them)."""
+        dropped = cycle.accepted + 1 - taken
+        if dropped <= 0:
+            return
+        seq.state.length -= dropped
+        saved = cycle.verified.saved
+        for j, i in enumerate(self.model.config.text.linear_attention_layers):
+            seq.state.conv[i].copy_(saved[2 * j][taken - 1:taken])
+            seq.state.recurrent[i].copy_(saved[2 * j + 1][taken - 1:taken])
 
     @torch.inference_mode()
     def draft(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:

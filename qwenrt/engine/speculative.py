@@ -63,19 +63,23 @@ class DraftPolicy:
     time of a step with k drafts at this batch size; 0 where speculation does not pay.
 
     A step verifies the drafts chosen one step earlier and drafts the ones chosen now, so only a step whose two
-    counts agree times a cycle of k (one that switches is not counted). A count's time is the least of its last
-    WINDOW such steps: other work only ever slows a step (a first call, a cache growing, the machine busy for a
-    moment), so the least is the step's own cost, and slow steps, even several, do not settle the choice.
-    Speculation is turned on only where it promises MARGIN_ON more tokens per second than plain decoding, and kept on
-    while it promises MARGIN more: a count that merely breaks even would flip on and off with the timing noise, and
-    each switch costs (the head catches up on the positions it skipped). Now and then it tries another count for
-    PROBE_STEPS steps, so that every figure stays current: while on, the other counts in turn every PROBE_ON steps;
-    while off, one draft after PROBE_OFF steps, the wait doubling (up to PROBE_OFF_MAX) while probes find nothing."""
+    counts agree times a cycle of k (one that switches is not counted). A count's time is the least of its steps
+    within the last HORIZON steps (its newest where it has none that recent): other work only ever slows a step (a
+    first call, a cache growing, the machine busy for a moment), so the least is the step's own cost, and slow steps,
+    even several, do not settle the choice; and the counts compared were timed in the same stretch (a shared
+    machine's speed drifts: a plain step's time from a quiet minute against drafting's from a busy one turned
+    speculation off where it paid 1.3x). Speculation is turned on only where it promises MARGIN_ON more tokens per
+    second than plain decoding, and kept on while it promises MARGIN more: a count that merely breaks even would flip
+    on and off with the timing noise, and each switch costs. Now and then it tries another count for PROBE_STEPS
+    steps, so that every figure stays current: while on, the other counts in turn every PROBE_ON steps; while off,
+    one draft after PROBE_OFF steps, the wait doubling (up to PROBE_OFF_MAX) while probes find drafting slower than
+    plain decoding."""
 
     PROBE_ON, PROBE_OFF, PROBE_OFF_MAX = 32, 64, 1024
     PROBE_STEPS = 2  # a probe's first step drafts, its second verifies and drafts again: one counted cycle
     MIN_SAMPLES = 3  # steps timed before a count's time is trusted
-    WINDOW = 8  # its time: the least of this many latest steps
+    WINDOW = 16  # steps' times kept per count
+    HORIZON = 256  # steps: a count's time is the least of its times this recent
     ALPHA = 0.3  # moving-average weight of a new acceptance figure
     PRIOR = 0.5  # acceptance assumed before any is seen
     MARGIN_ON, MARGIN = 0.10, 0.02  # gain over plain decoding that turns speculation on / keeps it on
@@ -83,8 +87,7 @@ class DraftPolicy:
     def __init__(self, max_k: int):
         self.max_k = max_k
         self.acceptance = [self.PRIOR] * max_k  # P(draft i accepted | drafts before it accepted)
-        self.cost: dict[tuple[int, int], deque[float]] = {}  # (batch, k) -> latest seconds per step
-        self.least: dict[tuple[int, int], float] = {}  # (batch, k) -> its time, once it has MIN_SAMPLES steps
+        self.cost: dict[tuple[int, int], deque[tuple[int, float]]] = {}  # (batch, k) -> latest (step, seconds)
         self.chosen: dict[int, int] = {}  # batch -> the count chosen last outside probes
         self.steps = 0
         self.wait = self.PROBE_OFF  # steps between probes while off
@@ -101,24 +104,33 @@ class DraftPolicy:
             tokens += reach
         return tokens
 
+    def _time(self, batch: int, k: int) -> float | None:
+        samples = self.cost.get((batch, k), ())
+        if len(samples) < self.MIN_SAMPLES:
+            return None
+        recent = [seconds for step, seconds in samples if step > self.steps - self.HORIZON]
+        return min(recent) if recent else samples[-1][1]
+
     def _times(self, batch: int) -> dict[int, float]:
         """Seconds per step with k drafts at this batch size, for the counts timed MIN_SAMPLES times; once 0 and 1
         are timed, the others not yet timed follow from them (verification grows about linearly in its tokens)."""
-        known = {k: self.least[batch, k] for k in range(self.max_k + 1) if (batch, k) in self.least}
+        known = {k: t for k in range(self.max_k + 1) if (t := self._time(batch, k)) is not None}
         if 0 in known and 1 in known:
             return {k: known.get(k, known[0] + k * (known[1] - known[0])) for k in range(self.max_k + 1)}
         return known
 
-    def _best(self, batch: int, times: dict[int, float]) -> int:
+    def _best(self, batch: int, times: dict[int, float]) -> tuple[int, float]:
+        """(the count to use, the speed-up the best count promises over plain decoding)."""
         plain = times[0]
         # a step with drafts never costs less than a plain one (a faster sample is noise)
         rate = {k: self.expected_tokens(k) / max(times[k], plain) for k in range(1, self.max_k + 1)}
         best = max(rate, key=rate.get)
+        gain = rate[best] * plain
         margin = self.MARGIN if self.chosen.get(batch) else self.MARGIN_ON
-        if rate[best] < (1 + margin) / plain:
+        if gain < 1 + margin:
             best = 0
         self.chosen[batch] = best
-        return best
+        return best, gain
 
     def choose(self, batch: int) -> int:
         self.steps += 1
@@ -128,7 +140,7 @@ class DraftPolicy:
         for k in (1, 0):  # measure speculation and plain decoding first
             if k not in times:
                 return k
-        best = self._best(batch, times)
+        best, gain = self._best(batch, times)
         if best:
             self.wait, self.next_probe = self.PROBE_OFF, self.steps + self.PROBE_OFF
             if self.steps % self.PROBE_ON < self.PROBE_STEPS:
@@ -138,7 +150,8 @@ class DraftPolicy:
             return 0
         if self.steps < self.next_probe + self.PROBE_STEPS:
             return 1
-        self.wait = min(2 * self.wait, self.PROBE_OFF_MAX)  # the probe found nothing worth turning on
+        if gain < 1:  # the probe found drafting slower than plain decoding: look again less often
+            self.wait = min(2 * self.wait, self.PROBE_OFF_MAX)
         self.next_probe = self.steps + self.wait
         return 0
 
@@ -149,9 +162,7 @@ class DraftPolicy:
             times = self.cost.get((batch, verified))
             if times is None:
                 times = self.cost[batch, verified] = deque(maxlen=self.WINDOW)
-            times.append(seconds)
-            if len(times) >= self.MIN_SAMPLES:
-                self.least[batch, verified] = min(times)
+            times.append((self.steps, seconds))
 
     def record(self, drafted: int, accepted: int) -> None:
         """One sequence's verification: `accepted` of its `drafted` drafts kept."""

@@ -34,7 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the fused step over T successive tokens of one sequence, the state after each but the last saved");
   m.def("argmax_rows", &argmax_rows, "x [B, V] fp32 -> [B] int64: each row's first largest (first NaN), as torch.argmax",
         arg("x"));
-  using qwenrt::LayerStack, qwenrt::Projection;
+  using qwenrt::GreedyCycle, qwenrt::LayerStack, qwenrt::Projection;
   pybind11::class_<Projection>(m, "Projection", "projections sharing one input, one GEMV call (bf16, q8 or q4)")
       .def(pybind11::init<std::string, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                           int64_t>(),
@@ -46,4 +46,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_attention", &LayerStack::add_attention)
       .def("run", &LayerStack::run, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "rows of successive tokens per sequence through every layer -> (final-normed hidden, saved states)");
+  pybind11::class_<GreedyCycle>(m, "GreedyCycle",
+                                 "a greedy speculative cycle (verify, accept, commit, MTP drafts) as one call")
+      .def(pybind11::init<LayerStack, at::Tensor, Projection, at::Tensor, at::Tensor, at::Tensor, Projection,
+                          LayerStack, at::Tensor, Projection, double>())
+      .def("run",
+           [](const GreedyCycle& cycle, at::Tensor ids, std::vector<int64_t> counts, std::vector<int64_t> positions,
+              std::vector<int64_t> ks, at::Tensor cos, at::Tensor sin, std::vector<qwenrt::Stores> conv,
+              std::vector<qwenrt::Stores> recurrent, std::vector<qwenrt::Stores> keys,
+              std::vector<qwenrt::Stores> values, std::vector<int64_t> lengths, at::Tensor pending,
+              at::Tensor pending_next, std::vector<int64_t> pending_counts, std::vector<at::Tensor> mtp_keys,
+              std::vector<at::Tensor> mtp_values, std::vector<int64_t> mtp_lengths) {
+             auto r = cycle.run(ids, counts, positions, ks, cos, sin, conv, recurrent, keys, values, lengths,
+                                pending, pending_next, pending_counts, mtp_keys, mtp_values, mtp_lengths);
+             return std::make_tuple(r.logits, r.picks, r.hidden, r.accepted, r.drafts, r.saved);
+           },
+           pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "-> (logits [N, V] fp32, picks [N], hidden [N, D], accepted per sequence, drafts per sequence, saved "
+           "states per sequence)");
 }

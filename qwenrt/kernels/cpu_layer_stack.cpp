@@ -56,6 +56,13 @@ void LayerStack::add_attention(int64_t slot, at::Tensor input_norm, at::Tensor p
                      std::move(down), {}, {}, {}, {}, 0, 0, 0, q_norm, k_norm, num_heads, head_dim, mixer_eps});
 }
 
+std::vector<int64_t> LayerStack::linear_slots() const {
+  std::vector<int64_t> slots;
+  for (const Layer& layer : layers_)
+    if (layer.linear) slots.push_back(layer.slot);
+  return slots;
+}
+
 namespace {
 
 const at::Tensor& store(const std::vector<Stores>& stores, size_t sequence, int64_t slot, const char* what) {

@@ -54,6 +54,9 @@ class LayerStack {
       std::vector<Stores> conv, std::vector<Stores> recurrent, std::vector<Stores> keys,
       std::vector<Stores> values, std::vector<at::Tensor> lengths) const;
 
+  // the layer slots of the DeltaNet layers, in order (the order of run's saved states)
+  std::vector<int64_t> linear_slots() const;
+
  private:
   struct Layer {
     int64_t slot;
@@ -68,6 +71,54 @@ class LayerStack {
   };
   std::vector<Layer> layers_;
   double eps_;
+};
+
+// A greedy speculative cycle as one native call (cpu_greedy_cycle.cpp): verify each sequence's inputs (its last
+// token, then its drafts) through the model, pick each row's argmax, accept drafts while they equal the pick before
+// them, keep the DeltaNet state of the last accepted input, then draft the next tokens with the MTP head from the
+// accepted rows. What qwenrt/engine/runner.py's verify, commit and draft do call for call, without the Python
+// between them (on qwenrt-tiny that Python cost more than the cycle's arithmetic).
+class GreedyCycle {
+ public:
+  // the model: its layers, final norm, LM head and embedding table [V, D] bf16; the MTP head: its pre-fc norms
+  // (fp32), fc, its one layer, its final norm and the draft head (the LM head's first rows)
+  GreedyCycle(LayerStack stack, at::Tensor final_norm, Projection head, at::Tensor embed, at::Tensor norm_embed,
+              at::Tensor norm_hidden, Projection fc, LayerStack mtp, at::Tensor mtp_norm, Projection draft_head,
+              double mtp_eps);
+
+  struct Result {
+    at::Tensor logits;  // [N, V] fp32
+    at::Tensor picks;  // [N] int64: each row's argmax, the token after its input
+    at::Tensor hidden;  // [N, D] bf16 final-normed hidden states
+    std::vector<int64_t> accepted;  // per sequence, drafts accepted
+    std::vector<std::vector<int64_t>> drafts;  // per sequence, its ks[b] drafts for the next cycle
+    std::vector<std::vector<at::Tensor>> saved;  // per sequence, as LayerStack::run's
+  };
+
+  // ids [N] int64: counts[b] inputs of sequence b (its last token, then its drafts), in sequence order; positions[b]
+  // the position of its first, lengths[b] its cache length; cos, sin [P, R] bf16 rows of positions 0..P-1 (each
+  // sequence's rows are read at its positions, up to positions[b] + counts[b] + ks[b] - 2). The MTP head reads, for
+  // the sequences with ks[b] > 0, first pending[b] rows of `pending` [C, D] (hidden states of the inputs just
+  // before, with their next tokens pending_next [C]), then the accepted rows, and writes its cache (mtp_keys,
+  // mtp_values) from slot mtp_lengths[b]. The caches' lengths are the caller's to move on; the DeltaNet state of a
+  // sequence whose drafts were not all accepted is that after its last accepted input.
+  Result run(at::Tensor ids, std::vector<int64_t> counts, std::vector<int64_t> positions, std::vector<int64_t> ks,
+             at::Tensor cos, at::Tensor sin, std::vector<Stores> conv, std::vector<Stores> recurrent,
+             std::vector<Stores> keys, std::vector<Stores> values, std::vector<int64_t> lengths,
+             at::Tensor pending, at::Tensor pending_next, std::vector<int64_t> pending_counts,
+             std::vector<at::Tensor> mtp_keys, std::vector<at::Tensor> mtp_values,
+             std::vector<int64_t> mtp_lengths) const;
+
+ private:
+  // the MTP head over rows (hidden [M, D], the next tokens [M]) of the given sequences -> its normed outputs [M, D]
+  at::Tensor draft_rows(const at::Tensor& hidden, const at::Tensor& next, const at::Tensor& cos,
+                        const at::Tensor& sin, const std::vector<int64_t>& counts, const std::vector<Stores>& keys,
+                        const std::vector<Stores>& values, std::vector<at::Tensor> lengths) const;
+
+  LayerStack stack_, mtp_;
+  at::Tensor final_norm_, embed_, norm_embed_, norm_hidden_, mtp_norm_;
+  Projection head_, fc_, draft_head_;
+  double mtp_eps_;
 };
 
 }  // namespace qwenrt
