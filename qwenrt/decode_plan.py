@@ -6,9 +6,9 @@ loop in C++): on a small model the Python around ~8 kernel calls per layer cost 
 a 0.8B model it was ~3.5 ms of a 28-72 ms step. Models with MoE MLPs loop over their layers from Python
 (_run_layers), a call per kernel. The weight reads are shared by the batch; the token mixers run one native call
 per sequence on its own state. The MTP head's draft step has a plan of its own (MTPPlan, held to its modules by
-tests/test_mtp.py). Built at the first step and rebuilt after any module, parameter or buffer is registered
-anywhere in the process (quantization swaps modules in, load_state_dict(assign=True) replaces parameters) or the
-dtype changes.
+tests/test_mtp.py), and a greedy speculative cycle binds both into one native call (CyclePlan). Built at the first
+step and rebuilt after any module, parameter or buffer is registered anywhere in the process (quantization swaps
+modules in, load_state_dict(assign=True) replaces parameters) or the dtype changes.
 """
 
 from __future__ import annotations

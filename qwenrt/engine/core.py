@@ -494,7 +494,7 @@ class Engine:
     def _take_cycle(self, seq: Sequence, drafts: list[int], cycle: Cycle, outputs: list) -> None:
         """_take_verified for a cycle: its tokens were picked and its cache kept natively."""
         first = seq.prompt_len + len(seq.tokens) - 1  # index of the cycle's first input
-        check_finite(cycle.verified.logits)
+        check_finite(cycle.logits)
         if seq.draft_counts is not None:
             seq.draft_counts.add(len(drafts), cycle.accepted)
         self.draft_counts.add(len(drafts), cycle.accepted)
@@ -510,7 +510,7 @@ class Engine:
         if seq.finish_reason is None:
             seq.drafts = cycle.drafts
             if not cycle.drafts:  # the head drafts nothing now: these rows wait for its next draft
-                _pend(seq, first, cycle.verified.hidden[:len(taken)])
+                _pend(seq, first, cycle.hidden[:len(taken)])
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         self._emit(seq, text, taken, outputs)

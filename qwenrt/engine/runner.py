@@ -48,7 +48,9 @@ class Cycle:
     picks: list[int]
     accepted: int
     drafts: list[int]
-    verified: Verified  # saved[t] as the native run keeps them: [conv [n-1, ...], recurrent [n-1, ...]] per layer
+    logits: torch.Tensor  # [T, V] fp32, a row per input
+    hidden: torch.Tensor  # [T, D] final-normed hidden states
+    saved: list[torch.Tensor]  # per DeltaNet layer in order: conv [T-1, ...], recurrent [T-1, ...] after each input
 
 
 class ModelRunner:
@@ -212,8 +214,7 @@ class ModelRunner:
                 s.mtp_index = s.state.length  # the newest input's pair waits for the next cycle's pick
                 s.mtp_entries += len(nxt) + a + 1
                 s.draft_state.length = s.mtp_entries + max(ks) - 1
-            out.append(Cycle(picks[start:start + n], a, d,
-                             Verified(logits[start:start + n], hidden[start:start + n], kept)))
+            out.append(Cycle(picks[start:start + n], a, d, logits[start:start + n], hidden[start:start + n], kept))
             start += n
         return out
 
@@ -224,10 +225,9 @@ class ModelRunner:
         if dropped <= 0:
             return
         seq.state.length -= dropped
-        saved = cycle.verified.saved
         for j, i in enumerate(self.model.config.text.linear_attention_layers):
-            seq.state.conv[i].copy_(saved[2 * j][taken - 1:taken])
-            seq.state.recurrent[i].copy_(saved[2 * j + 1][taken - 1:taken])
+            seq.state.conv[i].copy_(cycle.saved[2 * j][taken - 1:taken])
+            seq.state.recurrent[i].copy_(cycle.saved[2 * j + 1][taken - 1:taken])
 
     @torch.inference_mode()
     def draft(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
