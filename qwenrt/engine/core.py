@@ -460,11 +460,7 @@ class Engine:
         first = seq.prompt_len + len(seq.tokens) - 1  # index of the verification's first input
         _start_history(seq, verified.logits)
         emitted, kept = accept(verified.logits, drafts, seq.params, seq.history, seq.generator)
-        if seq.draft_counts is not None:
-            seq.draft_counts.add(len(drafts), kept)
-        self.draft_counts.add(len(drafts), kept)
-        if seq.auto_drafts:
-            self.draft_policy.record(len(drafts), kept)
+        self._record_drafts(seq, len(drafts), kept)
         text, taken, logprobs = "", [], [] if seq.request.logprobs is not None else None
         for r, token in enumerate(emitted):
             if logprobs is not None:
@@ -482,6 +478,14 @@ class Engine:
             seq.first_token_time = time.perf_counter()
         self._emit(seq, text, taken, outputs, logprobs=logprobs)
 
+    def _record_drafts(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """A verification's outcome for the statistics (the request's and the engine's) and for `auto`."""
+        if seq.draft_counts is not None:
+            seq.draft_counts.add(drafted, accepted)
+        self.draft_counts.add(drafted, accepted)
+        if seq.auto_drafts:
+            self.draft_policy.record(drafted, accepted)
+
     def _cycle(self, seqs: list[Sequence], drafts: list[list[int]], choice: int):
         """A step's verification and next drafts in one native call (runner.cycle) where every sequence picks
         greedily with nothing else to compute from its logits and drafts with the MTP head; None otherwise. The
@@ -489,17 +493,13 @@ class Engine:
         if self.runner.mtp is None or any(not s.params.greedy or s.params.uses_penalties or not s.max_drafts
                                           or s.request.logprobs is not None for s in seqs):
             return None
-        return self.runner.cycle(seqs, drafts, self._draft_counts(seqs, choice, [1 + len(d) for d in drafts]))
+        return self.runner.cycle(seqs, drafts, self._drafts_to_make(seqs, choice, [1 + len(d) for d in drafts]))
 
     def _take_cycle(self, seq: Sequence, drafts: list[int], cycle: Cycle, outputs: list) -> None:
         """_take_verified for a cycle: its tokens were picked and its cache kept natively."""
         first = seq.prompt_len + len(seq.tokens) - 1  # index of the cycle's first input
         check_finite(cycle.logits)
-        if seq.draft_counts is not None:
-            seq.draft_counts.add(len(drafts), cycle.accepted)
-        self.draft_counts.add(len(drafts), cycle.accepted)
-        if seq.auto_drafts:
-            self.draft_policy.record(len(drafts), cycle.accepted)
+        self._record_drafts(seq, len(drafts), cycle.accepted)
         text, taken = "", []
         for token in cycle.picks[:cycle.accepted + 1]:
             taken.append(token)
@@ -516,7 +516,7 @@ class Engine:
         self._emit(seq, text, taken, outputs)
 
     @staticmethod
-    def _draft_counts(seqs: list[Sequence], choice: int, ahead: list[int] | None = None) -> list[int]:
+    def _drafts_to_make(seqs: list[Sequence], choice: int, ahead: list[int] | None = None) -> list[int]:
         """Drafts for each sequence's next step: as many as it asks (`auto`: `choice`, the policy's), within its
         token limit and what it may still generate once `ahead[b]` more tokens are taken."""
         ks = []
@@ -528,8 +528,8 @@ class Engine:
         return ks
 
     def _propose(self, seqs: list[Sequence], choice: int) -> None:
-        """Drafts for each sequence's next step (_draft_counts)."""
-        ks = self._draft_counts(seqs, choice)
+        """Drafts for each sequence's next step (_drafts_to_make)."""
+        ks = self._drafts_to_make(seqs, choice)
         if self.runner.mtp is not None:
             for s, d in zip(seqs, self.runner.draft(seqs, ks)):
                 s.drafts = d  # none: the head's pairs wait for its next draft
