@@ -157,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", dest="model_config", help="config.json of a freshly initialised model (needs --tokenizer)")
     p.add_argument("--tokenizer", help="directory with the tokenizer files, for --config")
     p.add_argument("--resume", action="store_true", default=None, help="continue from the last step checkpoint in OUT")
+    p.add_argument("--mtp-only", dest="mtp_only", action="store_true", default=None,
+                   help="train the MTP head alone, the model frozen (fit a head to a trained model)")
     for flag, kind, what in (("steps", int, "optimizer steps"), ("batch-size", int, "conversations per step"),
                              ("micro-batch-tokens", int, "padded tokens per micro-batch (gradient accumulation)"),
                              ("length-groups", int, "runs of this many steps regrouped by length: less padding "
@@ -166,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
                              ("min-lr-ratio", float, "final learning rate / peak (cosine)"),
                              ("weight-decay", float, "AdamW weight decay"), ("clip", float, "gradient norm clip"),
                              ("mtp-weight", float, "weight of the MTP head's loss (0: no MTP head)"),
+                             ("mtp-depths", int, "the MTP head's loss also on its own chained drafts, as "
+                              "speculative decoding uses it for more than one (default 1)"),
                              ("max-len", int, "longest conversation in tokens"),
                              ("eval-every", int, "steps between held-out evaluations"),
                              ("save-every", int, "steps between resumable checkpoints"),

@@ -66,10 +66,11 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: HybridCache | None
-                ) -> torch.Tensor:
-        """x [B, T, D]; cos, sin [B, T, R]. Without a cache the T tokens attend causally among themselves; with one,
-        each row also attends to its sequence's cached tokens (rows may hold different lengths)."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: HybridCache | None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, D]; cos, sin [B, T, R]. Without a cache the T tokens attend causally among themselves, or as
+        `mask` [T, T] (bool, True: row attends to column) says; with one, each row also attends to its sequence's
+        cached tokens (rows may hold different lengths)."""
         B, T, _ = x.shape
         qg, k, v = project(x, [self.q_proj, self.k_proj, self.v_proj])
         decoding = T == 1 and cache is not None and x.is_cpu
@@ -85,7 +86,7 @@ class GatedAttention(nn.Module):
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         else:  # each sequence over its own keys: [1, Hkv, S_b, Dh]
             o = torch.cat([self._cached_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], seq)
                            for b, seq in enumerate(cache.sequences)])
@@ -141,9 +142,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, delta, cos, sin, cache: HybridCache | None):
+    def forward(self, x, delta, cos, sin, cache: HybridCache | None, mask: torch.Tensor | None = None):
         """x [B, T, D] the residual stream and delta the previous layer's MLP output, still to be added (None for the
-        first layer): the add is fused into this layer's input norm. Returns (x, this layer's MLP output)."""
+        first layer): the add is fused into this layer's input norm. Returns (x, this layer's MLP output). `mask`:
+        an attention layer's [T, T] mask without a cache (GatedAttention)."""
         if delta is None:
             h = self.input_layernorm(x)
         else:
@@ -154,7 +156,7 @@ class DecoderLayer(nn.Module):
             if cache is not None:
                 cache.set_deltanet_state(self.layer_idx, conv, rec)
         else:
-            h = self.self_attn(h, cos, sin, cache)
+            h = self.self_attn(h, cos, sin, cache, mask)
         x, h = self.post_attention_layernorm.add_forward(x, h)
         return x, self.mlp(h)
 

@@ -36,14 +36,15 @@ class MTPHead(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: HybridCache | None = None) -> torch.Tensor:
+                cache: HybridCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [B, T, D] (h_t, final-normed), next_embeds [B, T, D] (embeddings of x_{t+1}), cos, sin
-        [B, T, R] of positions t -> the normed output [B, T, D]; lm_head of it predicts x_{t+2}. Causal over T;
-        with `cache` (states from `new_state`) also over the cached entries, and the cache takes these T."""
+        [B, T, R] of positions t -> the normed output [B, T, D]; lm_head of it predicts x_{t+2}. Causal over T (or
+        as `mask` [T, T] says, without a cache); with `cache` (states from `new_state`) also over the cached
+        entries, and the cache takes these T."""
         z = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
         if cache is not None:
             cache.reserve(z.shape[1])
-        x, delta = self.layers[0](z, None, cos, sin, cache)
+        x, delta = self.layers[0](z, None, cos, sin, cache, mask)
         if cache is not None:
             cache.advance(z.shape[1])
         return self.norm.add_forward(x, delta)[1]
@@ -63,6 +64,42 @@ def mtp_hidden(model, mtp: MTPHead, input_ids: torch.Tensor, hidden: torch.Tenso
     B, T = input_ids.shape
     cos, sin = model.rotary(torch.arange(T - 1, device=hidden.device)[None].expand(B, T - 1), hidden.dtype)
     return mtp(hidden[:, :-1], model.model.embed_tokens(input_ids[:, 1:]), cos, sin)
+
+
+def chained_hidden(model, mtp: MTPHead, input_ids: torch.Tensor, depths: int,
+                   hidden: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The head as the engine chains it for `depths` drafts, over whole sequences input_ids [B, T] -> per depth d
+    (from 1) [B, T-1, D]: lm_head of row t predicts input_ids[:, t+d+1] (rows whose target lies past the end are
+    padding). Depth 1 is mtp_hidden. Depth d > 1 at row t reads depth d-1's output at row t and token t+d, at
+    position t+d-1; it attends to depth 1's rows up to t and to rows t of depths 2..d, the cache a draft sees
+    (engine: the accepted rows' entries, then the earlier drafts'). Teacher-forced: the true tokens stand where
+    the engine has drafts, which is what an accepted draft is."""
+    if depths < 1:
+        return []
+    if hidden is None:
+        hidden = model.hidden_states(input_ids)
+    outs = [mtp_hidden(model, mtp, input_ids, hidden)]  # depth 1 exactly as the joint training has it
+    if depths == 1:
+        return outs
+    B, T = input_ids.shape
+    n = T - 1
+    rows = torch.arange(n, device=hidden.device)
+    embeds = model.model.embed_tokens(input_ids)  # [B, T, D]
+    inputs = [hidden[:, :-1]]
+    tokens = [embeds[:, 1:]]
+    positions = [rows]
+    for d in range(2, depths + 1):
+        inputs.append(outs[-1])
+        tokens.append(embeds[:, (rows + d).clamp(max=T - 1)])
+        positions.append(rows + d - 1)
+        depth = torch.arange(d, device=hidden.device).repeat_interleave(n)  # [d·n]: each column's depth - 1
+        row = rows.repeat(d)
+        first = depth[None, :] == 0
+        mask = (first & (row[None, :] <= row[:, None])) | (~first & (row[None, :] == row[:, None])
+                                                            & (depth[None, :] <= depth[:, None]))
+        cos, sin = model.rotary(torch.cat(positions)[None].expand(B, -1), hidden.dtype)
+        outs.append(mtp(torch.cat(inputs, 1), torch.cat(tokens, 1), cos, sin, mask=mask)[:, -n:])
+    return outs
 
 
 def mtp_state_dict(mtp: MTPHead) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from qwenrt.engine.speculative import DraftPolicy
 from qwenrt.inspect import inspect_checkpoint
 from qwenrt.decode_plan import MTPPlan
 from qwenrt.kernels import cpu_kernels
-from qwenrt.mtp import draft_head, mtp_hidden
+from qwenrt.mtp import chained_hidden, draft_head, mtp_hidden
 from qwenrt.prompt import prepare_prompt
 from qwenrt.sampling import SamplingParams, greedy
 from tests.checkpoints import VOCAB, add_mtp_head
@@ -122,6 +122,27 @@ def test_mtp_head_with_its_cache_equals_the_whole_sequence(mtp_dense):
                                HybridCache([state])))
     assert torch.allclose(torch.cat(parts, 1), whole, atol=1e-5)
     assert state.length == 11
+
+
+def test_chained_depths_equal_the_head_drafting_with_its_cache(mtp_dense):
+    """What the trainer fits for further drafts (mtp.chained_hidden) is what the engine runs: at a row p the head
+    over the rows up to p, then over its own output and the next token at p+1, then again at p+2, each into its
+    cache. Depth 1 is mtp_hidden; rows of different depths see different keys, so a wrong mask fails this."""
+    model, _ = qwenrt.load(mtp_dense, dtype="float32")
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]])
+    hidden = model.hidden_states(ids)
+    depths = chained_hidden(model, model.mtp, ids, 3, hidden)  # 3 x [1, 11, D]
+    assert torch.allclose(depths[0], mtp_hidden(model, model.mtp, ids, hidden), atol=1e-6)
+    embed = model.model.embed_tokens
+    for p in (0, 4, 8):
+        state = model.mtp.new_state(model.config.text, model.dtype, "cpu", 16, None)
+        cos, sin = model.rotary(torch.arange(p + 1)[None], model.dtype)
+        h = model.mtp(hidden[:, :p + 1], embed(ids[:, 1:p + 2]), cos, sin, HybridCache([state]))[:, -1:]
+        for d in (2, 3):  # the draft at depth d - 1 is the true token ids[p + d]
+            cos, sin = model.rotary(torch.tensor([[p + d - 1]]), model.dtype)
+            h = model.mtp(h, embed(ids[:, p + d:p + d + 1]), cos, sin, HybridCache([state]))
+            assert torch.allclose(h[0, 0], depths[d - 1][0, p], atol=1e-5), (p, d)
+            assert not torch.allclose(h[0, 0], depths[d - 2][0, p], atol=1e-3)
 
 
 @pytest.mark.parametrize("quantize", [None, "int8", "int4"])
@@ -397,6 +418,17 @@ def test_auto_turns_speculation_off_where_it_does_not_pay():
     assert 0 < sum(off[100:]) < 20
     on = simulate_auto(DraftPolicy(3), 400, lambda k: k)  # everything accepted
     assert on[-100:].count(3) > 85
+
+
+def test_auto_takes_an_unreached_position_as_accepted_as_the_one_before():
+    policy = DraftPolicy(3)
+    for _ in range(20):
+        policy.record(1, 1)  # one draft at a time, always kept: positions 2 and 3 never verified
+    a = policy.acceptance[0]
+    assert a > 0.95 and policy.expected_tokens(3) == pytest.approx(1 + a + a * a + a ** 3)
+    policy.record(3, 1)  # position 2 reached and missed once: no longer taken on trust
+    first, second = policy.acceptance[:2]
+    assert second < 0.9 and policy.expected_tokens(3) == pytest.approx(1 + first + first * second * (1 + second))
 
 
 def test_auto_probes_less_often_while_they_find_nothing():

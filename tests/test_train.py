@@ -41,8 +41,24 @@ def test_quick_recipe_held_out_loss_falls(quick):
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
     mtp_losses = [h["eval_mtp_loss"] for h in summary["history"]]
     assert mtp_losses[-1] < 0.8 * mtp_losses[0], mtp_losses
-    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    log = [json.loads(line) for line in (out / "joint" / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log[1:]] == list(range(Recipe.quick().steps + 1))
+
+
+def test_quick_recipe_head_stage_fits_the_chained_drafts_alone(quick):
+    """The recipe's second stage trains the MTP head alone on its chained drafts: their held-out losses fall, and
+    the model's tensors in the final checkpoint are the joint stage's, bit for bit."""
+    out, summary = quick
+    history = summary["mtp_stage"]["history"]
+    assert [h["step"] for h in history] == [0, 4, 8]
+    for depth in ("", "2", "3"):
+        losses = [h[f"eval_mtp{depth}_loss"] for h in history]
+        assert losses[-1] < losses[0], (depth, losses)
+    assert history[0]["eval_loss"] == history[-1]["eval_loss"]
+    joint, final = load_file(out / "joint" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert joint.keys() == final.keys()
+    for name, t in final.items():
+        assert torch.equal(t, joint[name]) != name.startswith("mtp."), name
 
 
 def test_quick_checkpoint_is_a_qwen35_checkpoint(quick):
@@ -112,7 +128,7 @@ def test_training_never_calls_native_kernels(monkeypatch, quick):
     ids = torch.randint(0, 100, (2, 70))
     mask = torch.ones_like(ids, dtype=torch.bool)
     main_loss, extra, _, _ = sequence_losses(model, mtp, ids, mask)
-    (main_loss + extra).backward()
+    (main_loss + sum(extra)).backward()
     assert all(p.grad is not None for p in model.parameters()) and mtp.fc.weight.grad is not None
     with torch.no_grad(), pytest.raises(AssertionError, match="native kernel"):
         model(ids)
@@ -229,7 +245,9 @@ def test_bad_training_settings_get_one_line_errors(capsys, tmp_path):
                            (["--steps", "-1"], "steps must be at least 1, not -1"),
                            (["--length-groups", "0"], "length_groups must be at least 1"),
                            (["--lr", "0"], "lr 0.0 is out of range"),
-                           (["--save-dtype", "int8"], "save_dtype must be float32, bfloat16 or float16")):
+                           (["--save-dtype", "int8"], "save_dtype must be float32, bfloat16 or float16"),
+                           (["--mtp-depths", "0"], "mtp_depths must be at least 1"),
+                           (["--mtp-only", "--mtp-weight", "0"], "mtp_only trains the MTP head alone")):
         assert main(["train", str(tmp_path / "run"), "--data", str(data), *flags]) == 1, flags
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and message in err, (flags, err)
@@ -265,3 +283,4 @@ def test_recipe_steps_shorten_the_copying_phase_alike(monkeypatch, tmp_path, cap
     full = Recipe()
     assert built[0].steps == 380 and built[0].copy_steps == full.copy_steps * 380 // full.steps > 0
     assert built[0].copy_steps < 380 and "trained 380 steps" in capsys.readouterr().out
+    assert built[0].mtp_steps == full.mtp_steps * 380 // full.steps > 0

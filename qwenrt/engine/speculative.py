@@ -80,13 +80,14 @@ class DraftPolicy:
     MIN_SAMPLES = 3  # steps timed before a count's time is trusted
     WINDOW = 16  # steps' times kept per count
     HORIZON = 256  # steps: a count's time is the least of its times this recent
-    ALPHA = 0.3  # moving-average weight of a new acceptance figure
-    PRIOR = 0.5  # acceptance assumed before any is seen
+    ALPHA = 0.15  # moving-average weight of a new acceptance figure (0.3 swung a 0.97 position to 0.7 at one miss)
+    PRIOR = 0.5  # acceptance assumed of the first position before any is seen
     MARGIN_ON, MARGIN = 0.10, 0.02  # gain over plain decoding that turns speculation on / keeps it on
 
     def __init__(self, max_k: int):
         self.max_k = max_k
         self.acceptance = [self.PRIOR] * max_k  # P(draft i accepted | drafts before it accepted)
+        self.reached = [False] * max_k  # whether position i has been verified yet
         self.cost: dict[tuple[int, int], deque[tuple[int, float]]] = {}  # (batch, k) -> latest (step, seconds)
         self.chosen: dict[int, int] = {}  # batch -> the count chosen last outside probes
         self.steps = 0
@@ -95,11 +96,12 @@ class DraftPolicy:
 
     def expected_tokens(self, k: int) -> float:
         """Tokens one step with k drafts yields on average (the sampled one, then each accepted draft). A later
-        draft is taken to be accepted no more often than the one before it (so a position not yet reached does not
-        keep its prior while the first is seen to fail)."""
+        draft is taken to be accepted no more often than the one before it, and a position not yet reached as often
+        (so the counts beyond one are tried as soon as the first draft pays, and not while it fails)."""
         tokens, reach, a = 1.0, 1.0, 1.0
         for i in range(k):
-            a = min(a, self.acceptance[i])
+            if i == 0 or self.reached[i]:
+                a = min(a, self.acceptance[i])
             reach *= a
             tokens += reach
         return tokens
@@ -167,4 +169,5 @@ class DraftPolicy:
     def record(self, drafted: int, accepted: int) -> None:
         """One sequence's verification: `accepted` of its `drafted` drafts kept."""
         for i in range(min(drafted, accepted + 1)):  # position i was reached; kept when i < accepted
+            self.reached[i] = True
             self.acceptance[i] = (1 - self.ALPHA) * self.acceptance[i] + self.ALPHA * float(i < accepted)

@@ -84,18 +84,19 @@ def _prompt_ids(tokenizer, task: Task, thinking: bool) -> list[int]:
 
 
 @torch.inference_mode()
-def mtp_agreement(model, mtp, tokenizer, tasks: list[Task], thinking: bool) -> float:
+def mtp_agreement(model, mtp, tokenizer, tasks: list[Task], thinking: bool, depth: int = 1) -> float:
     """Over the answers the model generates greedily: at each answer position t (t+2 inside the answer), does the
-    MTP head's greedy guess from (h_t, token t+1) equal the model's token t+2?"""
-    from qwenrt.mtp import mtp_hidden
+    MTP head's greedy guess from (h_t, token t+1) equal the model's token t+2? At `depth` d > 1, its guess of token
+    t+d+1 chained on its own output (mtp.chained_hidden: the engine's d-th draft, the ones before it right)."""
+    from qwenrt.mtp import chained_hidden
 
     agree = total = 0
     for task, c in zip(tasks, _complete(model, tokenizer, [t.messages for t in tasks], thinking)):
         prompt = _prompt_ids(tokenizer, task, thinking)
         ids = torch.tensor([prompt + c.tokens])  # [1, T]
-        h = mtp_hidden(model, mtp, ids)  # [1, T-1, D]: row t predicts ids[t+2]
-        guess = model.lm_head(h).argmax(-1)[0, len(prompt) - 1:-1]  # rows predicting the answer tokens 2..
-        target = ids[0, len(prompt) + 1:]
+        h = chained_hidden(model, mtp, ids, depth)[-1]  # [1, T-1, D]: row t predicts ids[t+depth+1]
+        guess = model.lm_head(h).argmax(-1)[0, len(prompt) - 1:ids.shape[1] - depth - 1]  # answer tokens 1+depth..
+        target = ids[0, len(prompt) + depth:]
         agree += int((guess == target).sum())
         total += target.numel()
     return agree / max(total, 1)
@@ -133,8 +134,10 @@ def quality_report(path, n: int = 200, seed: int = 1234, quant: bool = False) ->
             report[f"{family} {mode}"] = answer_accuracy(model, tokenizer, quality_tasks(family, n, seed), thinking)
     mtp = load_mtp_head(model)
     mixed = quality_tasks("add", n // 4, seed) + quality_tasks("sub", n // 4, seed)
-    report["mtp agreement"] = (mtp_agreement(model, mtp, tokenizer, mixed, False) +
-                               mtp_agreement(model, mtp, tokenizer, mixed, True)) / 2
+    for depth in (1, 2, 3):
+        report["mtp agreement" + (f" {depth}" if depth > 1 else "")] = (
+            mtp_agreement(model, mtp, tokenizer, mixed, False, depth)
+            + mtp_agreement(model, mtp, tokenizer, mixed, True, depth)) / 2
     if quant:
         report["quant"] = quant_report(path, n, seed)
     return report

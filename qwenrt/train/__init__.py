@@ -27,8 +27,9 @@ def train_command(out: str, recipe: str | None = None, **options) -> str:
             raise QwenrtError(f"--recipe takes only --steps, --seed and --threads, not "
                               f"--{', --'.join(sorted(unknown))}")
         full = Recipe()
-        if "steps" in options:  # shortened: the same share of the run copies first
+        if "steps" in options:  # shortened: the same share of the run copies first, and the head's stage alike
             options["copy_steps"] = full.copy_steps * options["steps"] // full.steps
+            options["mtp_steps"] = max(1, full.mtp_steps * options["steps"] // full.steps)
         summary = build(out, replace(full, **options))
     else:
         if "data" not in options:

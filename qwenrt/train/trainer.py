@@ -2,8 +2,10 @@
 
 The model is the inference model (qwenrt/model.py): the chunked DeltaNet is differentiable and the native kernels
 step aside while autograd records. The loss is the cross-entropy on assistant tokens only; the MTP head learns
-token t+2 at the same positions, weighted by `mtp_weight`. AdamW over the trainable parameters (so adapters can
-later train alone), linear warm-up then cosine decay, gradient accumulation and clipping. The data order is a
+token t+2 at the same positions, weighted by `mtp_weight`, and with `mtp_depths` > 1 also t+3.. from its own
+output, as the engine chains it for further drafts (`mtp_only` fits the head alone to a trained model). AdamW over
+the trainable parameters (so adapters can later train alone), linear warm-up then cosine decay, gradient
+accumulation and clipping. The data order is a
 function of (seed, step), so a run resumed from a checkpoint continues exactly as an uninterrupted one.
 """
 
@@ -23,7 +25,7 @@ from tqdm import tqdm
 
 from qwenrt.config import parse_config
 from qwenrt.errors import QwenrtError
-from qwenrt.mtp import MTPHead, mtp_hidden
+from qwenrt.mtp import MTPHead, chained_hidden
 from qwenrt.train.checkpoints import config_json, latest_step_dir, load_state, prune, save_checkpoint, step_dir
 from qwenrt.train.data import Example, collate, encode_all, read_jsonl
 
@@ -52,6 +54,8 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     clip: float = 1.0
     mtp_weight: float = 0.3  # 0: leave the MTP head out
+    mtp_depths: int = 1  # the head's loss over this many chained drafts (mtp.chained_hidden)
+    mtp_only: bool = False  # the model frozen: only the MTP head learns
     max_len: int = 1024
     eval_every: int = 100
     eval_batch: int = 64
@@ -68,7 +72,7 @@ class TrainConfig:
     def __post_init__(self):
         """A one-line error for settings no run can use (they come from the command line)."""
         counts = ("steps", "batch_size", "micro_batch_tokens", "max_len", "eval_every", "eval_batch", "save_every",
-                  "keep_checkpoints", "length_groups")
+                  "keep_checkpoints", "length_groups", "mtp_depths")
         for name in counts:
             if getattr(self, name) < 1:
                 raise QwenrtError(f"training: {name} must be at least 1, not {getattr(self, name)}")
@@ -80,6 +84,8 @@ class TrainConfig:
         for name, ok in checks.items():
             if not ok:
                 raise QwenrtError(f"training: {name} {getattr(self, name)} is out of range")
+        if self.mtp_only and self.mtp_weight <= 0:
+            raise QwenrtError("training: mtp_only trains the MTP head alone, so mtp_weight must be above 0")
         if self.save_dtype not in ("float32", "bfloat16", "float16"):
             raise QwenrtError(f"training: save_dtype must be float32, bfloat16 or float16, not {self.save_dtype!r}")
 
@@ -157,41 +163,48 @@ def load_model_for_training(path: str | Path, mtp: bool, seed: int):
     return model, head
 
 
-def sequence_losses(model, mtp: MTPHead | None, ids: torch.Tensor, mask: torch.Tensor):
-    """Summed cross-entropies over a micro-batch: (main, MTP, main token count, MTP token count).
+def sequence_losses(model, mtp: MTPHead | None, ids: torch.Tensor, mask: torch.Tensor, depths: int = 1):
+    """Summed cross-entropies over a micro-batch: (main, MTP per depth, main token count, MTP token count per depth).
 
     ids, mask [B, T]; position t predicts ids[t+1] where mask[t+1] (the head runs only there), and the MTP head at t
-    predicts ids[t+2] where mask[t+2].
+    and depth d predicts ids[t+d+1] where mask[t+d+1].
     """
     hidden = model.hidden_states(ids)  # [B, T, D]
     target = mask[:, 1:]
     logits = model.lm_head(hidden[:, :-1][target]).float()  # [N, V]
     main = F.cross_entropy(logits, ids[:, 1:][target], reduction="sum")
     n_main = int(target.sum())
-    if mtp is None or ids.shape[1] < 3:
-        return main, hidden.new_zeros(()), n_main, 0
-    mtp_target = mask[:, 2:]
-    h = mtp_hidden(model, mtp, ids, hidden)[:, :-1]  # [B, T-2, D]: row t predicts ids[t+2]
-    mtp_logits = model.lm_head(h[mtp_target]).float()
-    extra = F.cross_entropy(mtp_logits, ids[:, 2:][mtp_target], reduction="sum")
-    return main, extra, n_main, int(mtp_target.sum())
+    extras, counts = [], []
+    if mtp is None:
+        return main, extras, n_main, counts
+    for d, h in enumerate(chained_hidden(model, mtp, ids, min(depths, ids.shape[1] - 2), hidden), start=1):
+        wanted = mask[:, d + 1:]  # row t of depth d predicts ids[t+d+1]
+        h = h[:, :ids.shape[1] - d - 1][wanted]
+        extras.append(F.cross_entropy(model.lm_head(h).float(), ids[:, d + 1:][wanted], reduction="sum"))
+        counts.append(int(wanted.sum()))
+    return main, extras, n_main, counts
 
 
 @torch.no_grad()
-def evaluate(model, mtp, examples: list[Example], pad_id: int, batch: int) -> dict:
-    """Held-out mean cross-entropy per assistant token (and the MTP head's, on t+2)."""
+def evaluate(model, mtp, examples: list[Example], pad_id: int, batch: int, depths: int = 1) -> dict:
+    """Held-out mean cross-entropy per assistant token (and the MTP head's: on t+2 `eval_mtp_loss`, on t+d+1 from
+    its chained drafts `eval_mtp{d}_loss`)."""
     was_training = model.training
     model.eval()
-    totals = [0.0, 0.0, 0, 0]
+    loss, tokens = 0.0, 0
+    extras, counts = [0.0] * depths, [0] * depths
     order = sorted(range(len(examples)), key=lambda i: len(examples[i]))
     for start in range(0, len(order), batch):
         ids, mask = collate([examples[i] for i in order[start:start + batch]], pad_id)
-        for k, v in enumerate(sequence_losses(model, mtp, ids, mask)):
-            totals[k] += float(v)
+        main, extra, n_main, n_extra = sequence_losses(model, mtp, ids, mask, depths)
+        loss, tokens = loss + float(main), tokens + n_main
+        for d, (value, n) in enumerate(zip(extra, n_extra)):
+            extras[d], counts[d] = extras[d] + float(value), counts[d] + n
     model.train(was_training)
-    out = {"eval_loss": totals[0] / max(totals[2], 1)}
+    out = {"eval_loss": loss / max(tokens, 1)}
     if mtp is not None:
-        out["eval_mtp_loss"] = totals[1] / max(totals[3], 1)
+        for d in range(depths):
+            out[f"eval_mtp{d + 1 if d else ''}_loss"] = extras[d] / max(counts[d], 1)
     return out
 
 
@@ -284,6 +297,9 @@ def _train(cfg: TrainConfig) -> dict:
     eval_set = encode_all(tokenizer, _conversations(cfg.eval_data), cfg.max_len, "eval data") if cfg.eval_data else []
 
     model.train()
+    if cfg.mtp_only:
+        model.requires_grad_(False)
+        mtp.requires_grad_(True)  # a loaded head is the model's submodule (model.mtp)
     modules = [model] + ([mtp] if mtp is not None else [])
     params = [p for m in modules for p in m.parameters() if p.requires_grad]
     params = list({id(p): p for p in params}.values())  # the tied head once
@@ -302,7 +318,7 @@ def _train(cfg: TrainConfig) -> dict:
             cfg.eval_data)}, "parameters": _count(modules), "train_conversations": len(train_set)}) + "\n")
     history = []
     if eval_set and not start:  # the untrained model's held-out loss, for comparison
-        history.append({"step": 0, **evaluate(model, mtp, eval_set, pad_id, cfg.eval_batch)})
+        history.append({"step": 0, **evaluate(model, mtp, eval_set, pad_id, cfg.eval_batch, cfg.mtp_depths)})
         log.write(json.dumps(history[0]) + "\n")
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="training", unit="step",
                disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True)
@@ -313,13 +329,16 @@ def _train(cfg: TrainConfig) -> dict:
             group["lr"] = lr
         batch = step_examples(train_set, step, cfg.batch_size, cfg.seed, cfg.in_order, cfg.length_groups)
         n_main = sum(sum(e.loss_mask[1:]) for e in batch)
-        n_mtp = sum(sum(e.loss_mask[2:]) for e in batch)
+        n_mtp = sum(sum(e.loss_mask[d + 1:]) for e in batch for d in range(1, cfg.mtp_depths + 1))
         loss_value = 0.0
         for part in micro_batches(batch, cfg.micro_batch_tokens):
             ids, mask = collate(part, pad_id)
-            main, extra, _, _ = sequence_losses(model, mtp, ids, mask)
-            loss = main / max(n_main, 1) + (cfg.mtp_weight * extra / max(n_mtp, 1) if mtp is not None else 0)
-            loss.backward()
+            main, extra, _, _ = sequence_losses(model, mtp, ids, mask, cfg.mtp_depths)
+            loss = 0 if cfg.mtp_only else main / max(n_main, 1)
+            if mtp is not None:
+                loss = loss + cfg.mtp_weight * sum(extra) / max(n_mtp, 1)
+            if isinstance(loss, torch.Tensor) and loss.requires_grad:  # not a head-only part too short to predict
+                loss.backward()
             loss_value += main.item() / max(n_main, 1)
             tokens_seen += ids.numel()
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
@@ -331,7 +350,7 @@ def _train(cfg: TrainConfig) -> dict:
                   "cpu_s": time.process_time() - cpu_began}  # CPU time: what a shared machine does not distort
         done = step + 1 == cfg.steps
         if eval_set and ((step + 1) % cfg.eval_every == 0 or done):
-            record.update(evaluate(model, mtp, eval_set, pad_id, cfg.eval_batch))
+            record.update(evaluate(model, mtp, eval_set, pad_id, cfg.eval_batch, cfg.mtp_depths))
             history.append(record)
             bar.write(f"step {step + 1}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items()
                                                         if k.startswith("eval")), file=sys.stderr)
