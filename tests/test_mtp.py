@@ -436,7 +436,7 @@ def test_auto_probes_less_often_while_they_find_nothing():
     probes = [i for i in range(1, len(off)) if off[i] and not off[i - 1]]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps == sorted(gaps) and gaps[-1] > 4 * gaps[0], gaps
-    assert gaps[-1] <= DraftPolicy.PROBE_OFF_MAX + 2 * DraftPolicy.PROBE_STEPS
+    assert gaps[-1] <= DraftPolicy.PROBE_OFF_MAX + 2 * DraftPolicy.PROBE_OFF_STEPS
 
 
 def test_auto_stays_off_where_speculation_breaks_even():

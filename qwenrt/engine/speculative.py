@@ -59,24 +59,26 @@ def accept(logits: torch.Tensor, drafts: list[int], params: SamplingParams, hist
 
 
 class DraftPolicy:
-    """`auto`: how many drafts to verify next, from the measured acceptance per draft position and the measured
-    time of a step with k drafts at this batch size; 0 where speculation does not pay.
+    """`auto`: how many drafts to verify next, from the measured acceptance per draft position and the measured time of
+    a step with k drafts at this batch size; 0 where speculation does not pay.
 
     A step verifies the drafts chosen one step earlier and drafts the ones chosen now, so only a step whose two
     counts agree times a cycle of k (one that switches is not counted). A count's time is the least of its steps
-    within the last HORIZON steps (its newest where it has none that recent): other work only ever slows a step (a
-    first call, a cache growing, the machine busy for a moment), so the least is the step's own cost, and slow steps,
-    even several, do not settle the choice; and the counts compared were timed in the same stretch (a shared
-    machine's speed drifts: a plain step's time from a quiet minute against drafting's from a busy one turned
-    speculation off where it paid 1.3x). Speculation is turned on only where it promises MARGIN_ON more tokens per
-    second than plain decoding, and kept on while it promises MARGIN more: a count that merely breaks even would flip
-    on and off with the timing noise, and each switch costs. Now and then it tries another count for PROBE_STEPS
-    steps, so that every figure stays current: while on, the other counts in turn every PROBE_ON steps; while off,
-    one draft after PROBE_OFF steps, the wait doubling (up to PROBE_OFF_MAX) while probes find drafting slower than
-    plain decoding."""
+    within the last HORIZON steps (of its newest MIN_SAMPLES where it has none that recent: a probe while off times
+    that many, so one slow cycle against the least of many plain steps does not keep speculation off, as it once did
+    for a whole run): other work only ever slows a step (a first call, a cache growing, the machine busy for a
+    moment), so the least is the step's own cost, and slow steps, even several, do not settle the choice; and the
+    counts compared were timed in the same stretch (a shared machine's speed drifts: a plain step's time from a
+    quiet minute against drafting's from a busy one turned speculation off where it paid 1.3x). Speculation is
+    turned on only where it promises MARGIN_ON more tokens per second than plain decoding, and kept on while it
+    promises MARGIN more: a count that merely breaks even would flip on and off with the timing noise, and each
+    switch costs. Now and then it tries another count for PROBE_STEPS steps, so that every figure stays current:
+    while on, the other counts in turn every PROBE_ON steps; while off, one draft for PROBE_OFF_STEPS after
+    PROBE_OFF steps, the wait doubling (up to PROBE_OFF_MAX) while probes find drafting slower than plain decoding."""
 
     PROBE_ON, PROBE_OFF, PROBE_OFF_MAX = 32, 64, 1024
     PROBE_STEPS = 2  # a probe's first step drafts, its second verifies and drafts again: one counted cycle
+    PROBE_OFF_STEPS = 4  # while off: 3 counted cycles (MIN_SAMPLES)
     MIN_SAMPLES = 3  # steps timed before a count's time is trusted
     WINDOW = 16  # steps' times kept per count
     HORIZON = 256  # steps: a count's time is the least of its times this recent
@@ -111,7 +113,7 @@ class DraftPolicy:
         if len(samples) < self.MIN_SAMPLES:
             return None
         recent = [seconds for step, seconds in samples if step > self.steps - self.HORIZON]
-        return min(recent) if recent else samples[-1][1]
+        return min(recent or [seconds for _, seconds in list(samples)[-self.MIN_SAMPLES:]])
 
     def _times(self, batch: int) -> dict[int, float]:
         """Seconds per step with k drafts at this batch size, for the counts timed MIN_SAMPLES times; once 0 and 1
@@ -150,7 +152,7 @@ class DraftPolicy:
             return best
         if self.steps < self.next_probe:
             return 0
-        if self.steps < self.next_probe + self.PROBE_STEPS:
+        if self.steps < self.next_probe + self.PROBE_OFF_STEPS:
             return 1
         if gain < 1:  # the probe found drafting slower than plain decoding: look again less often
             self.wait = min(2 * self.wait, self.PROBE_OFF_MAX)
