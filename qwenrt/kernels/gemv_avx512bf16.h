@@ -1,4 +1,8 @@
 // Decode-time matrix-vector kernels for x86-64 CPUs with AVX-512 BF16 and VNNI (the `avx512bf16` build).
+// Rows go R at a time (a compile-time count, over_rows) and the inner loops read whole vectors only, a row's last
+// columns apart (a scalar tail): a run-time row count, or a masked load for the tail in the loop, made the compiler
+// keep the accumulators in memory, a store per multiply-add (4 rows in cache: 2x slower; one speculative cycle of
+// qwenrt-tiny spent ~40% of its time there).
 //   bf16  products exact in fp32 (vdpbf16ps), fp32 sums.
 //   int8  x in 16-bit fixed point per block of 256 columns (gemv_common.h); int16 x int8 products summed exactly in
 //         int32 (vpdpwssd) and each block's sum scaled in fp32.
@@ -26,69 +30,75 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 
 template <int M, int R>
-inline void store_rows(__m512 (&acc)[M][R], int rows, float* out, int64_t N, int64_t n, const float* row_scale) {
+inline void store_rows(__m512 (&acc)[M][R], float* out, int64_t N, int64_t n, const float* row_scale) {
   for (int m = 0; m < M; ++m) {
     float sums[4];
     for (int r0 = 0; r0 < R; r0 += 4) {
       _mm_storeu_ps(sums, reduce4(acc[m][r0], acc[m][r0 + 1 < R ? r0 + 1 : r0], acc[m][r0 + 2 < R ? r0 + 2 : r0],
                                   acc[m][r0 + 3 < R ? r0 + 3 : r0]));
       for (int r = r0; r < std::min(R, r0 + 4); ++r)
-        if (r < rows) out[m * N + n + r] = row_scale ? sums[r - r0] * row_scale[r] : sums[r - r0];
+        out[m * N + n + r] = row_scale ? sums[r - r0] * row_scale[r] : sums[r - r0];
     }
   }
 }
 
 // ---- bf16 -------------------------------------------------------------------------------------------------------
 
-inline __m512bh load_bf16(const uint16_t* p, int64_t remaining) {
-  if (remaining >= 32) return (__m512bh)_mm512_loadu_si512(p);
-  return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1ull << remaining) - 1), p);
-}
-
 struct Bf16Input {  // used as it is
   const uint16_t* x;
 };
 inline Bf16Input bf16_input(const at::Tensor& x) { return {reinterpret_cast<const uint16_t*>(x.data_ptr())}; }
 
+// Σ over columns [full, K) of row n · x row m
+[[gnu::noinline]] inline float bf16_tail(const uint16_t* x, const uint16_t* w, int64_t K, int64_t full) {
+  float sum = 0.f;
+  for (int64_t k = full; k < K; ++k) sum += bf16_to_float(w[k]) * bf16_to_float(x[k]);
+  return sum;
+}
+
 template <int M>
 void bf16_rows(const Bf16Input& in, const Segment& s, int64_t K, int64_t n0, int64_t n1) {
-  constexpr int R = M <= 4 ? 4 : 2;  // M·R accumulators + M inputs within the 32 vector registers
-  const uint16_t* X = in.x;
-  const auto* W = reinterpret_cast<const uint16_t*>(s.w);
-  for (int64_t n = n0; n < n1; n += R) {
-    const int rows = static_cast<int>(std::min<int64_t>(R, n1 - n));
+  const uint16_t* const X = in.x;
+  const auto* const W = reinterpret_cast<const uint16_t*>(s.w);
+  const int64_t full = K / 32 * 32;
+  over_rows<M <= 4 ? 4 : 2>(n0, n1, [&](auto rows, int64_t n) {  // M·R accumulators + M inputs in 32 registers
+    constexpr int R = decltype(rows)::value;
     __m512 acc[M][R];
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
     const uint8_t* block = s.w + n * K * 2;
-    for (int64_t k = 0, step = 0; k < K; k += 32, ++step) {
-      prefetch_ahead(block + step * rows * 64, rows * 64);
+    for (int64_t k = 0, step = 0; k < full; k += 32, ++step) {
+      prefetch_ahead(block + step * R * 64, R * 64);
       __m512bh xv[M];
-      for (int m = 0; m < M; ++m) xv[m] = load_bf16(X + m * K + k, K - k);
-      for (int r = 0; r < rows; ++r) {
-        const __m512bh wv = load_bf16(W + (n + r) * K + k, K - k);
+      for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(X + m * K + k);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(W + (n + r) * K + k);
         for (int m = 0; m < M; ++m) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv, xv[m]);
       }
     }
-    store_rows<M, R>(acc, rows, s.out, s.N, n, nullptr);
-  }
+    store_rows<M, R>(acc, s.out, s.N, n, nullptr);
+    if (full < K)
+      for (int m = 0; m < M; ++m)
+        for (int r = 0; r < R; ++r) s.out[m * s.N + n + r] += bf16_tail(X + m * K, W + (n + r) * K, K, full);
+  });
 }
 
 // ---- int8 -------------------------------------------------------------------------------------------------------
 
-inline __m512i load_q8x32(const int8_t* p, int64_t remaining) {  // 32 int8 -> 32 int16 (zeros past the row)
-  const __m256i raw = remaining >= 32 ? _mm256_loadu_si256((const __m256i*)p)
-                                      : _mm256_maskz_loadu_epi8((__mmask32)((1ull << remaining) - 1), p);
-  return _mm512_cvtepi8_epi16(raw);
+// Σ over columns [full, K) of int8 row n · x row m, scaled by x's last block (unscaled by the row)
+[[gnu::noinline]] inline float q8_tail(const FixedPoint& in, const int8_t* q, int64_t K, int64_t full, int m) {
+  int64_t sum = 0;
+  for (int64_t k = full; k < K; ++k) sum += int64_t{q[k]} * in.q[m * in.Kp + k];
+  return static_cast<float>(sum) * in.scale[m * (in.Kp / kQ8Block) + (K - 1) / kQ8Block];
 }
 
 template <int M>
 void q8_rows(const FixedPoint& in, const Segment& s, int64_t K, int64_t n0, int64_t n1) {
-  constexpr int R = M <= 2 ? 4 : (M <= 4 ? 2 : 1);  // 2·M·R accumulators + M inputs within the 32 vector registers
-  const int64_t blocks = in.Kp / kQ8Block;
+  const int64_t blocks = in.Kp / kQ8Block, full = K / 32 * 32;
   const auto* Q = reinterpret_cast<const int8_t*>(s.w);
-  for (int64_t n = n0; n < n1; n += R) {
-    const int rows = static_cast<int>(std::min<int64_t>(R, n1 - n));
+  // 2·M·R accumulators + M inputs within the 32 vector registers
+  over_rows<M <= 2 ? 4 : (M <= 4 ? 2 : 1)>(n0, n1, [&](auto rows, int64_t n) {
+    constexpr int R = decltype(rows)::value;
     __m512 acc[M][R];
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
@@ -97,13 +107,13 @@ void q8_rows(const FixedPoint& in, const Segment& s, int64_t K, int64_t n0, int6
       __m512i iacc[M][R];
       for (int m = 0; m < M; ++m)
         for (int r = 0; r < R; ++r) iacc[m][r] = _mm512_setzero_si512();
-      const int64_t end = std::min(K, (b + 1) * kQ8Block);
+      const int64_t end = std::min(full, (b + 1) * kQ8Block);
       for (int64_t k = b * kQ8Block; k < end; k += 32) {
-        if (k % 64 == 0) prefetch_ahead(block_start + (k / 64) * rows * 64, rows * 64);
+        if (k % 64 == 0) prefetch_ahead(block_start + (k / 64) * R * 64, R * 64);
         __m512i xv[M];
         for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_si512(in.q.data() + m * in.Kp + k);
-        for (int r = 0; r < rows; ++r) {
-          const __m512i wv = load_q8x32(Q + (n + r) * K + k, K - k);
+        for (int r = 0; r < R; ++r) {
+          const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(Q + (n + r) * K + k)));
           for (int m = 0; m < M; ++m) iacc[m][r] = _mm512_dpwssd_epi32(iacc[m][r], wv, xv[m]);
         }
       }
@@ -113,9 +123,12 @@ void q8_rows(const FixedPoint& in, const Segment& s, int64_t K, int64_t n0, int6
       }
     }
     float row_scale[R];
-    for (int r = 0; r < R; ++r) row_scale[r] = r < rows ? bf16_to_float(s.scales[n + r]) : 0.f;
-    store_rows<M, R>(acc, rows, s.out, s.N, n, row_scale);
-  }
+    for (int r = 0; r < R; ++r) row_scale[r] = bf16_to_float(s.scales[n + r]);
+    store_rows<M, R>(acc, s.out, s.N, n, row_scale);
+    if (full < K)
+      for (int m = 0; m < M; ++m)
+        for (int r = 0; r < R; ++r) s.out[m * s.N + n + r] += q8_tail(in, Q + (n + r) * K, K, full, m) * row_scale[r];
+  });
 }
 
 // ---- int4 -------------------------------------------------------------------------------------------------------
@@ -160,21 +173,21 @@ Q4Input q4_input(const at::Tensor& x, int64_t G) {
 
 template <int M>
 void q4_rows(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64_t n0, int64_t n1) {
-  constexpr int R = M <= 2 ? 4 : 2;
   const int64_t groups = K / G, units = in.Kp / kQ4Unit, row_bytes = K / 2;
   const __m512i low4 = _mm512_set1_epi8(0x0F), exp128 = _mm512_set1_epi8(0x43);  // 0x43nn: bf16 128 + n
   // lane j of a product vector sums 2 words of 16-byte lane j/4: group offset (j/4)·32/G within the unit
   alignas(64) int32_t lane_group[16];
   for (int j = 0; j < 16; ++j) lane_group[j] = static_cast<int32_t>((j / 4) * 32 / G);
   const __m512i group_index = _mm512_load_si512(lane_group);
-  std::vector<float> sc(R * groups + 16);  // fp32 scales of the block's rows (+16: whole-vector reads)
-  for (int64_t n = n0; n < n1; n += R) {
-    const int rows = static_cast<int>(std::min<int64_t>(R, n1 - n));
+  constexpr int kRows = M <= 2 ? 4 : 2;
+  std::vector<float> sc(kRows * groups + 16);  // fp32 scales of the block's rows (+16: whole-vector reads)
+  over_rows<kRows>(n0, n1, [&](auto rows, int64_t n) {
+    constexpr int R = decltype(rows)::value;
     __m512 acc[M][R];
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
     // per-group offsets: Σ_g (z - 136·s)·Σx, since each weight enters as (128 + n)·s; and the fp32 scales
-    for (int r = 0; r < rows; ++r) {
+    for (int r = 0; r < R; ++r) {
       const uint16_t* sr = s.scales + (n + r) * groups;
       const uint16_t* zr = s.zeros + (n + r) * groups;
       for (int64_t g = 0; g < groups; g += 16) {
@@ -191,10 +204,10 @@ void q4_rows(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64_t 
     }
     const uint8_t* block_start = s.w + n * row_bytes;
     for (int64_t u = 0; u < units; ++u) {
-      prefetch_ahead(block_start + u * rows * 64, rows * 64);
+      prefetch_ahead(block_start + u * R * 64, R * 64);
       const int64_t left = row_bytes - 64 * u;  // the last unit of a row may be half (K % 128 == 64)
       const __mmask64 bytes_mask = left >= 64 ? ~0ull : (1ull << left) - 1;
-      for (int r = 0; r < rows; ++r) {
+      for (int r = 0; r < R; ++r) {
         const __m512i raw = _mm512_maskz_loadu_epi8(bytes_mask, s.w + (n + r) * row_bytes + 64 * u);
         const __m512i lo = _mm512_and_si512(raw, low4);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
@@ -214,8 +227,8 @@ void q4_rows(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64_t 
         }
       }
     }
-    store_rows<M, R>(acc, rows, s.out, s.N, n, nullptr);
-  }
+    store_rows<M, R>(acc, s.out, s.N, n, nullptr);
+  });
 }
 
 }  // namespace qwenrt::gemv

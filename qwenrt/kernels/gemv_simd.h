@@ -27,14 +27,6 @@ constexpr int block_rows(int M, int inputs, int accumulators, int temps) {
   return std::max(1, std::min(8, (kRegisters - temps - inputs * M) / (accumulators * M)));
 }
 
-// Runs block<R>(n) over [n0, n1) in blocks of R rows, the remainder one row at a time.
-template <int R, typename Block>
-inline void over_rows(int64_t n0, int64_t n1, Block&& block) {
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) block(std::integral_constant<int, R>{}, n);
-  for (; n < n1; ++n) block(std::integral_constant<int, 1>{}, n);
-}
-
 // ---- bf16 -------------------------------------------------------------------------------------------------------
 
 constexpr int64_t kBf16Step = 2 * kLanes;  // weight columns per vector load
