@@ -423,6 +423,44 @@ def test_auto_turns_speculation_off_where_it_does_not_pay():
     assert on[-100:].count(3) > 85
 
 
+def test_auto_finds_further_drafts_that_pay_where_one_does_not():
+    """Every draft accepted; the first draft of a cycle costs 0.5 plain steps to verify and as much to make, each
+    further one 0.1 (qwenrt-tiny's shape: the head's first pass and the verification's fixed costs dominate). One
+    draft breaks even, three pay 1.7x. `auto` once guessed the counts it had not timed from one draft's cost (3 plain
+    steps for three drafts) and stayed off; it now times each count that could beat the best so far."""
+    def cost(i, verified, drafted):
+        return 1 + (0.4 if verified else 0) + 0.1 * verified + (0.4 if drafted else 0) + 0.1 * drafted
+
+    steps = simulate_auto(DraftPolicy(3), 200, lambda k: k, cost)
+    assert 3 in steps[:20] and steps[40:].count(3) > 140  # found within 20 steps; probes apart, kept
+
+
+def test_auto_times_are_the_least_of_the_recent_ones():
+    """A count's time (cached between steps) is the least of its cycles within HORIZON steps, else of its newest
+    MIN_SAMPLES, whatever the order of the samples and the gaps between them."""
+    rng, policy, verified = random.Random(1), DraftPolicy(3), 0
+
+    def least(k):
+        samples = policy.cost.get((1, k), ())
+        if len(samples) < policy.MIN_SAMPLES:
+            return None
+        recent = [t for step, t in samples if step > policy.steps - policy.HORIZON]
+        return min(recent or [t for _, t in list(samples)[-policy.MIN_SAMPLES:]])
+
+    for i in range(6000):
+        steady = i % 2000 >= 1400  # one count every step, slower each time: its least leaves the window first
+        k = 3 if steady else policy.choose(1) if rng.random() < 0.9 else rng.randrange(4)
+        if verified:
+            policy.record(verified, rng.randrange(verified + 1))
+        policy.observe(1, verified, k, 1 + i / 1000 if steady else rng.random())
+        verified = k
+        if steady:
+            policy.steps += 1
+        elif rng.random() < 0.3:
+            policy.steps += rng.randrange(100)  # a stretch at another batch size: this one's samples age
+        assert all(policy._time(1, k) == least(k) for k in range(4))
+
+
 def test_auto_takes_an_unreached_position_as_accepted_as_the_one_before():
     policy = DraftPolicy(3)
     for _ in range(20):

@@ -9,6 +9,7 @@ filters; on rejection the token is drawn from p with x removed, which leaves eve
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import torch
@@ -64,87 +65,102 @@ class DraftPolicy:
 
     A step verifies the drafts chosen one step earlier and drafts the ones chosen now, so only a step whose two
     counts agree times a cycle of k (one that switches is not counted). A count's time is the least of its steps
-    within the last HORIZON steps (of its newest MIN_SAMPLES where it has none that recent: a probe while off times
-    that many, so one slow cycle against the least of many plain steps does not keep speculation off, as it once did
-    for a whole run): other work only ever slows a step (a first call, a cache growing, the machine busy for a
-    moment), so the least is the step's own cost, and slow steps, even several, do not settle the choice; and the
-    counts compared were timed in the same stretch (a shared machine's speed drifts: a plain step's time from a
-    quiet minute against drafting's from a busy one turned speculation off where it paid 1.3x). Speculation is
-    turned on only where it promises MARGIN_ON more tokens per second than plain decoding, and kept on while it
-    promises MARGIN more: a count that merely breaks even would flip on and off with the timing noise, and each
-    switch costs. Now and then it tries another count for PROBE_STEPS steps, so that every figure stays current:
-    while on, the other counts in turn every PROBE_ON steps; while off, one draft for PROBE_OFF_STEPS after
-    PROBE_OFF steps, the wait doubling (up to PROBE_OFF_MAX) while probes find drafting slower than plain decoding."""
+    within the last HORIZON steps (of its newest MIN_SAMPLES where it has none that recent): other work only ever
+    slows a step (a first call, a cache growing, the machine busy for a moment), so the least is the step's own
+    cost, and slow steps, even several, do not settle the choice; and the counts compared were timed in the same
+    stretch (a shared machine's speed drifts: a plain step's time from a quiet minute against drafting's from a busy
+    one turned speculation off where it paid 1.3x).
+
+    Only timed counts are compared. One draft and plain decoding are timed first; a further count is timed (for
+    MIN_SAMPLES cycles, at once) when, costing no more than the largest timed count below it, it would beat the
+    best timed one: so the counts that might pay are all measured within a few steps of the start, and none whose
+    drafts are not accepted is. (Counts were once guessed from one draft's cost and timed by probes of one cycle
+    each: on qwenrt-tiny `auto` sat off, at one draft or at two for hundreds of steps where three paid 1.6x, and
+    the least of a probed count's few samples against the least of the chosen count's every step favoured the
+    chosen one: now every count keeps its samples of the last HORIZON steps.) Speculation is turned on only where
+    it promises MARGIN_ON more tokens per second than plain decoding, and kept on while it promises MARGIN more: a
+    count that merely breaks even would flip on and off with the timing noise, and each switch costs. Now and then
+    it tries another count for PROBE_STEPS steps, so that every figure stays current: while on, the other counts in
+    turn every PROBE_ON steps; while off, the most promising count for PROBE_OFF_STEPS after PROBE_OFF steps, the
+    wait doubling (up to PROBE_OFF_MAX) while probes find drafting slower than plain decoding."""
 
     PROBE_ON, PROBE_OFF, PROBE_OFF_MAX = 32, 64, 1024
     PROBE_STEPS = 2  # a probe's first step drafts, its second verifies and drafts again: one counted cycle
     PROBE_OFF_STEPS = 4  # while off: 3 counted cycles (MIN_SAMPLES)
     MIN_SAMPLES = 3  # steps timed before a count's time is trusted
-    WINDOW = 16  # steps' times kept per count
-    HORIZON = 256  # steps: a count's time is the least of its times this recent
+    HORIZON = 256  # steps: a count's time is the least of its times this recent (its most kept, one per step)
     ALPHA = 0.15  # moving-average weight of a new acceptance figure (0.3 swung a 0.97 position to 0.7 at one miss)
-    PRIOR = 0.5  # acceptance assumed of the first position before any is seen
+    PRIOR = 0.5  # acceptance assumed of the first position before any is seen, worth one verification
     MARGIN_ON, MARGIN = 0.10, 0.02  # gain over plain decoding that turns speculation on / keeps it on
 
     def __init__(self, max_k: int):
         self.max_k = max_k
         self.acceptance = [self.PRIOR] * max_k  # P(draft i accepted | drafts before it accepted)
-        self.reached = [False] * max_k  # whether position i has been verified yet
+        self.seen = [0] * max_k  # verifications that reached position i
+        self._expected: list[float] | None = None  # expected_tokens(k) for each k, until the acceptance changes
         self.cost: dict[tuple[int, int], deque[tuple[int, float]]] = {}  # (batch, k) -> latest (step, seconds)
+        self.least: dict[tuple[int, int], tuple[float, float]] = {}  # (batch, k) -> (its time, the step timed)
         self.chosen: dict[int, int] = {}  # batch -> the count chosen last outside probes
         self.steps = 0
         self.wait = self.PROBE_OFF  # steps between probes while off
         self.next_probe = self.PROBE_OFF
+        self.probe = 1  # the count a probe while off tries
 
     def expected_tokens(self, k: int) -> float:
         """Tokens one step with k drafts yields on average (the sampled one, then each accepted draft). A later
         draft is taken to be accepted no more often than the one before it, and a position not yet reached as often
         (so the counts beyond one are tried as soon as the first draft pays, and not while it fails)."""
-        tokens, reach, a = 1.0, 1.0, 1.0
-        for i in range(k):
-            if i == 0 or self.reached[i]:
-                a = min(a, self.acceptance[i])
-            reach *= a
-            tokens += reach
-        return tokens
+        if self._expected is None:
+            self._expected, reach, a = [1.0], 1.0, 1.0
+            for i in range(self.max_k):
+                if i == 0 or self.seen[i]:
+                    a = min(a, self.acceptance[i])
+                reach *= a
+                self._expected.append(self._expected[-1] + reach)
+        return self._expected[k]
 
     def _time(self, batch: int, k: int) -> float | None:
-        samples = self.cost.get((batch, k), ())
-        if len(samples) < self.MIN_SAMPLES:
-            return None
-        recent = [seconds for step, seconds in samples if step > self.steps - self.HORIZON]
-        return min(recent or [seconds for _, seconds in list(samples)[-self.MIN_SAMPLES:]])
+        """Seconds of a step with k drafts at this batch size (see the class), None before MIN_SAMPLES; cached."""
+        least = self.least.get((batch, k))
+        if least is None or least[1] <= self.steps - self.HORIZON:  # the least sample left the horizon: look again
+            samples = self.cost.get((batch, k), ())
+            if len(samples) < self.MIN_SAMPLES:
+                return None
+            recent = [(seconds, step) for step, seconds in samples if step > self.steps - self.HORIZON]
+            least = min(recent) if recent else (min(s for _, s in list(samples)[-self.MIN_SAMPLES:]), math.inf)
+            self.least[batch, k] = least
+        return least[0]
 
-    def _times(self, batch: int) -> dict[int, float]:
-        """Seconds per step with k drafts at this batch size, for the counts timed MIN_SAMPLES times; once 0 and 1
-        are timed, the others not yet timed follow from them (verification grows about linearly in its tokens)."""
-        known = {k: t for k in range(self.max_k + 1) if (t := self._time(batch, k)) is not None}
-        if 0 in known and 1 in known:
-            return {k: known.get(k, known[0] + k * (known[1] - known[0])) for k in range(self.max_k + 1)}
-        return known
+    def _rates(self, times: dict[int, float]) -> dict[int, float]:
+        """Tokens per second of each timed count with drafts (a step with drafts never costs less than a plain
+        one: a faster sample is noise)."""
+        return {k: self.expected_tokens(k) / max(t, times[0]) for k, t in times.items() if k}
 
-    def _best(self, batch: int, times: dict[int, float]) -> tuple[int, float]:
-        """(the count to use, the speed-up the best count promises over plain decoding)."""
-        plain = times[0]
-        # a step with drafts never costs less than a plain one (a faster sample is noise)
-        rate = {k: self.expected_tokens(k) / max(times[k], plain) for k in range(1, self.max_k + 1)}
-        best = max(rate, key=rate.get)
-        gain = rate[best] * plain
-        margin = self.MARGIN if self.chosen.get(batch) else self.MARGIN_ON
-        if gain < 1 + margin:
-            best = 0
-        self.chosen[batch] = best
-        return best, gain
+    def _untimed(self, times: dict[int, float]) -> int | None:
+        """The least count not yet timed that, costing no more than the largest timed count below it, would beat
+        the best timed count (and plain decoding by MARGIN_ON)."""
+        best = max([(1 + self.MARGIN_ON) / times[0], *self._rates(times).values()])
+        for k in range(2, self.max_k + 1):
+            if k not in times and self.expected_tokens(k) / times[max(j for j in times if j < k)] > best:
+                return k
+        return None
 
     def choose(self, batch: int) -> int:
         self.steps += 1
         if self.chosen.get(batch) == 0 and self.steps < self.next_probe:
             return 0  # off: nothing new is known about drafting until the next probe
-        times = self._times(batch)
+        times = {k: t for k in range(self.max_k + 1) if (t := self._time(batch, k)) is not None}
         for k in (1, 0):  # measure speculation and plain decoding first
             if k not in times:
                 return k
-        best, gain = self._best(batch, times)
+        if (k := self._untimed(times)) is not None:
+            return k
+        rates = self._rates(times)
+        best = max(rates, key=rates.get)
+        gain = rates[best] * times[0]
+        if gain < 1 + (self.MARGIN if self.chosen.get(batch) else self.MARGIN_ON):
+            best = 0
+        self.chosen[batch] = best
         if best:
             self.wait, self.next_probe = self.PROBE_OFF, self.steps + self.PROBE_OFF
             if self.steps % self.PROBE_ON < self.PROBE_STEPS:
@@ -152,8 +168,10 @@ class DraftPolicy:
             return best
         if self.steps < self.next_probe:
             return 0
+        if self.steps == self.next_probe:
+            self.probe = max(rates, key=rates.get)  # the count that came closest
         if self.steps < self.next_probe + self.PROBE_OFF_STEPS:
-            return 1
+            return self.probe
         if gain < 1:  # the probe found drafting slower than plain decoding: look again less often
             self.wait = min(2 * self.wait, self.PROBE_OFF_MAX)
         self.next_probe = self.steps + self.wait
@@ -165,11 +183,19 @@ class DraftPolicy:
         if verified == drafted:
             times = self.cost.get((batch, verified))
             if times is None:
-                times = self.cost[batch, verified] = deque(maxlen=self.WINDOW)
-            times.append((self.steps, seconds))
+                times = self.cost[batch, verified] = deque(maxlen=self.HORIZON)
+            times.append((self.steps, seconds))  # at most one a step: what leaves the window left the horizon
+            least = self.least.get((batch, verified))
+            if least is not None and least[1] == math.inf:  # the least of stale samples: no longer what counts
+                del self.least[batch, verified]
+            elif least is not None and seconds <= least[0]:
+                self.least[batch, verified] = (seconds, self.steps)
 
     def record(self, drafted: int, accepted: int) -> None:
-        """One sequence's verification: `accepted` of its `drafted` drafts kept."""
+        """One sequence's verification: `accepted` of its `drafted` drafts kept. A position's acceptance is the
+        mean of what it saw (the prior counting once) until that weighs less than ALPHA, then a moving average."""
         for i in range(min(drafted, accepted + 1)):  # position i was reached; kept when i < accepted
-            self.reached[i] = True
-            self.acceptance[i] = (1 - self.ALPHA) * self.acceptance[i] + self.ALPHA * float(i < accepted)
+            self.seen[i] += 1
+            weight = max(self.ALPHA, 1 / (self.seen[i] + 1))
+            self.acceptance[i] = (1 - weight) * self.acceptance[i] + weight * float(i < accepted)
+        self._expected = None
