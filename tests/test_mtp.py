@@ -435,6 +435,30 @@ def test_auto_finds_further_drafts_that_pay_where_one_does_not():
     assert 3 in steps[:20] and steps[40:].count(3) > 140  # found within 20 steps; probes apart, kept
 
 
+def test_auto_returns_to_more_drafts_after_a_hard_stretch():
+    """The first two drafts kept 97% of the time and the third 90%, but for 40 verifications the third always
+    fails: `auto` drops to two drafts there and must come back once it passes. At two drafts only probes see the
+    third position, so its figure (a short moving average) once stayed low for thousands of steps, and a single miss
+    of the first draft (0.97 -> 0.82) turned speculation off."""
+    def cost(i, verified, drafted):
+        return 1 + (0.4 if verified else 0) + 0.25 * verified + (0.3 if drafted else 0) + 0.15 * drafted
+
+    for seed in range(3):
+        rng, verifications = random.Random(seed), [0]
+
+        def accepted(k):
+            verifications[0] += 1
+            hard = 300 <= verifications[0] < 340
+            kept = 0
+            while kept < k and rng.random() < (0.0 if hard and kept == 2 else 0.97 if kept < 2 else 0.9):
+                kept += 1
+            return kept
+
+        steps = simulate_auto(DraftPolicy(3), 1200, accepted, cost)
+        assert steps[300:450].count(0) <= 6, seed  # probes only: the third draft failing leaves two that pay
+        assert steps[500:].count(3) > 600, seed  # back to three
+
+
 def test_auto_times_are_the_least_of_the_recent_ones():
     """A count's time (cached between steps) is the least of its cycles within HORIZON steps, else of its newest
     MIN_SAMPLES, whatever the order of the samples and the gaps between them."""

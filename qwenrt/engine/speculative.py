@@ -79,7 +79,8 @@ class DraftPolicy:
     the least of a probed count's few samples against the least of the chosen count's every step favoured the
     chosen one: now every count keeps its samples of the last HORIZON steps.) Speculation is turned on only where
     it promises MARGIN_ON more tokens per second than plain decoding, and kept on while it promises MARGIN more: a
-    count that merely breaks even would flip on and off with the timing noise, and each switch costs. Now and then
+    count that merely breaks even would flip on and off with the timing noise, and each switch costs; a choice to
+    draft stands for RECHECK steps (choosing every step cost 2% of a cycle on qwenrt-tiny). Now and then
     it tries another count for PROBE_STEPS steps, so that every figure stays current: while on, the other counts in
     turn every PROBE_ON steps; while off, the most promising count for PROBE_OFF_STEPS after PROBE_OFF steps, the
     wait doubling (up to PROBE_OFF_MAX) while probes find drafting slower than plain decoding."""
@@ -89,9 +90,11 @@ class DraftPolicy:
     PROBE_OFF_STEPS = 4  # while off: 3 counted cycles (MIN_SAMPLES)
     MIN_SAMPLES = 3  # steps timed before a count's time is trusted
     HORIZON = 256  # steps: a count's time is the least of its times this recent (its most kept, one per step)
-    ALPHA = 0.15  # moving-average weight of a new acceptance figure (0.3 swung a 0.97 position to 0.7 at one miss)
+    ALPHA = 0.05  # moving-average weight of a new acceptance figure (0.15 swung a 0.97 position to 0.82 at one miss)
+    DRIFT = 1 / 128  # per verification that drafted fewer: a position's figure moves so far toward the one's before
     PRIOR = 0.5  # acceptance assumed of the first position before any is seen, worth one verification
     MARGIN_ON, MARGIN = 0.10, 0.02  # gain over plain decoding that turns speculation on / keeps it on
+    RECHECK = 8  # steps a choice to draft stands
 
     def __init__(self, max_k: int):
         self.max_k = max_k
@@ -101,6 +104,7 @@ class DraftPolicy:
         self.cost: dict[tuple[int, int], deque[tuple[int, float]]] = {}  # (batch, k) -> latest (step, seconds)
         self.least: dict[tuple[int, int], tuple[float, float]] = {}  # (batch, k) -> (its time, the step timed)
         self.chosen: dict[int, int] = {}  # batch -> the count chosen last outside probes
+        self.recheck: dict[int, int] = {}  # batch -> the step at which a choice to draft is made again
         self.steps = 0
         self.wait = self.PROBE_OFF  # steps between probes while off
         self.next_probe = self.PROBE_OFF
@@ -147,8 +151,11 @@ class DraftPolicy:
 
     def choose(self, batch: int) -> int:
         self.steps += 1
-        if self.chosen.get(batch) == 0 and self.steps < self.next_probe:
+        chosen = self.chosen.get(batch)
+        if chosen == 0 and self.steps < self.next_probe:
             return 0  # off: nothing new is known about drafting until the next probe
+        if chosen and self.steps < self.recheck.get(batch, 0):
+            return self._on(chosen)
         times = {k: t for k in range(self.max_k + 1) if (t := self._time(batch, k)) is not None}
         for k in (1, 0):  # measure speculation and plain decoding first
             if k not in times:
@@ -163,9 +170,8 @@ class DraftPolicy:
         self.chosen[batch] = best
         if best:
             self.wait, self.next_probe = self.PROBE_OFF, self.steps + self.PROBE_OFF
-            if self.steps % self.PROBE_ON < self.PROBE_STEPS:
-                return (best + self.steps // self.PROBE_ON) % (self.max_k + 1)
-            return best
+            self.recheck[batch] = self.steps + self.RECHECK
+            return self._on(best)
         if self.steps < self.next_probe:
             return 0
         if self.steps == self.next_probe:
@@ -176,6 +182,12 @@ class DraftPolicy:
             self.wait = min(2 * self.wait, self.PROBE_OFF_MAX)
         self.next_probe = self.steps + self.wait
         return 0
+
+    def _on(self, best: int) -> int:
+        """While on: `best`, or in turn every PROBE_ON steps another count for PROBE_STEPS."""
+        if self.steps % self.PROBE_ON < self.PROBE_STEPS:
+            return (best + self.steps // self.PROBE_ON) % (self.max_k + 1)
+        return best
 
     def observe(self, batch: int, verified: int, drafted: int, seconds: float) -> None:
         """A step of `batch` sequences verified `verified` drafts each and drafted `drafted` for the next one in
@@ -193,9 +205,15 @@ class DraftPolicy:
 
     def record(self, drafted: int, accepted: int) -> None:
         """One sequence's verification: `accepted` of its `drafted` drafts kept. A position's acceptance is the
-        mean of what it saw (the prior counting once) until that weighs less than ALPHA, then a moving average."""
+        mean of what it saw (the prior counting once) until that weighs less than ALPHA, then a moving average. A
+        position beyond the drafts drifts toward the one before it: below the chosen count only probes see it, so a
+        figure a hard stretch left low would otherwise hold the choice down long after (a 40-step stretch where the
+        third draft failed kept `auto` at two drafts for thousands of steps in a simulation)."""
         for i in range(min(drafted, accepted + 1)):  # position i was reached; kept when i < accepted
             self.seen[i] += 1
             weight = max(self.ALPHA, 1 / (self.seen[i] + 1))
             self.acceptance[i] = (1 - weight) * self.acceptance[i] + weight * float(i < accepted)
+        for i in range(max(drafted, 1), self.max_k):
+            if self.seen[i]:
+                self.acceptance[i] += self.DRIFT * (self.acceptance[i - 1] - self.acceptance[i])
         self._expected = None
