@@ -9,7 +9,7 @@ import torch
 from dataclasses import dataclass
 
 from qwenrt.cache import HybridCache, SequenceState
-from qwenrt.decode_plan import CyclePlan, DecodePlan, MTPPlan
+from qwenrt.decode_plan import NO_ROWS, CyclePlan, DecodePlan, MTPPlan
 from qwenrt.engine.request import Sequence
 from qwenrt.mtp import draft_head
 from qwenrt.multimodal import vision_embeddings
@@ -194,11 +194,11 @@ class ModelRunner:
         if plan is None or any(s.draft_state is None for s in seqs):
             return None
         inputs = [[s.last_token] + d for s, d in zip(seqs, drafts)]
-        pending, empty = [], torch.empty(0)
+        pending = []
         for s, row, k in zip(seqs, inputs, ks):
             c = s.mtp_count if k else 0
             pending.append((torch.cat(s.mtp_pending), (s.prompt.ids + s.tokens)[s.mtp_index + 1:s.mtp_index + 1 + c])
-                           if c else (empty, []))
+                           if c else (NO_ROWS, []))
             s.state.reserve(s.state.length + len(row))
             s.draft_state.reserve(s.mtp_entries + c + len(row) + max(ks) - 1)
         logits, picks, hidden, accepted, made, saved = plan(inputs, [s.state for s in seqs], ks, pending,
