@@ -83,7 +83,8 @@ class DraftPolicy:
     draft stands for RECHECK steps (choosing every step cost 2% of a cycle on qwenrt-tiny). Now and then
     it tries another count for PROBE_STEPS steps, so that every figure stays current: while on, the other counts in
     turn every PROBE_ON steps; while off, the most promising count for PROBE_OFF_STEPS after PROBE_OFF steps, the
-    wait doubling (up to PROBE_OFF_MAX) while probes find drafting slower than plain decoding."""
+    wait doubling (up to PROBE_OFF_MAX) while probes (and the cycles that turned it off) find drafting slower than
+    plain decoding."""
 
     PROBE_ON, PROBE_OFF, PROBE_OFF_MAX = 32, 64, 1024
     PROBE_STEPS = 2  # a probe's first step drafts, its second verifies and drafts again: one counted cycle
@@ -172,6 +173,11 @@ class DraftPolicy:
             self.wait, self.next_probe = self.PROBE_OFF, self.steps + self.PROBE_OFF
             self.recheck[batch] = self.steps + self.RECHECK
             return self._on(best)
+        if chosen != 0:  # just turned off (or off from the start): what showed it counts as a probe
+            if gain < 1:
+                self.wait = min(2 * self.wait, self.PROBE_OFF_MAX)
+            self.next_probe = self.steps + self.wait
+            return 0
         if self.steps < self.next_probe:
             return 0
         if self.steps == self.next_probe:
