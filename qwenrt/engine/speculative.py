@@ -141,10 +141,10 @@ class DraftPolicy:
         one: a faster sample is noise)."""
         return {k: self.expected_tokens(k) / max(t, times[0]) for k, t in times.items() if k}
 
-    def _untimed(self, times: dict[int, float]) -> int | None:
+    def _untimed(self, times: dict[int, float], rates: dict[int, float]) -> int | None:
         """The least count not yet timed that, costing no more than the largest timed count below it, would beat
-        the best timed count (and plain decoding by MARGIN_ON)."""
-        best = max([(1 + self.MARGIN_ON) / times[0], *self._rates(times).values()])
+        the best timed count (`rates`, _rates of `times`) and plain decoding by MARGIN_ON."""
+        best = max([(1 + self.MARGIN_ON) / times[0], *rates.values()])
         for k in range(2, self.max_k + 1):
             if k not in times and self.expected_tokens(k) / times[max(j for j in times if j < k)] > best:
                 return k
@@ -161,12 +161,12 @@ class DraftPolicy:
         for k in (1, 0):  # measure speculation and plain decoding first
             if k not in times:
                 return k
-        if (k := self._untimed(times)) is not None:
-            return k
         rates = self._rates(times)
+        if (k := self._untimed(times, rates)) is not None:
+            return k
         best = max(rates, key=rates.get)
         gain = rates[best] * times[0]
-        if gain < 1 + (self.MARGIN if self.chosen.get(batch) else self.MARGIN_ON):
+        if gain < 1 + (self.MARGIN if chosen else self.MARGIN_ON):
             best = 0
         self.chosen[batch] = best
         if best:

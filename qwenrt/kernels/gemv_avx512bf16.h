@@ -85,13 +85,6 @@ void bf16_rows(const Bf16Input& in, const Segment& s, int64_t K, int64_t n0, int
 
 // ---- int8 -------------------------------------------------------------------------------------------------------
 
-// Σ over columns [full, K) of int8 row n · x row m, scaled by x's last block (unscaled by the row)
-[[gnu::noinline]] inline float q8_tail(const FixedPoint& in, const int8_t* q, int64_t K, int64_t full, int m) {
-  int64_t sum = 0;
-  for (int64_t k = full; k < K; ++k) sum += int64_t{q[k]} * in.q[m * in.Kp + k];
-  return static_cast<float>(sum) * in.scale[m * (in.Kp / kQ8Block) + (K - 1) / kQ8Block];
-}
-
 template <int M>
 void q8_rows(const FixedPoint& in, const Segment& s, int64_t K, int64_t n0, int64_t n1) {
   const int64_t blocks = in.Kp / kQ8Block, full = K / 32 * 32;
@@ -127,7 +120,7 @@ void q8_rows(const FixedPoint& in, const Segment& s, int64_t K, int64_t n0, int6
     store_rows<M, R>(acc, s.out, s.N, n, row_scale);
     if (full < K)
       for (int m = 0; m < M; ++m)
-        for (int r = 0; r < R; ++r) s.out[m * s.N + n + r] += q8_tail(in, Q + (n + r) * K, K, full, m) * row_scale[r];
+        for (int r = 0; r < R; ++r) s.out[m * s.N + n + r] += q8_tail(in, s, K, full, n + r, m) * row_scale[r];
   });
 }
 

@@ -109,6 +109,16 @@ inline FixedPoint to_fixed_point(const at::Tensor& x, int64_t block) {
   return in;
 }
 
+// Columns [full, K) of int8 row n (of the segment's [N, K] weight) · x row m, unscaled by the row (they lie in the
+// last block): the tail an int8 GEMV's vector loop leaves.
+[[gnu::noinline]] inline float q8_tail(const FixedPoint& in, const Segment& s, int64_t K, int64_t full, int64_t n,
+                                       int m) {
+  const auto* q = reinterpret_cast<const int8_t*>(s.w) + n * K;
+  int64_t sum = 0;
+  for (int64_t k = full; k < K; ++k) sum += int64_t{q[k]} * in.q[m * in.Kp + k];
+  return static_cast<float>(sum) * in.scale[m * (in.Kp / kQ8Block) + (K - 1) / kQ8Block];
+}
+
 // x in 8 bits per row and group of G columns: q = round(x / d) with d = amax / 127 (|q| <= 127), and d·Σq per
 // group, through which the int4 zero points enter. NaN becomes 127, as the 16-bit fixed point has it.
 struct Int8Rows {

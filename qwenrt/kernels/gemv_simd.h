@@ -92,15 +92,6 @@ void bf16_rows(const Bf16Input& in, const Segment& s, int64_t K, int64_t n0, int
 
 constexpr int64_t kQ8Step = 2 * kLanes;  // int8 columns per widened vector
 
-// Columns [full, K) of row n · x row m, unscaled by the row (they lie in the last block).
-[[gnu::noinline]] inline float q8_tail(const FixedPoint& in, const Segment& s, int64_t K, int64_t full, int64_t n,
-                                       int m) {
-  const auto* q = reinterpret_cast<const int8_t*>(s.w) + n * K;
-  int64_t sum = 0;
-  for (int64_t k = full; k < K; ++k) sum += int64_t{q[k]} * in.q[m * in.Kp + k];
-  return static_cast<float>(sum) * in.scale[m * (in.Kp / kQ8Block) + (K - 1) / kQ8Block];
-}
-
 template <int M>
 void q8_rows(const FixedPoint& in, const Segment& s, int64_t K, int64_t n0, int64_t n1) {
   const int64_t blocks = in.Kp / kQ8Block, full = K / kQ8Step * kQ8Step;
