@@ -23,6 +23,49 @@ from qwenrt.ops.linear import Linear, project
 from qwenrt.ops.rope import apply_rope, inv_frequencies, rope_cos_sin
 
 
+def _check_shape(x, name: str, dims: str) -> torch.Tensor:
+    """A non-empty tensor with one dimension per name in `dims` (e.g. "B, T")."""
+    if not isinstance(x, torch.Tensor):
+        raise QwenrtError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != dims.count(",") + 1 or x.numel() == 0:
+        raise QwenrtError(f"{name} must be a non-empty [{dims}] tensor, got shape {list(x.shape)}")
+    return x
+
+
+def _check_ids(ids, vocab_size: int) -> torch.Tensor:
+    """Token ids [B, T] in an int64/int32 tensor (what the embedding lookup takes), all inside the vocabulary:
+    one min/max pass."""
+    _check_shape(ids, "input_ids", "B, T")
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise QwenrtError(f"input_ids must be token ids in an int64 or int32 tensor, got {ids.dtype}")
+    low, high = (int(v) for v in torch.aminmax(ids))
+    if low < 0 or high >= vocab_size:
+        raise QwenrtError(f"input_ids hold {low if low < 0 else high}, outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def _check_embeds(embeds, hidden_size: int) -> torch.Tensor:
+    _check_shape(embeds, "inputs_embeds", "B, T, D")
+    if not embeds.is_floating_point() or embeds.shape[-1] != hidden_size:
+        raise QwenrtError(f"inputs_embeds must be floats [B, T, {hidden_size}], got {embeds.dtype} "
+                          f"{list(embeds.shape)}")
+    return embeds
+
+
+def _check_room(cache, tokens: int) -> None:
+    """A HybridCache whose every sequence has room for `tokens` more under its limit."""
+    if not isinstance(cache, HybridCache):
+        raise QwenrtError(f"cache must be a HybridCache (model.new_cache()), got {type(cache).__name__}")
+    full = [s.limit for s in cache.sequences if s.limit is not None and s.length + tokens > s.limit]
+    if full:
+        raise QwenrtError(f"the cache holds at most {full[0]} tokens per sequence; {tokens} more do not fit")
+
+
+def _check_count(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise QwenrtError(f"{name} must be an integer >= 1, got {value!r:.40}")
+
+
 class RMSNorm(nn.Module):
     """Zero-centred RMSNorm: the checkpoint stores w and the norm scales by (1 + w), in fp32."""
 
@@ -193,10 +236,14 @@ class Qwen35ForCausalLM(nn.Module):
 
     def new_sequence(self, capacity: int = 256, limit: int | None = None) -> SequenceState:
         """An empty cache for one sequence (KV for full-attention layers, conv + recurrent state for DeltaNet)."""
+        _check_count("capacity", capacity)
+        if limit is not None:
+            _check_count("limit", limit)
         return SequenceState(self.config.text, self.dtype, self.device, capacity, limit)
 
     def new_cache(self, batch_size: int = 1, capacity: int = 256) -> HybridCache:
         """An empty cache for `batch_size` sequences, continued together by `forward`."""
+        _check_count("batch_size", batch_size)
         return HybridCache([self.new_sequence(capacity) for _ in range(batch_size)])
 
     def forward(self, input_ids: torch.Tensor | None = None, cache: HybridCache | None = None, *,
@@ -206,10 +253,24 @@ class Qwen35ForCausalLM(nn.Module):
 
         position_ids: [B, T] or [3, B, T] (M-RoPE axes); by default the text positions after the cache.
         logits_to_keep: 0 = every position, n = the last n only (prefill needs just the last).
+        Bad inputs are one QwenrtError before any work; `hidden_states`, the path the engine and training take with
+        ids they have checked, does not look again.
         """
+        self._check_inputs(input_ids, cache, inputs_embeds, logits_to_keep)
         h = self.hidden_states(input_ids, cache, inputs_embeds=inputs_embeds, position_ids=position_ids,
                                keep=logits_to_keep)
         return self.lm_head(h).float()
+
+    def _check_inputs(self, input_ids, cache, inputs_embeds, logits_to_keep) -> None:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise QwenrtError("pass input_ids or inputs_embeds, not both or neither")
+        c = self.config.text
+        x = _check_ids(input_ids, c.vocab_size) if inputs_embeds is None else _check_embeds(inputs_embeds,
+                                                                                            c.hidden_size)
+        if cache is not None:
+            _check_room(cache, x.shape[1])
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise QwenrtError(f"logits_to_keep must be an integer >= 0, got {logits_to_keep!r:.40}")
 
     def hidden_states(self, input_ids: torch.Tensor | None = None, cache: HybridCache | None = None, *,
                       inputs_embeds: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,

@@ -5,6 +5,7 @@ import torch
 
 import qwenrt
 from tests.checkpoints import VOCAB
+from tests.hostile import one_line_error
 from tests.numerics import rel_err
 
 KINDS = ["dense_ckpt", "moe_ckpt", "vlm_ckpt", "published_ckpt"]
@@ -104,3 +105,43 @@ def test_published_layout_loads_mtp_and_keeps_vision_aside(published_ckpt):
     assert model.mtp.fc.weight.dtype == torch.bfloat16 and not any(n.startswith("mtp.") for n in model.extra_tensors)
     assert any(n.startswith("model.visual.") for n in model.extra_tensors)
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (8, 64, 64)
+
+
+def test_forward_refuses_bad_inputs_before_any_work(dense_ckpt):
+    model, _ = qwenrt.load(dense_ckpt[0], dtype="float32")
+    cache = model.new_cache(2)
+    for ids, fragment in [
+        (torch.tensor([[1, VOCAB]]), f"input_ids hold {VOCAB}, outside the vocabulary [0, {VOCAB})"),
+        (torch.tensor([[1, -3]]), "input_ids hold -3, outside the vocabulary"),
+        (torch.tensor([[1.0, 2.0]]), "int64 or int32 tensor, got torch.float32"),
+        (torch.tensor([[True]]), "int64 or int32 tensor, got torch.bool"),
+        (torch.tensor([[1]], dtype=torch.uint8), "got torch.uint8"),
+        (torch.zeros(1, 0, dtype=torch.long), "non-empty [B, T] tensor, got shape [1, 0]"),
+        (torch.tensor([1, 2]), "non-empty [B, T] tensor, got shape [2]"),
+        ([[1, 2]], "input_ids must be a torch.Tensor, got list"),
+    ]:
+        one_line_error(lambda: model(ids), fragment)
+        one_line_error(lambda: model(ids, cache=cache), fragment)
+    assert cache.lengths == [0, 0]  # nothing was written
+    ids = torch.tensor([[1, 2]])
+    one_line_error(lambda: model(), "pass input_ids or inputs_embeds")
+    one_line_error(lambda: model(ids, inputs_embeds=torch.zeros(1, 2, 64)), "not both or neither")
+    one_line_error(lambda: model(inputs_embeds=torch.zeros(1, 2, 7)), "inputs_embeds must be floats [B, T, 64]")
+    one_line_error(lambda: model(ids, cache="cache"), "cache must be a HybridCache")
+    one_line_error(lambda: model(ids, logits_to_keep=-1), "logits_to_keep must be an integer >= 0")
+    short = qwenrt.model.HybridCache([model.new_sequence(limit=2)])
+    one_line_error(lambda: model(torch.tensor([[1, 2, 3]]), cache=short), "holds at most 2 tokens")
+    assert model(ids, logits_to_keep=1).shape == (1, 1, VOCAB)
+
+
+@pytest.mark.parametrize("options, fragment", [
+    (dict(batch_size=-1), "batch_size must be an integer >= 1, got -1"),
+    (dict(batch_size=0), "batch_size must be an integer >= 1, got 0"),
+    (dict(batch_size=1.5), "batch_size must be an integer >= 1, got 1.5"),
+    (dict(batch_size=True), "batch_size must be an integer >= 1, got True"),
+    (dict(capacity=0), "capacity must be an integer >= 1, got 0"),
+    (dict(capacity=2.5), "capacity must be an integer >= 1, got 2.5"),
+])
+def test_new_cache_refuses_bad_sizes(dense_ckpt, options, fragment):
+    model, _ = qwenrt.load(dense_ckpt[0], dtype="float32")
+    one_line_error(lambda: model.new_cache(**options), fragment)
