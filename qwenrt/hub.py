@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from qwenrt.errors import QwenrtError
+from qwenrt.validation import check_path
 
 REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 # what inference needs; the hub repos also hold READMEs, images and sometimes other formats
@@ -15,7 +16,9 @@ ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.t
 
 def resolve_model_path(source: str | Path, revision: str | None = None) -> Path:
     """A local directory as is; otherwise a hub repo id, fetched with huggingface_hub (HF_HUB_OFFLINE respected)."""
-    path = Path(source).expanduser()
+    if revision is not None and not isinstance(revision, str):
+        raise QwenrtError(f"revision must be a string (a branch, tag or commit), got {type(revision).__name__}")
+    path = Path(check_path(source, "model (a checkpoint directory or hub repo id)")).expanduser()
     try:
         exists = path.exists()
     except OSError as e:  # e.g. a path through an unreadable directory

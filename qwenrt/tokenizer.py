@@ -4,7 +4,7 @@ sandbox exactly as transformers renders it, and an incremental detokenizer for s
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,8 @@ from tokenizers import Tokenizer as _BackendTokenizer
 from qwenrt.errors import QwenrtError
 from qwenrt.files import TOKENIZER_LIMIT, CheckpointDir, read_text
 from qwenrt.template import SOURCE_LIMIT, TemplateEnvironment, TemplateLimits, compile_template, render_template
-from qwenrt.validation import check_messages, check_text, check_token_ids, check_tools
+from qwenrt.validation import (check_flag, check_messages, check_path, check_text, check_token_id, check_token_ids,
+                               check_tools)
 
 # generation_config.json keys exposed as `Tokenizer.generation_defaults`.
 SAMPLING_KEYS = (
@@ -48,19 +49,25 @@ class Tokenizer:
 
     Attributes: `eos_token_ids` (generation_config's, then tokenizer_config's eos_token), `pad_token_id` (or None),
     `generation_defaults` (sampling keys of generation_config.json), `chat_template` (its source, None for the
-    ChatML fallback).
+    ChatML fallback), `id_limit` (ids below it are valid: the vocabulary's, and a model's padded embedding rows,
+    which decode to nothing, when `model_vocab_size` is given; `qwenrt.load` gives it).
+    Every failure of the tokenizers library, a Rust panic included, becomes a QwenrtError.
     """
 
-    def __init__(self, path: str | Path, template_limits: TemplateLimits = TemplateLimits()):
-        files = CheckpointDir(path)
+    def __init__(self, path: str | Path, template_limits: TemplateLimits = TemplateLimits(),
+                 model_vocab_size: int | None = None):
+        files = CheckpointDir(check_path(path))
         path = files.path
         if not files.exists("tokenizer.json"):
             raise QwenrtError(f"no tokenizer.json in {path}")
         tok_file = files.file("tokenizer.json")
-        try:
-            self._tok = _BackendTokenizer.from_str(read_text(tok_file, TOKENIZER_LIMIT, "tokenizer.json"))
-        except Exception as e:  # tokenizers raises a bare Exception for every parse failure
-            raise QwenrtError(f"cannot load {tok_file}: {_one_line(e)}") from None
+        self._file = tok_file
+        self._tok = _library(f"cannot load {tok_file}", _BackendTokenizer.from_str,
+                             read_text(tok_file, TOKENIZER_LIMIT, "tokenizer.json"))
+        # as transformers encodes by default: the file's padding (a length of 10^12 aborts the process) and
+        # truncation (a prompt cut silently) do not apply
+        self._tok.no_padding()
+        self._tok.no_truncation()
 
         cfg_file, gen_file, template_file = (path / n for n in ("tokenizer_config.json", "generation_config.json",
                                                                  TEMPLATE_FILE))
@@ -87,6 +94,7 @@ class Tokenizer:
         self.chat_template = source
         named = {"default": CHATML_TEMPLATE} if source is None else _named_templates(source, where)
         self._templates = {name: compile_template(env, text, where) for name, text in named.items()}
+        self.id_limit = max(self.vocab_size, model_vocab_size or 0)
 
     # ---- vocabulary ----
 
@@ -97,20 +105,31 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a vocabulary or added token string, or None."""
-        return self._tok.token_to_id(token)
+        return _library(f"{self._file}: cannot look up a token", self._tok.token_to_id, check_text(token, "token"))
 
     def id_to_token(self, token_id: int) -> str | None:
-        """Token string (byte-level form for BPE pieces) of an id, or None."""
-        return self._tok.id_to_token(token_id)
+        """Token string (byte-level form for BPE pieces) of an id below `id_limit`, or None for an id with none."""
+        return _library(f"{self._file}: cannot look up a token id", self._tok.id_to_token,
+                        check_token_id(token_id, self.id_limit, "token id"))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; special-token strings inside it become their ids, as in transformers."""
-        return self._tok.encode(check_text(text, "text to encode"), add_special_tokens=add_special_tokens).ids
+        text = check_text(text, "text to encode")
+        add_special_tokens = check_flag(add_special_tokens, "add_special_tokens")
+        return _library(f"{self._file} cannot encode the text", self._tok.encode, text,
+                        add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        """Text of `ids`; invalid UTF-8 becomes U+FFFD, ids the vocabulary lacks decode to nothing."""
-        return self._tok.decode(check_token_ids(list(ids), what="token ids to decode"),
-                                skip_special_tokens=skip_special_tokens)
+        """Text of `ids`, each below `id_limit`; invalid UTF-8 becomes U+FFFD, a padded embedding row nothing."""
+        if isinstance(ids, (Iterator, range)):
+            ids = list(ids)
+        return self._decode(check_token_ids(ids, self.id_limit, "token ids to decode"),
+                            check_flag(skip_special_tokens, "skip_special_tokens"))
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """`decode` without its checks, for the ids a model sampled (each below its vocabulary size)."""
+        return _library(f"{self._file} cannot decode the token ids", self._tok.decode, ids,
+                        skip_special_tokens=skip_special_tokens)
 
     # ---- chat template ----
 
@@ -126,6 +145,9 @@ class Tokenizer:
         `apply_chat_template(..., tokenize=False)`. `enable_thinking=None` leaves the template's default; `tools` are
         OpenAI-style dicts passed through as given; `extra` become template variables."""
         check_messages(messages)
+        check_flag(add_generation_prompt, "add_generation_prompt")
+        if enable_thinking is not None:
+            check_flag(enable_thinking, "enable_thinking")
         check_tools(tools)
         if tools is not None:
             tools = _plain(list(tools))
@@ -145,7 +167,7 @@ class Tokenizer:
     # ---- loading helpers ----
 
     def _id_of(self, content: str, where: Path, key: str) -> int:
-        token_id = self._tok.token_to_id(content)
+        token_id = self.token_to_id(content)
         if token_id is None:
             raise QwenrtError(f"{where}: {key} {content!r} is not in tokenizer.json")
         return token_id
@@ -158,11 +180,12 @@ class Tokenizer:
             if not isinstance(spec, Mapping) or not isinstance(spec.get("content"), str):
                 raise QwenrtError(f"{where}: added_tokens_decoder[{key}] must be an object with a 'content' string")
             content, flags = spec["content"], {f: bool(spec.get(f, False)) for f in _ADDED_TOKEN_FLAGS}
-            have = self._tok.token_to_id(content)
+            have = self.token_to_id(content)
             if have is None:
                 token = AddedToken(content, special=bool(spec.get("special", True)), **flags)
-                (self._tok.add_special_tokens if token.special else self._tok.add_tokens)([token])
-                have = self._tok.token_to_id(content)
+                _library(f"{where}: cannot add token {content!r:.40}",
+                         self._tok.add_special_tokens if token.special else self._tok.add_tokens, [token])
+                have = self.token_to_id(content)
             if have != int(key):
                 raise QwenrtError(f"{where}: added token {content!r} has id {key} but tokenizer.json gives {have}")
 
@@ -175,11 +198,15 @@ class Tokenizer:
         return list(dict.fromkeys(ids))
 
 
-def load_tokenizer(path: str | Path, template_limits: TemplateLimits = TemplateLimits()) -> Tokenizer | None:
-    """The tokenizer of checkpoint directory `path`, or None when it has no tokenizer.json."""
-    if not Path(path).is_dir():
+def load_tokenizer(path: str | Path, template_limits: TemplateLimits = TemplateLimits(),
+                   model_vocab_size: int | None = None) -> Tokenizer | None:
+    """The tokenizer of checkpoint directory `path`, or None when it has no tokenizer.json. model_vocab_size: the
+    embedding rows of the model it serves (see `Tokenizer.id_limit`)."""
+    if not Path(check_path(path)).is_dir():
         raise QwenrtError(f"checkpoint directory not found: {path}")
-    return Tokenizer(path, template_limits) if CheckpointDir(path).exists("tokenizer.json") else None
+    if not CheckpointDir(path).exists("tokenizer.json"):
+        return None
+    return Tokenizer(path, template_limits, model_vocab_size)
 
 
 class IncrementalDetokenizer:
@@ -200,7 +227,7 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Feed one token id; return the newly completed text (possibly empty)."""
         self._ids.append(token_id)
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip)
+        text = self._tokenizer._decode(self._ids, self._skip)
         if text.endswith("\ufffd") or len(text) <= len(self._prefix_text):
             return ""
         return self._emit(text)
@@ -209,13 +236,13 @@ class IncrementalDetokenizer:
         """Return whatever is still held back (a trailing incomplete character decodes as U+FFFD)."""
         if len(self._ids) == self._prefix_len:
             return ""
-        return self._emit(self._tokenizer.decode(self._ids, skip_special_tokens=self._skip))
+        return self._emit(self._tokenizer._decode(self._ids, self._skip))
 
     def _emit(self, text: str) -> str:
         delta = text[len(self._prefix_text):]
         self._ids = self._ids[self._prefix_len:]
         self._prefix_len = len(self._ids)
-        self._prefix_text = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip)
+        self._prefix_text = self._tokenizer._decode(self._ids, self._skip)
         return delta
 
 
@@ -259,6 +286,18 @@ def _alias_reasoning(chat: list[dict]) -> list[dict]:
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
+
+
+def _library(what: str, call, *args, **kwargs):
+    """call(*args, **kwargs) into the tokenizers library, its failures one QwenrtError `what: why`. A Rust panic
+    (e.g. a tokenizer.json regex that backtracks past Oniguruma's retry limit) arrives as pyo3's PanicException,
+    a BaseException that `except Exception` misses; KeyboardInterrupt and SystemExit pass."""
+    try:
+        return call(*args, **kwargs)
+    except BaseException as e:
+        if not isinstance(e, Exception) and type(e).__module__ != "pyo3_runtime":
+            raise
+        raise QwenrtError(f"{what}: {_one_line(e)}") from None
 
 
 def _token_content(value: Any, where: Path, key: str) -> str | None:

@@ -7,12 +7,31 @@ on everything it encodes and decodes, so nothing malformed reaches the tokenizer
 from __future__ import annotations
 
 import operator
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from qwenrt.errors import QwenrtError
 
 TOKEN_ID_LIMIT = 1 << 32  # what the tokenizers library can hold; a model's vocabulary is far smaller
+
+
+def check_path(path: Any, what: str = "checkpoint path") -> str | os.PathLike:
+    """A non-empty filesystem path given as a str or an os.PathLike of one (what pathlib takes; bytes paths are
+    refused rather than guessed at)."""
+    name = os.fspath(path) if isinstance(path, os.PathLike) else path
+    if not isinstance(name, str):
+        raise QwenrtError(f"{what} must be a str or an os.PathLike, got {type(path).__name__}")
+    if not name:
+        raise QwenrtError(f"{what} is empty")
+    return path
+
+
+def check_flag(value: Any, what: str) -> bool:
+    """A bool, not something merely truthy (the string "no" would switch a flag on)."""
+    if not isinstance(value, bool):
+        raise QwenrtError(f"{what} must be True or False, got {value!r:.40}")
+    return value
 
 
 def check_text(text: Any, what: str = "prompt text") -> str:
@@ -47,6 +66,13 @@ def check_token_ids(ids: Any, vocab_size: int = TOKEN_ID_LIMIT, what: str = "tok
     return out
 
 
+def check_token_id(token: Any, vocab_size: int = TOKEN_ID_LIMIT, what: str = "token id") -> int:
+    """One integer in [0, vocab_size), as check_token_ids takes them."""
+    if isinstance(token, bool) or not hasattr(token, "__index__"):
+        raise QwenrtError(f"{what} must be an integer, got {token!r:.40}")
+    return check_token_ids([token], vocab_size, what)[0]
+
+
 def _check_strings(value: Any, where: str, depth: int = 0) -> None:
     """Every string inside a message (content, parts, tool calls) is valid Unicode."""
     if depth > 32:
@@ -63,7 +89,9 @@ def _check_strings(value: Any, where: str, depth: int = 0) -> None:
 
 
 def check_messages(messages: Sequence) -> None:
-    """Chat messages: dicts with a string role; every string in them valid Unicode."""
+    """Chat messages: a list of dicts with a string role; every string in them valid Unicode."""
+    if not isinstance(messages, (list, tuple)):
+        raise QwenrtError(f"chat messages must be a list of dicts, got {type(messages).__name__}")
     if not messages:
         raise QwenrtError("a chat prompt needs at least one message")
     for i, message in enumerate(messages):
@@ -101,6 +129,9 @@ def check_prompt(prompt: Any, vocab_size: int) -> None:
     elif isinstance(prompt, (list, tuple)) and any(isinstance(m, Mapping) for m in prompt):
         check_messages(prompt)
     elif isinstance(prompt, (list, tuple)) or hasattr(prompt, "tolist"):
+        if any(n != 1 for n in getattr(prompt, "shape", ())[:-1]):  # the rows of a [B, T] tensor would run together
+            raise QwenrtError(f"prompt token ids must be one row, got shape {list(prompt.shape)} (batch_generate "
+                              "takes a list of prompts)")
         if not check_token_ids(prompt, vocab_size, "prompt token ids"):
             raise QwenrtError("the prompt is empty")
     else:
@@ -118,15 +149,20 @@ def check_max_context(max_context: Any, model_limit: int) -> int:
     return max_context
 
 
-def check_request(prompts: Sequence, *, vocab_size: int, model_limit: int, tools: Any = None,
-                  max_context: Any = None) -> int:
-    """Everything about a request that can be refused before any work: at least one prompt, each prompt, the tools
-    and the context limit. Returns the context limit to use."""
+def check_prompt_list(prompts: Any) -> Sequence:
+    """A batch of prompts: a list (not a string, whose characters would each become a prompt) of at least one."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise QwenrtError(f"prompts must be a list, got {type(prompts).__name__}")
     if not prompts:
         raise QwenrtError("no prompts given (batch_generate needs at least one)")
-    for prompt in prompts:
+    return prompts
+
+
+def check_request(prompts: Sequence, *, vocab_size: int, model_limit: int, tools: Any = None,
+                  max_context: Any = None) -> int:
+    """Everything about a request that can be refused before any work: at least one prompt, each prompt, the tools
+    and the context limit. Returns the context limit to use."""
+    for prompt in check_prompt_list(prompts):
         check_prompt(prompt, vocab_size)
     check_tools(tools)
     return check_max_context(max_context, model_limit)

@@ -14,6 +14,7 @@ from tests.tokenizer_fixture import qwen35_tiktoken, qwen35_tokenizer_dir
 
 from qwenrt.errors import QwenrtError
 from qwenrt.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from tests.hostile import one_line_error
 
 TEXTS = {
     "english": "I'm sure you're right; they'll say we've done it. IT'S FINE, He'D agree.",
@@ -406,7 +407,7 @@ def test_detokenizer_decodes_a_small_window(tok):
         def __init__(self):
             self.longest = 0
 
-        def decode(self, ids, skip_special_tokens=False):
+        def _decode(self, ids, skip_special_tokens=False):
             self.longest = max(self.longest, len(ids))
             return tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -461,3 +462,75 @@ def test_bad_files_raise_qwenrt_error(tmp_path, file, content, match):
     with pytest.raises(QwenrtError, match=match) as err:
         load_tokenizer(path)
     assert "\n" not in str(err.value)
+
+
+# ---- bad arguments and hostile tokenizer.json files ----
+
+
+def test_bad_arguments_are_one_line(tok):
+    one_line_error(lambda: tok.token_to_id(5), "token must be a string, got int")
+    assert tok.token_to_id("certainly not a token") is None
+    for bad, fragment in ((10 ** 6, "1000000 is outside the vocabulary"), (-1, "-1 is outside"),
+                          (2 ** 70, "outside the vocabulary"), ("a", "must be"), (True, "must be"), (1.0, "must be")):
+        one_line_error(lambda: tok.decode([bad]), "token ids to decode", fragment)
+        one_line_error(lambda: tok.id_to_token(bad), "token id", fragment)
+    for bad in (5, None, "abc", {1: 2}):
+        one_line_error(lambda: tok.decode(bad), "token ids to decode must be a list of integers")
+    ids = tok.encode("Hello, world")
+    assert tok.decode(iter(ids)) == tok.decode(tuple(ids)) == "Hello, world"
+    one_line_error(lambda: tok.encode("x", add_special_tokens="yes"), "add_special_tokens must be True or False")
+    one_line_error(lambda: tok.decode([1], skip_special_tokens=1), "skip_special_tokens must be True or False")
+    one_line_error(lambda: tok.apply_chat_template(5), "chat messages must be a list of dicts, got int")
+    one_line_error(lambda: tok.apply_chat_template("hi"), "chat messages must be a list of dicts, got str")
+    hi = [{"role": "user", "content": "hi"}]
+    one_line_error(lambda: tok.apply_chat_template(hi, enable_thinking="no"), "enable_thinking must be True or False")
+    one_line_error(lambda: tok.apply_chat_template(hi, add_generation_prompt=None), "add_generation_prompt must be")
+
+
+def test_a_models_padded_embedding_rows_decode_to_nothing(tmp_path):
+    """A model's vocabulary may be padded past the tokenizer's (qwenrt-tiny: 576 rows, 548 tokens) and can sample
+    those ids: with the model's size given (qwenrt.load gives it) they decode to nothing; any other id is refused."""
+    path = _tiny_checkpoint(tmp_path)
+    bound = Tokenizer(path, model_vocab_size=320)
+    assert bound.vocab_size == 259 and bound.id_limit == 320
+    assert bound.decode([300, *bound.encode("a")]) == "a" and bound.id_to_token(300) is None
+    one_line_error(lambda: bound.decode([320]), "320 is outside the vocabulary [0, 320)")
+    one_line_error(lambda: Tokenizer(path).decode([300]), "300 is outside the vocabulary [0, 259)")
+    assert load_tokenizer(path, model_vocab_size=320).id_limit == 320
+
+
+def _word_level(path, **fields):
+    """A tokenizer.json of a three-word WordLevel model with `fields` (normalizer, pre_tokenizer, ...) set."""
+    spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+            "pre_tokenizer": None, "post_processor": None, "decoder": None,
+            "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1, "[UNK]": 2}, "unk_token": "[UNK]"}} | fields
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    return path
+
+
+def test_a_panic_in_the_tokenizers_library_is_one_line(tmp_path):
+    """A regex that backtracks past Oniguruma's retry limit makes tokenizers panic: pyo3's PanicException is a
+    BaseException, which `except Exception` (the engine's, the server's) lets through."""
+    split = {"type": "Split", "pattern": {"Regex": "(a+)+$"}, "behavior": "Isolated", "invert": False}
+    tok = Tokenizer(_word_level(tmp_path / "regex", pre_tokenizer=split))
+    one_line_error(lambda: tok.encode("a" * 40 + "b"), "tokenizer.json cannot encode the text", "retry-limit")
+    assert tok.encode("a") == [0]  # still usable afterwards
+    charsmap = {"type": "Precompiled", "precompiled_charsmap": "/////w=="}  # panics while the file is parsed
+    one_line_error(lambda: Tokenizer(_word_level(tmp_path / "charsmap", normalizer=charsmap)), "cannot load",
+                   "precompiled_charsmap")
+    no_unk = {"type": "WordPiece", "vocab": {"a": 0}, "unk_token": "[UNK]", "continuing_subword_prefix": "##",
+              "max_input_chars_per_word": 100}  # a plain error, raised at encode time
+    tok = Tokenizer(_word_level(tmp_path / "wordpiece", model=no_unk))
+    one_line_error(lambda: tok.encode("b"), "cannot encode the text", "Missing [UNK] token")
+
+
+def test_the_files_padding_and_truncation_do_not_apply(tmp_path):
+    """As transformers encodes by default. A padding length of 10^12 in tokenizer.json aborted the process (a 4 TB
+    allocation) at the first encode; a truncation length cut every prompt silently."""
+    padding = {"strategy": {"Fixed": 8}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 2,
+               "pad_type_id": 0, "pad_token": "[UNK]"}
+    truncation = {"direction": "Right", "max_length": 2, "strategy": "LongestFirst", "stride": 0}
+    tok = Tokenizer(_word_level(tmp_path, pre_tokenizer={"type": "Whitespace"}, padding=padding,
+                                truncation=truncation))
+    assert tok.encode("a b a b a") == [0, 1, 0, 1, 0]
