@@ -14,7 +14,7 @@ from qwenrt.server.main import add_parser as add_serve_parser
 def _inspect(args) -> None:
     from qwenrt.inspect import format_report, inspect_checkpoint
 
-    report = inspect_checkpoint(args.path)
+    report = inspect_checkpoint(args.path, check_finite=args.finite_check)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
 
 
@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("inspect", help="describe a checkpoint and check it against its config")
     p.add_argument("path", help="checkpoint directory or hub repo id")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--no-finite-check", dest="finite_check", action="store_false",
+                   help="skip the NaN/Inf scan of the weights (a read of every weight, as load does)")
     p.set_defaults(run=_inspect)
 
     p = verbs.add_parser("run", help="answer one prompt, streamed to stdout")

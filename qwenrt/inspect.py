@@ -1,4 +1,5 @@
-"""`qwenrt inspect`: what a checkpoint holds, its sizes, and whether it passes the loader's contracts."""
+"""`qwenrt inspect`: what a checkpoint holds, its sizes, and whether it passes the loader's contracts (the very
+checks `load` runs: the same functions, the NaN/Inf scan of the weights included unless skipped)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,23 @@ import torch
 
 from qwenrt.hub import resolve_model_path
 from qwenrt.checkpoint import DTYPE_BYTES
-from qwenrt.loader import stored_float_dtype, verify_checkpoint
+from qwenrt.loader import check_checkpoint, scan_weights, stored_float_dtype
 from qwenrt.mtp import MTPHead
 from qwenrt.model import Qwen35ForCausalLM
+
 
 def _count(shapes) -> int:
     return sum(math.prod(s) for s in shapes)
 
 
-def inspect_checkpoint(path: str | Path) -> dict:
-    """A report of the checkpoint as a dict of plain values. Raises QwenrtError when a contract fails."""
+def inspect_checkpoint(path: str | Path, check_finite: bool = True) -> dict:
+    """A report of the checkpoint as a dict of plain values. Raises QwenrtError when a contract fails, with the error
+    `load` gives. check_finite=False skips the NaN/Inf scan (a read of every weight), as in `load`."""
     path = resolve_model_path(path)
-    config, ckpt, plan, aside, _ = verify_checkpoint(path)
+    verified, tokenizer = check_checkpoint(path)
+    if check_finite:
+        scan_weights(path, verified)
+    config, ckpt, plan, aside, _ = verified
     c = config.text
     with torch.device("meta"):  # logical parameters, whatever the storage (a quantized checkpoint packs them)
         params = dict(Qwen35ForCausalLM(config).named_parameters())  # a tied head appears once
@@ -64,7 +70,11 @@ def inspect_checkpoint(path: str | Path) -> dict:
         "file_bytes": ckpt.total_bytes,
         "kv_bytes_per_token": kv_per_token,
         "deltanet_state_bytes_per_sequence": state_per_seq,
-        "verdict": f"OK: config consistent, all {len(plan)} decoder tensors present with the expected shapes",
+        "tokenizer_tokens": tokenizer.vocab_size if tokenizer is not None else None,
+        "weights_scanned": check_finite,
+        "verdict": f"OK: config consistent, all {len(plan)} decoder tensors present with the expected shapes, "
+                   + ("tokenizer files valid" if tokenizer is not None else "no tokenizer")
+                   + ("; weights free of NaN/Inf" if check_finite else "; weights not scanned for NaN/Inf"),
     }
 
 
@@ -107,6 +117,8 @@ def format_report(r: dict) -> str:
         + (f"; weight-only {r['quantization']}" if r["quantization"] else "") + ")",
         f"KV cache        {_human(r['kv_bytes_per_token'], 'B')} per token (full-attention layers only)",
         f"DeltaNet state  {_human(r['deltanet_state_bytes_per_sequence'], 'B')} per sequence, whatever its length",
+        "tokenizer       " + (f"{r['tokenizer_tokens']} tokens" if r["tokenizer_tokens"] is not None
+                                else "none (prompts as token ids only)"),
         f"contract        {r['verdict']}",
     ]
     return "\n".join(lines)

@@ -18,7 +18,8 @@ from qwenrt.kernels import cpu_kernels
 from qwenrt.model import Qwen35ForCausalLM
 from qwenrt.mtp import PREFIX as MTP_PREFIX, MTPHead
 from qwenrt.quant import LoadQuantizer, QuantSpec, install_placeholders, stored_spec
-from qwenrt.tokenizer import load_tokenizer
+from qwenrt.tokenizer import Tokenizer, load_tokenizer
+from qwenrt.validation import check_path
 from qwenrt.writer import DTYPE_NAMES
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -108,7 +109,7 @@ def verify_checkpoint(path: str | Path):
     Returns (config, checkpoint, plan, names set aside, the model on `meta`). Raises QwenrtError listing what is
     missing, unexpected, wrongly shaped or stored in the wrong dtype.
     """
-    path = Path(path)
+    path = Path(check_path(path))
     config = load_config(path)
     ckpt = open_checkpoint(path)
     plan, aside = plan_text_tensors(ckpt)
@@ -125,6 +126,14 @@ def verify_checkpoint(path: str | Path):
     check_dtypes(path, ckpt, plan, dict(model.named_buffers()))
     _check_vision(path, config, ckpt)
     return config, ckpt, plan, aside, model
+
+
+def check_checkpoint(path: str | Path) -> tuple[tuple, Tokenizer | None]:
+    """Everything `load` checks before it reads a weight, and `inspect` with it: `verify_checkpoint`, then the
+    tokenizer's files opened as load opens them (regular files inside the checkpoint, size-capped), parsed, the chat
+    template compiled. Returns (verify_checkpoint's tuple, the tokenizer or None when there is no tokenizer.json)."""
+    verified = verify_checkpoint(path)
+    return verified, load_tokenizer(path, model_vocab_size=verified[0].text.vocab_size)
 
 
 def scan_finite(where, name: str, tensor: torch.Tensor) -> None:
@@ -174,6 +183,33 @@ def prepare_kernels(progress: bool) -> None:
               file=sys.stderr)
 
 
+def read_weights(path, verified: tuple, dtype: torch.dtype, device: torch.device, quantizer: LoadQuantizer | None,
+                 check_finite: bool):
+    """Yield (name, tensor) for every planned tensor as `load` takes it: a quantizer's as stored (quantized from the
+    stored values, as `qwenrt quantize` does), the fp32 parameters in fp32, the rest in `dtype` on `device`. Each is
+    refused if it holds NaN/Inf after that cast (float16 can overflow to Inf), unless check_finite is False."""
+    _, ckpt, plan, _, model = verified
+    keep_fp32 = _fp32_parameters(model)
+    for name, source in plan.items():
+        if quantizer is not None and quantizer.claims(name):
+            first = source.names[0][0] if source.stacked else source.names[0]
+            tensor = materialize(ckpt, source, STORED_DTYPES.get(ckpt.dtypes[first], torch.float32))
+        else:
+            tensor = materialize(ckpt, source, torch.float32 if name in keep_fp32 else dtype).to(device)
+        if check_finite:
+            scan_finite(path, name, tensor)
+        yield name, tensor
+
+
+def scan_weights(path, verified: tuple) -> None:
+    """`load`'s NaN/Inf scan at its defaults (dtype "auto", CPU), each weight dropped once scanned: for `inspect`."""
+    config, ckpt, plan, _, model = verified
+    dtype = resolve_dtype("auto", stored_float_dtype(ckpt, plan))
+    cpu = torch.device("cpu")
+    for _ in read_weights(path, verified, dtype, cpu, _quantizer(model, config, None, dtype, cpu), True):
+        pass
+
+
 def load_model(path: str | Path, dtype="auto", device: str | torch.device = "cpu", progress: bool = False,
                quantize: str | QuantSpec | None = None, check_finite: bool = True) -> Qwen35ForCausalLM:
     """Load the text decoder of a Qwen3.5 checkpoint directory. Raises QwenrtError on any inconsistency.
@@ -183,26 +219,23 @@ def load_model(path: str | Path, dtype="auto", device: str | torch.device = "cpu
     NaN/Inf (one pass over the weights; False skips it).
     """
     device = resolve_device(device)
-    config, ckpt, plan, aside, model = verify_checkpoint(path)
+    return _load_verified(path, verify_checkpoint(path), dtype, device, progress, quantize, check_finite)
+
+
+def _load_verified(path, verified: tuple, dtype, device: torch.device, progress: bool, quantize,
+                   check_finite: bool) -> Qwen35ForCausalLM:
+    """The model of a checkpoint `verify_checkpoint` passed, its weights read, checked and assigned."""
+    config, ckpt, plan, aside, model = verified
     dtype = resolve_dtype(dtype, stored_float_dtype(ckpt, plan))
-    keep_fp32 = _fp32_parameters(model)
     quantizer = _quantizer(model, config, quantize, dtype, device)
     state = {}
-    for name, source in tqdm(plan.items(), desc="loading weights", unit="tensor", disable=not progress,
+    weights = read_weights(path, verified, dtype, device, quantizer, check_finite)
+    for name, tensor in tqdm(weights, total=len(plan), desc="loading weights", unit="tensor", disable=not progress,
                              file=sys.stderr):
-        target = torch.float32 if name in keep_fp32 else dtype
         if quantizer is not None and quantizer.claims(name):
-            # quantized from the stored values, as `qwenrt quantize` does, whatever the compute dtype
-            first = source.names[0][0] if source.stacked else source.names[0]
-            tensor = materialize(ckpt, source, STORED_DTYPES.get(ckpt.dtypes[first], torch.float32))
-            if check_finite:
-                scan_finite(path, name, tensor)
             quantizer.add(name, tensor)
-            continue
-        tensor = materialize(ckpt, source, target).to(device=device, dtype=target)
-        if check_finite:  # after the cast: float16 can overflow to Inf
-            scan_finite(path, name, tensor)
-        state[name] = tensor
+        else:
+            state[name] = tensor
     model.load_state_dict(state, strict=False, assign=True)
     if quantizer is not None:
         quantizer.finish(model)
@@ -228,8 +261,9 @@ def load(path: str | Path | None = None, dtype="auto", device: str | torch.devic
     on this model uses (`qwenrt.engine.Engine`: max_running, max_model_len, prefix_cache_size, prefix_cache_dir,
     ...), checked when it is made.
     """
+    device = resolve_device(device)
     path = resolve_model_path(resolve_model(path)[0], revision)
-    model = load_model(path, dtype=dtype, device=device, progress=progress, quantize=quantize,
-                       check_finite=check_finite)
+    verified, tokenizer = check_checkpoint(path)  # the tokenizer too, before any weight is read
+    model = _load_verified(path, verified, dtype, device, progress, quantize, check_finite)
     model.engine_options = engine_options
-    return model, load_tokenizer(path)
+    return model, tokenizer

@@ -11,6 +11,10 @@ from safetensors.torch import load_file, save_file
 import qwenrt
 from qwenrt.cli import main
 from qwenrt.errors import QwenrtError
+from qwenrt.inspect import inspect_checkpoint
+from qwenrt.loader import load_model
+from qwenrt.tokenizer import Tokenizer, load_tokenizer
+from tests.hostile import one_line_error
 
 
 @pytest.fixture
@@ -152,3 +156,21 @@ def test_inspect_entry_point_exit_code(tmp_path):
     assert run.returncode == 1
     assert "Traceback" not in run.stderr and run.stderr.strip().count("\n") == 0
     assert "no config.json" in run.stderr
+
+
+class BytesPath:
+    def __fspath__(self):
+        return b"/tmp"
+
+
+@pytest.mark.parametrize("bad, kind", [(123, "int"), (b"qwenrt/tiny/model", "bytes"), (1.5, "float"),
+                                       (["x"], "list"), (BytesPath(), "BytesPath")])
+def test_paths_of_the_wrong_type_are_one_line(bad, kind):
+    """What the API takes: a str or an os.PathLike of one (load: or None, the built-in model)."""
+    for fn in (qwenrt.load, inspect_checkpoint, load_model, Tokenizer, load_tokenizer):
+        one_line_error(lambda: fn(bad), "must be a str or an os.PathLike", f"got {kind}")
+
+
+def test_empty_path_and_bad_revision():
+    one_line_error(lambda: qwenrt.load(""), "is empty")  # was: the current directory
+    one_line_error(lambda: qwenrt.load("Qwen/Qwen3.5-0.8B", revision=5), "revision must be a string")

@@ -361,3 +361,75 @@ def test_errors_are_qwenrt_errors_at_the_api(ckpt):
     corrupt(ckpt, _set("model.norm.weight", "dtype", "F7"))
     with pytest.raises(QwenrtError):
         qwenrt.load(ckpt)
+
+
+# ---- inspect runs load's checks: the tokenizer's files, NaN/Inf weights and scales --------------------------------
+
+def add_tokenizer(path):
+    """A tiny byte-level tokenizer with its config and template files beside the weights."""
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers
+
+    backend = Backend(models.BPE({c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}, []))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text("{}")
+    (path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+
+
+def make_fifo(file, _):
+    os.mkfifo(file)
+
+
+def make_directory(file, _):
+    file.mkdir()
+
+
+def make_link_out(file, outside):
+    outside.write_text("{}")
+    file.symlink_to(outside)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"])
+@pytest.mark.parametrize("make, fragment", [(make_fifo, "is a FIFO"), (make_directory, "is a directory"),
+                                            (make_link_out, "outside the checkpoint directory")])
+def test_inspect_refuses_bad_tokenizer_files_as_load_does(ckpt, tmp_path, name, make, fragment):
+    """`inspect` said "contract OK" where `load` refused."""
+    add_tokenizer(ckpt)
+    (ckpt / name).unlink()
+    make(ckpt / name, tmp_path / "outside")
+    refused_by_both(ckpt, name, fragment)
+
+
+def test_inspect_checks_the_tokenizer_like_load(ckpt):
+    add_tokenizer(ckpt)
+    report = inspect_checkpoint(ckpt)
+    assert report["tokenizer_tokens"] == 256 and "tokenizer files valid" in report["verdict"]
+    (ckpt / "chat_template.jinja").write_text("{% for m in messages %}")
+    refused_by_both(ckpt, "chat_template.jinja", "syntax error")
+
+
+def test_inspect_scans_for_non_finite_weights_unless_told_not_to(ckpt, capsys):
+    from qwenrt.cli import main
+
+    assert inspect_checkpoint(ckpt)["weights_scanned"] is True
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["model.layers.3.mlp.down_proj.weight"][1, 2] = float("inf")
+    save_file(tensors, ckpt / "model.safetensors")
+    refused_by_both(ckpt, "model.layers.3.mlp.down_proj.weight", "1 NaN/Inf value(s)")
+    report = inspect_checkpoint(ckpt, check_finite=False)
+    assert report["weights_scanned"] is False and report["verdict"].endswith("weights not scanned for NaN/Inf")
+    assert main(["inspect", "--no-finite-check", str(ckpt)]) == 0
+    assert "weights not scanned for NaN/Inf" in capsys.readouterr().out
+    assert main(["inspect", str(ckpt)]) == 1
+    assert "NaN/Inf" in capsys.readouterr().err
+
+
+def test_inspect_scans_the_scales_of_a_quantized_checkpoint(ckpt, tmp_path):
+    from qwenrt.convert import quantize_checkpoint
+
+    quantized = quantize_checkpoint(ckpt, tmp_path / "int8", 8)
+    tensors = load_file(quantized / "model.safetensors")
+    scales = next(n for n in tensors if n.endswith(".scales"))
+    tensors[scales][0] = float("nan")
+    save_file(tensors, quantized / "model.safetensors")
+    refused_by_both(quantized, scales, "NaN/Inf")
