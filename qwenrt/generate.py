@@ -6,13 +6,16 @@ calls split out). Each takes a model (its default engine is used, made on first 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from qwenrt.engine import Engine, Request, RequestOutput, RequestStream
 from qwenrt.engine.request import DraftCounts
 from qwenrt.errors import QwenrtError
+from qwenrt.model import Qwen35ForCausalLM
 from qwenrt.parsing import ToolCall, parse_completion
 from qwenrt.sampling import SamplingParams
+from qwenrt.tokenizer import Tokenizer
+from qwenrt.validation import check_prompt_list
 
 
 @dataclass
@@ -57,14 +60,24 @@ def _params(params: SamplingParams | None, sampling: dict) -> SamplingParams:
     if params is not None and sampling:
         raise QwenrtError("pass either params=SamplingParams(...) or sampling keyword arguments, not both")
     if params is not None:
+        if not isinstance(params, SamplingParams):
+            raise QwenrtError(f"params must be a SamplingParams, got {type(params).__name__}")
         return params
+    unknown = sorted(sampling.keys() - {f.name for f in fields(SamplingParams)})
+    if unknown:
+        raise QwenrtError(f"unknown generation option(s): {', '.join(unknown)}")
     try:
         return SamplingParams(**sampling)
-    except TypeError as e:
-        raise QwenrtError(f"unknown generation option: {e}") from None
+    except TypeError as e:  # a value of the wrong type that SamplingParams's checks did not name
+        raise QwenrtError(f"invalid generation option: {e}") from None
 
 
 def _engine(model, tokenizer) -> Engine:
+    if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+        raise QwenrtError(f"tokenizer must be the Tokenizer qwenrt.load returned (or None), got "
+                          f"{type(tokenizer).__name__}")
+    if not isinstance(model, (Engine, Qwen35ForCausalLM)):
+        raise QwenrtError(f"model must be the model qwenrt.load returned or an Engine, got {type(model).__name__}")
     if isinstance(model, Engine):
         if tokenizer is not None and tokenizer is not model.tokenizer:
             raise QwenrtError("this engine was made with another tokenizer")
@@ -108,6 +121,8 @@ def stream_generate(model, tokenizer, prompt, *, params: SamplingParams | None =
     engine's: "auto", which speculates with the model's MTP head where that pays). With speculation one response
     may complete several tokens (`token` is the last). Leaving the loop early cancels.
     """
+    if on_prefill is not None and not callable(on_prefill):
+        raise QwenrtError(f"on_prefill must be a function (done, total), got {type(on_prefill).__name__}")
     stream = _submit(model, tokenizer, prompt, _params(params, sampling), enable_thinking, tools, prefill_chunk,
                      max_context, on_prefill, speculative_tokens)
     for out in stream:
@@ -122,6 +137,7 @@ def batch_generate(model, tokenizer, prompts: Sequence, *, params: SamplingParam
                    max_context: int | None = None, speculative_tokens: int | str | None = None,
                    **sampling) -> list[Completion]:
     """Generate for several prompts at once (decoded together by the engine); results in prompt order."""
+    check_prompt_list(prompts)
     params = _params(params, sampling)
     streams: list[RequestStream] = []
     try:

@@ -5,6 +5,7 @@ import torch
 
 import qwenrt
 from qwenrt import QwenrtError
+from tests.hostile import one_line_error
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three prime numbers."}]
 
@@ -110,3 +111,30 @@ def test_length_stops_at_context_limit(chat_model):
     ids = tok.encode("a b c")
     result = qwenrt.complete(model, tok, ids, max_tokens=100, max_context=len(ids) + 5)
     assert result.finish_reason == "length" and len(result.tokens) == 5
+
+
+def test_bad_arguments_to_the_api_are_one_line(chat_model):
+    model, tok, _ = chat_model
+    one_line_error(lambda: qwenrt.batch_generate(model, tok, []), "no prompts given")  # was [] silently
+    one_line_error(lambda: qwenrt.batch_generate(model, tok, "hi"), "prompts must be a list, got str")  # was 2 prompts
+    one_line_error(lambda: qwenrt.batch_generate(model, tok, None), "prompts must be a list, got NoneType")
+    one_line_error(lambda: qwenrt.generate(model, tok, torch.tensor([[1, 2], [3, 4]])), "must be one row, got shape [2, 2]")
+    one_line_error(lambda: qwenrt.generate(model, tok, "hi", params=5), "params must be a SamplingParams, got int")
+    one_line_error(lambda: qwenrt.generate(model, 5, "hi"), "tokenizer must be the Tokenizer", "got int")
+    one_line_error(lambda: qwenrt.generate(5, tok, "hi"), "model must be the model qwenrt.load returned", "got int")
+    one_line_error(lambda: qwenrt.generate(model, tok, MESSAGES, enable_thinking="no"),
+                   "enable_thinking must be True or False")  # "no" is truthy: it switched thinking on
+    one_line_error(lambda: list(qwenrt.stream_generate(model, tok, "hi", on_prefill=5)), "on_prefill must be a function")
+    one_line_error(lambda: qwenrt.generate(model, tok, "hi", temprature=0.5, max_tokenz=2),
+                   "unknown generation option(s): max_tokenz, temprature")
+    one_line_error(lambda: qwenrt.generate(model, tok, "hi", stop=5), "invalid generation option")
+
+
+def test_load_gives_the_tokenizer_the_models_vocabulary():
+    """qwenrt-tiny's embedding has 576 rows for 548 tokens; the padded ids (~7e-4 of the probability at temperature
+    1) decode to nothing rather than failing a generation or its round trip."""
+    model, tok = qwenrt.load()
+    assert tok.vocab_size < model.config.text.vocab_size == tok.id_limit
+    padded = tok.vocab_size + 3
+    assert tok.decode([padded]) == "" and tok.decode([*tok.encode("Hi"), padded]) == "Hi"
+    one_line_error(lambda: tok.decode([tok.id_limit]), "outside the vocabulary")
