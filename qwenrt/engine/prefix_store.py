@@ -103,19 +103,24 @@ def _open_private_folder(directory: Path, identity: str) -> int:
     """A descriptor of `directory/identity`, created 0700 when absent, once it is known to be this user's alone."""
     folder = directory / identity
     try:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        top = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            try:
-                os.mkdir(identity, 0o700, dir_fd=top)
-            except FileExistsError:
-                if stat.S_ISLNK(os.stat(identity, dir_fd=top, follow_symlinks=False).st_mode):
-                    _refuse(folder, "is a symbolic link")
-            fd = os.open(identity, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=top)
-        finally:
-            os.close(top)
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except FileExistsError:
+            pass  # not a directory: opening it as one says so
+        top = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
-        raise QwenrtError(f"prefix cache directory {folder}: {e.strerror or e}") from None
+        raise QwenrtError(f"prefix cache directory {directory}: {e.strerror or e}") from None
+    try:
+        try:
+            os.mkdir(identity, 0o700, dir_fd=top)
+        except FileExistsError:
+            if stat.S_ISLNK(os.stat(identity, dir_fd=top, follow_symlinks=False).st_mode):
+                _refuse(folder, "is a symbolic link")
+        fd = os.open(identity, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=top)
+    except OSError as e:
+        raise QwenrtError(f"prefix cache folder {folder}: {e.strerror or e}") from None
+    finally:
+        os.close(top)
     st = os.fstat(fd)
     if st.st_uid != os.geteuid():
         os.close(fd)
