@@ -1,8 +1,11 @@
 """Files a checkpoint names, confined to its directory: regular files only, read with a size cap, one-line errors.
 
 Every name a checkpoint gives (index entries, config and tokenizer files, shards) goes through `CheckpointDir.file`:
-no absolute paths, no `..`, and a symlink may only point inside the checkpoint, or into the blob store of the
-Hugging Face cache repo the checkpoint is a snapshot of (`models--org--name/snapshots/REV/f -> ../../blobs/HASH`).
+no absolute paths, no `..`, and a symlink may only point inside the checkpoint, or to a file directly in the blob
+store of the Hugging Face cache repo the checkpoint is a snapshot of (`models--org--name/snapshots/REV/f ->
+../../blobs/HASH`). That store is found from the snapshot's real path, never through a link: `blobs` must be a real
+directory beside the real `snapshots` folder holding the snapshot (`blobs -> /` would otherwise admit every file).
+Whether a file is regular is checked when it is opened (`open_regular`).
 """
 
 from __future__ import annotations
@@ -82,6 +85,18 @@ def read_json(path: Path, limit: int = JSON_LIMIT, what: str = "file", expect=di
     return value
 
 
+def _blob_store(root: Path) -> Path | None:
+    """`<repo>/blobs` when the real path `root` is `<repo>/snapshots/<rev>` and that `blobs` is a real directory (not a
+    link); None otherwise. Every part of `root` is real, so the repo is the one that truly holds the snapshot."""
+    if root.parent.name != "snapshots":
+        return None
+    blobs = root.parent.parent / "blobs"
+    try:
+        return blobs if stat.S_ISDIR(os.lstat(blobs).st_mode) else None
+    except OSError:
+        return None
+
+
 class CheckpointDir:
     """A checkpoint directory and the places its files may live."""
 
@@ -92,10 +107,7 @@ class CheckpointDir:
                 raise QwenrtError(f"{self.path}: not a directory")
             self.root = self.path.resolve(strict=True)
             os.listdir(self.root)
-            self.roots = [self.root]
-            blobs = self.root.parent.parent / "blobs"
-            if self.root.parent.name == "snapshots" and blobs.is_dir():  # a Hugging Face cache snapshot
-                self.roots.append(blobs.resolve())
+            self.blobs = _blob_store(self.root)
         except OSError as e:
             raise QwenrtError(f"cannot read checkpoint directory {self.path}: {_why(e)}") from None
 
@@ -111,10 +123,15 @@ class CheckpointDir:
             target = path.resolve()
         except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop on older Pythons
             raise QwenrtError(f"{self.path}: cannot resolve {what} {name!r} ({e})") from None
-        if not any(target == root or root in target.parents for root in self.roots):
+        if not self._confined(target):
             raise QwenrtError(f"{self.path}: {what} {name!r} is a link to {target}, outside the checkpoint "
                               "directory (copy the file in instead)")
         return path
+
+    def _confined(self, target: Path) -> bool:
+        """Whether the real path `target` lies inside the checkpoint, or directly in its repo's blob store."""
+        return (target == self.root or self.root in target.parents
+                or (self.blobs is not None and target.parent == self.blobs))
 
     def exists(self, name: str) -> bool:
         """Whether `name` is present (a confined file, or a dangling/escaping link, which `file` then refuses)."""

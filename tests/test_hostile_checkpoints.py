@@ -4,6 +4,7 @@ ranges, NaN/Inf weights. Each gets one line from `load` and `inspect` alike (or,
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,6 +99,34 @@ def test_hugging_face_cache_blobs_load(dense_ckpt, tmp_path):
     (snapshot / "config.json").unlink()
     (snapshot / "config.json").symlink_to(dense_ckpt[0] / "config.json")  # out of the blob store
     refused_by_both(snapshot, "outside the checkpoint directory")
+
+
+@pytest.mark.parametrize("blobs_to", ["root", "elsewhere"])
+@pytest.mark.parametrize("name, target", [("model.safetensors", "outside"), ("config.json", "/etc/passwd")])
+def test_a_linked_blob_store_admits_nothing(dense_ckpt, tmp_path, blobs_to, name, target):
+    """A `blobs` that is itself a link (to / or anywhere) is no blob store: `blobs -> /` made any file a blob."""
+    repo = tmp_path / "models--org--tiny"
+    snapshot = repo / "snapshots" / "abc123"
+    shutil.copytree(dense_ckpt[0], snapshot)
+    outside = tmp_path / "outside"
+    shutil.copytree(dense_ckpt[0], outside)  # a whole checkpoint, loadable if it were reached
+    target = outside / name if target == "outside" else Path(target)
+    if blobs_to == "root":
+        (repo / "blobs").symlink_to("/")
+        link = "../../blobs" + str(target)
+    else:
+        (repo / "blobs").symlink_to(target.parent)
+        link = f"../../blobs/{target.name}"
+    (snapshot / name).unlink()
+    (snapshot / name).symlink_to(link)
+    message = refused_by_both(snapshot, "outside the checkpoint directory", name)
+    assert "root:" not in message
+    tok = tmp_path / "tok" / "snapshots" / "abc123"  # the tokenizer's files take the same road
+    shutil.copytree(qwen35_tokenizer_dir(), tok)
+    (tok.parent.parent / "blobs").symlink_to("/")
+    (tok / "chat_template.jinja").unlink()
+    (tok / "chat_template.jinja").symlink_to("../../blobs/etc/passwd")
+    one_line_error(lambda: Tokenizer(tok), "chat_template.jinja", "outside the checkpoint directory")
 
 
 def test_tokenizer_files_cannot_escape(tmp_path):

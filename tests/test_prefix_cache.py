@@ -1,17 +1,28 @@
 """Prefix caching: a request that restores a cached prefix gets the logits and tokens it gets without the cache."""
 
+import contextlib
 import dataclasses
+import hashlib
+import os
+import shutil
+import stat
+import subprocess
+import time
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from qwenrt.engine import Engine, Request
 from qwenrt.engine.core import MIN_BRANCH_GAIN
+from qwenrt.engine.prefix_store import PrefixStore, model_identity
 from qwenrt.engine.request import new_request_id
 from qwenrt.prompt import prepare_prompt
 from qwenrt.sampling import SamplingParams
+from tests.hostile import one_line_error
 from tests.numerics import rel_err
 
 
@@ -267,3 +278,147 @@ def test_a_model_without_deltanet_layers(tmp_path, monkeypatch):
     tokens = finish(engine, [again])
     assert engine.prefix_cache.hit_tokens == 32
     check_same(engine, rec, model, None, again, monkeypatch, tokens)
+
+
+# ---- the folder on disk as an attack surface: links, FIFOs, modes, forged and poisoned snapshots -------------------
+
+def prefix_engine(model, tok, folder):
+    return Engine(model, tok, prefix_cache_dir=folder)
+
+
+def write_snapshots(model, tok, folder, request):
+    engine = prefix_engine(model, tok, folder)
+    finish(engine, [request])
+    engine.prefix_cache.store.flush()
+    return sorted(folder.rglob("*.safetensors"))
+
+
+def test_a_linked_model_folder_is_refused_and_its_target_untouched(chat_model, tmp_path):
+    """`<dir>/<identity>` (predictable for a known model) linked to someone's folder: that folder's *.safetensors
+    were removed as foreign snapshots."""
+    model, tok, _ = chat_model
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    precious = [victim / n for n in ("thesis.safetensors", "a" * 40 + ".safetensors", "b" * 40 + ".tmp")]
+    for f in precious:
+        f.write_bytes(b"precious")
+    folder = tmp_path / "prefix"
+    folder.mkdir()
+    (folder / model_identity(model)).symlink_to(victim)
+    one_line_error(lambda: prefix_engine(model, tok, folder), "is a symbolic link", "prefix_cache_dir")
+    assert all(f.read_bytes() == b"precious" for f in precious)
+
+
+def test_folder_and_key_modes(chat_model, ids, tmp_path, monkeypatch):
+    model, tok, _ = chat_model
+    folder = tmp_path / "fresh" / "prefix"
+    files = write_snapshots(model, tok, folder, greedy(ids[:20]))
+    mine = folder / model_identity(model)
+    mode = {p: stat.S_IMODE(p.stat().st_mode) for p in [folder, mine, mine / ".key", *files]}
+    assert mode[folder] == mode[mine] == 0o700 and set(mode.values()) == {0o700, 0o600}
+    (mine / ".key").chmod(0o644)  # a key others can read signs nothing
+    one_line_error(lambda: prefix_engine(model, tok, folder), "prefix cache key", "mode 0600; it is 0644")
+    (mine / ".key").chmod(0o600)
+    mine.chmod(0o777)
+    one_line_error(lambda: prefix_engine(model, tok, folder), "is writable by others (mode 0777)", "chmod go-w")
+    mine.chmod(0o755)
+    prefix_engine(model, tok, folder)  # readable by others is the user's choice
+    monkeypatch.setattr(os, "geteuid", lambda: 4242)  # the tests run as root: another user, simulated
+    one_line_error(lambda: prefix_engine(model, tok, folder), f"is owned by uid {mine.stat().st_uid}, not by you")
+
+
+@contextlib.contextmanager
+def fifos_released_after(seconds, *fifos):
+    """Fail when the body runs past `seconds`. An open() stuck on a FIFO inside native code (safetensors) retries
+    through signals and holds the GIL, so `no_hang` cannot stop it: a shell opens each FIFO for writing after
+    `seconds`, which lets such an open return."""
+    script = 'sleep "$1"; shift; for f in "$@"; do timeout 2 sh -c \'exec 3>"$1"\' _ "$f"; done'
+    releaser = subprocess.Popen(["sh", "-c", script, "_", str(seconds), *map(str, fifos)])
+    began = time.monotonic()
+    try:
+        yield
+    finally:
+        releaser.kill()
+        releaser.wait()
+    assert time.monotonic() - began < seconds, f"hung for more than {seconds} s"
+
+
+def test_fifos_directories_and_links_in_the_folder_are_left_alone(chat_model, ids, tmp_path, monkeypatch, capsys):
+    """A FIFO named x.safetensors blocked the start for ever, a directory x.tmp or x.safetensors raised."""
+    model, tok, _ = chat_model
+    folder = tmp_path / "prefix"
+    mine = folder / model_identity(model)
+    mine.mkdir(parents=True, mode=0o700)
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes(b"someone else's")
+    fifos = [mine / ("a" * 40 + ".safetensors"), mine / "x.safetensors", tmp_path / "ckpt" / "extra.safetensors"]
+    for fifo in fifos[:2]:
+        os.mkfifo(fifo)
+    for name in ("x.tmp", "b" * 40 + ".tmp", "c" * 40 + ".safetensors"):
+        (mine / name).mkdir()
+    (mine / ("d" * 40 + ".safetensors")).symlink_to(outside)
+    strays = sorted(p.name for p in mine.iterdir() if p.name != ".key")
+    checkpoint = tmp_path / "ckpt"  # and a FIFO beside the weights the identity samples
+    shutil.copytree(model.checkpoint_path, checkpoint)
+    os.mkfifo(fifos[2])
+    monkeypatch.setattr(model, "checkpoint_path", checkpoint)
+    capsys.readouterr()
+    with fifos_released_after(20, *fifos):
+        files = write_snapshots(model, tok, folder, greedy(ids[:20]))
+    assert "leaving alone 6 entries" in capsys.readouterr().err
+    written = [f.name for f in files if f.is_file() and not f.is_symlink()]
+    assert written and sorted(f.name for f in mine.iterdir() if f.name not in (".key", *written)) == strays
+    assert outside.read_bytes() == b"someone else's"
+
+
+def plain_sha256(tensors):
+    """The unkeyed checksum snapshots carried, which anyone can recompute."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_a_forged_snapshot_is_not_used(chat_model, ids, tmp_path, monkeypatch, capsys):
+    model, tok, _ = chat_model
+    folder = tmp_path / "prefix"
+    request = greedy(ids[:40])
+    expected, _ = uncached(model, tok, request, monkeypatch)
+    forged = 0
+    for f in write_snapshots(model, tok, folder, request):
+        with safe_open(f, "pt") as handle:
+            meta, tensors = handle.metadata(), {n: handle.get_tensor(n) for n in handle.keys()}
+        if "logits" in tensors:  # the attacker's token comes first
+            tensors["logits"] = torch.full_like(tensors["logits"], -100.0)
+            tensors["logits"][(expected[0] + 1) % tensors["logits"].numel()] = 100.0
+            save_file(tensors, f, metadata={**meta, "sha256": plain_sha256(tensors)})
+            forged += 1
+    assert forged
+    capsys.readouterr()
+    again = greedy(ids[:40])
+    assert finish(prefix_engine(model, tok, folder), [again])[again.request_id] == expected
+    assert "ignoring and removing" in capsys.readouterr().err
+
+
+def test_a_snapshot_holding_nan_is_not_used(chat_model, ids, tmp_path, monkeypatch, capsys):
+    """Planted through the store's own writer (so signed as it signs): NaN states broke every request of the prompt."""
+    model, tok, _ = chat_model
+    folder = tmp_path / "prefix"
+    request = greedy(ids[:40])
+    expected, _ = uncached(model, tok, request, monkeypatch)
+    snapshots = []
+    for f in write_snapshots(model, tok, folder, request):
+        snapshots.append(load_file(f))
+        f.unlink()
+    planter = PrefixStore(folder, model_identity(model), 1 << 30)
+    for tensors in snapshots:
+        key = tensors.pop("key").tolist()
+        for name in {"recurrent", "logits"} & tensors.keys():
+            tensors[name].fill_(float("nan"))
+        planter.write(key, tensors)
+    planter.flush()
+    capsys.readouterr()
+    again = greedy(ids[:40])
+    assert finish(prefix_engine(model, tok, folder), [again])[again.request_id] == expected
+    assert "NaN" in capsys.readouterr().err

@@ -129,9 +129,10 @@ class PrefixCache:
         s = self.shapes
         return (tuple(t["conv"].shape) == s["conv"] and t["conv"].dtype == torch.float32
                 and tuple(t["recurrent"].shape) == s["recurrent"] and t["recurrent"].dtype == torch.float32
-                and (not self.full_layers or (tuple(t["kv"].shape) == (*s["kv"][:3], n, s["kv"][3])
+                and (not self.full_layers or ("kv" in t and tuple(t["kv"].shape) == (*s["kv"][:3], n, s["kv"][3])
                                               and t["kv"].dtype == s["kv_dtype"]))
-                and ("logits" not in t or tuple(t["logits"].shape) == (s["vocab"],)))
+                and ("logits" not in t or (tuple(t["logits"].shape) == (s["vocab"],)
+                                           and t["logits"].dtype == torch.float32)))
 
     def restore(self, match: Match, state: SequenceState) -> None:
         """Put the matched prefix into a fresh sequence cache: KV of every edge on the path, then the snapshot."""
