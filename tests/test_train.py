@@ -6,6 +6,7 @@ import random
 import shutil
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 import qwenrt
 import qwenrt.kernels
 from qwenrt.cli import main
+from qwenrt.default_model import default_model_path
 from qwenrt.errors import QwenrtError
 from qwenrt.mtp import load_mtp_head, mtp_hidden
 from qwenrt.ops.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
@@ -23,8 +25,11 @@ from qwenrt.tiny.tasks import conversations
 from qwenrt.tokenizer import Tokenizer
 from qwenrt.train import TrainConfig, train
 from qwenrt.train.bpe import SPECIAL_TOKENS, build_tokenizer, train_bpe
+from qwenrt.train.checkpoints import prune, save_checkpoint, step_dir
 from qwenrt.train.data import encode_conversation
-from qwenrt.train.trainer import build_model, lr_at, sequence_losses, step_examples
+from qwenrt.train.trainer import (LOG_FILE, build_model, load_model_for_training, lr_at, sequence_losses,
+                                  step_examples)
+from tests.hostile import no_hang, one_line_error
 
 
 @pytest.fixture(scope="session")
@@ -284,3 +289,117 @@ def test_recipe_steps_shorten_the_copying_phase_alike(monkeypatch, tmp_path, cap
     assert built[0].steps == 380 and built[0].copy_steps == full.copy_steps * 380 // full.steps > 0
     assert built[0].copy_steps < 380 and "trained 380 steps" in capsys.readouterr().out
     assert built[0].mtp_steps == full.mtp_steps * 380 // full.steps > 0
+
+
+# ---- hostile inputs: the output directory, resume states, training data (issue 36) ----
+
+BUILTIN = str(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    data = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in conversations(4, 4)))
+    return data
+
+
+def _planted(tmp_path, layout: str):
+    """(output directory, what must stay untouched) for one hostile or careless output layout."""
+    out, victim = tmp_path / "run", tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("mine")
+    if layout == "a file":
+        out.write_text("not a directory")
+    elif layout == "a dangling link":
+        out.symlink_to(tmp_path / "missing")
+    elif layout == "a link to a directory":
+        out.symlink_to(victim)
+    elif layout == "under /proc":
+        out = Path("/proc/qwenrt-train-out")
+    elif layout == "a 300-character name":
+        out = tmp_path / ("x" * 300)
+    elif layout == "a model.safetensors directory":
+        (out / "model.safetensors").mkdir(parents=True)
+    else:  # a link planted where training writes: a step directory, its old .tmp sibling, checkpoints/, the log
+        (out / "checkpoints").mkdir(parents=True)
+        (out / layout).symlink_to(victim if layout != LOG_FILE else victim / "keep.txt")
+    return out, victim
+
+
+OUTPUT_LAYOUTS = [("a file", "is not a directory"), ("a dangling link", "is a symlink"),
+                  ("a link to a directory", "is a symlink"), ("under /proc", "cannot write to output directory"),
+                  ("a 300-character name", "File name too long"), ("a model.safetensors directory", "is a directory"),
+                  ("checkpoints/step-000002", "is a symlink"), ("checkpoints/step-000002.tmp", "is a symlink"),
+                  (LOG_FILE, "is a symlink")]
+
+
+@pytest.mark.parametrize("layout, message", OUTPUT_LAYOUTS, ids=[layout for layout, _ in OUTPUT_LAYOUTS])
+def test_unusable_output_directory_is_refused_before_any_training_work(layout, message, small_data, tmp_path,
+                                                                        monkeypatch, capsys):
+    out, victim = _planted(tmp_path, layout)
+
+    def started(*_):
+        raise AssertionError("training work started")
+
+    monkeypatch.setattr("qwenrt.train.trainer.load_model_for_training", started)
+    assert main(["train", str(out), "--data", str(small_data), "--init", BUILTIN, "--steps", "2"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and message in err, err
+    assert sorted(p.name for p in victim.iterdir()) == ["keep.txt"] and (victim / "keep.txt").read_text() == "mine"
+
+
+def test_recipe_checks_its_output_before_building(tmp_path, capsys):
+    (tmp_path / "rebuilt").write_text("a file")
+    assert main(["train", str(tmp_path / "rebuilt"), "--recipe", "tiny"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "is not a directory" in err, err
+
+
+def test_a_file_beside_the_output_named_like_its_old_tmp_folder_is_left_alone(small_data, tmp_path):
+    """Checkpoints are written into a fresh private folder inside their directory: a file `OUT.tmp` (where the
+    final checkpoint used to be staged, failing at the end of the run) is neither in the way nor touched."""
+    out = tmp_path / "run"
+    (tmp_path / "run.tmp").write_text("mine")
+    train(TrainConfig(out=str(out), data=str(small_data), init=BUILTIN, steps=2, batch_size=2, save_every=1,
+                      mtp_weight=0, progress=False, threads=1))
+    assert (tmp_path / "run.tmp").read_text() == "mine"
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith("tokenizer")) == [
+        "chat_template.jinja", "checkpoints", "config.json", "generation_config.json", "model.safetensors",
+        LOG_FILE]
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000001"]
+
+
+@pytest.fixture(scope="module")
+def builtin_model():
+    return load_model_for_training(BUILTIN, False, 0)[0]
+
+
+def test_checkpoint_is_never_written_through_a_link(builtin_model, tmp_path):
+    """A link that appears where a step directory goes after the start is refused at the save, not followed."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "step-000002").symlink_to(victim)
+    one_line_error(lambda: save_checkpoint(step_dir(tmp_path, 2), builtin_model, None, {}, Path(BUILTIN),
+                                           state={"step": 2, "optimizer": {}}), "step-000002 is a symlink")
+    assert list(victim.iterdir()) == []
+    (tmp_path / "checkpoints").rename(tmp_path / "moved")
+    (tmp_path / "checkpoints").symlink_to(victim)
+    one_line_error(lambda: step_dir(tmp_path, 2), "checkpoints is a symlink")
+    assert list(victim.iterdir()) == []
+
+
+def test_prune_removes_only_real_step_directories(tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("mine")
+    checkpoints = tmp_path / "checkpoints"
+    for step in (1, 3, 4):
+        (checkpoints / f"step-{step:06d}").mkdir(parents=True)
+        (checkpoints / f"step-{step:06d}" / "model.safetensors").write_text("weights")
+    (checkpoints / "step-000002").symlink_to(victim)
+    (checkpoints / "step-000000.tmp").symlink_to(victim)
+    (checkpoints / "step-000003" / "inner").symlink_to(victim)
+    prune(tmp_path, 1)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000000.tmp", "step-000002", "step-000004"]
+    assert [p.name for p in victim.iterdir()] == ["keep.txt"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -26,7 +27,8 @@ from tqdm import tqdm
 from qwenrt.config import parse_config
 from qwenrt.errors import QwenrtError
 from qwenrt.mtp import MTPHead, chained_hidden
-from qwenrt.train.checkpoints import config_json, latest_step_dir, load_state, prune, save_checkpoint, step_dir
+from qwenrt.train.checkpoints import (config_json, latest_step_dir, load_state, prepare_output, prune, save_checkpoint,
+                                      step_dir)
 from qwenrt.train.data import Example, collate, encode_all, read_jsonl
 
 LOG_FILE = "train_log.jsonl"
@@ -267,8 +269,7 @@ def train(cfg: TrainConfig) -> dict:
 def _train(cfg: TrainConfig) -> dict:
     from qwenrt.tokenizer import Tokenizer
 
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_output(Path(cfg.out), (LOG_FILE,))
     torch.manual_seed(cfg.seed)
     use_mtp = cfg.mtp_weight > 0
     resume_dir = latest_step_dir(out) if cfg.resume else None
@@ -312,7 +313,7 @@ def _train(cfg: TrainConfig) -> dict:
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
 
-    log = open(out / LOG_FILE, "a" if start else "w", encoding="utf-8")
+    log = _open_log(out / LOG_FILE, append=bool(start))
     if not start:
         log.write(json.dumps({"config": asdict(cfg) | {"data": _describe(cfg.data), "eval_data": _describe(
             cfg.eval_data)}, "parameters": _count(modules), "train_conversations": len(train_set)}) + "\n")
@@ -367,6 +368,15 @@ def _train(cfg: TrainConfig) -> dict:
     return {"steps": cfg.steps, "seconds": time.perf_counter() - began, "cpu_seconds": time.process_time() - cpu_began,
             "tokens": tokens_seen,
             "parameters": _count(modules), "history": history}
+
+
+def _open_log(path: Path, append: bool):
+    """The training log, opened without following a link that appeared in its place since the start."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if append else os.O_TRUNC)
+    try:
+        return os.fdopen(os.open(path, flags, 0o666), "a" if append else "w", encoding="utf-8")
+    except OSError as e:
+        raise QwenrtError(f"cannot write the training log {path}: {e.strerror or e}") from None
 
 
 def _describe(source) -> str | None:
