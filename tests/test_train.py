@@ -25,7 +25,7 @@ from qwenrt.tiny.tasks import conversations
 from qwenrt.tokenizer import Tokenizer
 from qwenrt.train import TrainConfig, train
 from qwenrt.train.bpe import SPECIAL_TOKENS, build_tokenizer, train_bpe
-from qwenrt.train.checkpoints import prune, save_checkpoint, step_dir
+from qwenrt.train.checkpoints import STATE_FILE, prune, save_checkpoint, step_dir
 from qwenrt.train.data import encode_conversation
 from qwenrt.train.trainer import (LOG_FILE, build_model, load_model_for_training, lr_at, sequence_losses,
                                   step_examples)
@@ -403,3 +403,53 @@ def test_prune_removes_only_real_step_directories(tmp_path):
     prune(tmp_path, 1)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000000.tmp", "step-000002", "step-000004"]
     assert [p.name for p in victim.iterdir()] == ["keep.txt"]
+
+
+@pytest.fixture(scope="module")
+def resumable(small_data, tmp_path_factory):
+    """A 2-step run of the built-in model with a step checkpoint after step 1: (output directory, its config)."""
+    out = tmp_path_factory.mktemp("resumable")
+    cfg = TrainConfig(out=str(out), data=str(small_data), init=BUILTIN, steps=2, batch_size=2, save_every=1,
+                      mtp_weight=0, progress=False, threads=1)
+    train(cfg)
+    return out, cfg
+
+
+def _wrong_shape(state):
+    moments = state["optimizer"]["state"][0]
+    moments["exp_avg"] = moments["exp_avg"][:1]
+
+
+def _nan(state):
+    state["optimizer"]["state"][0]["exp_avg_sq"][...] = float("nan")
+
+
+def _group_short(state):
+    state["optimizer"]["param_groups"][0]["params"].pop()
+
+
+BAD_STATES = [
+    ("no optimizer", lambda s: s.pop("optimizer"), "has no optimizer state"),
+    ("no step", lambda s: s.pop("step"), "step must be an integer >= 0, not None"),
+    ("negative step", lambda s: s.update(step=-1), "step must be an integer >= 0, not -1"),
+    ("float step", lambda s: s.update(step=1.5), "not 1.5"),
+    ("string step", lambda s: s.update(step="1"), "not '1'"),
+    ("bool step", lambda s: s.update(step=True), "not True"),
+    ("step past the run", lambda s: s.update(step=5), "at step 5, past steps 2"),
+    ("moments of another shape", _wrong_shape, "'exp_avg' must be finite floats of shape"),
+    ("NaN moments", _nan, "'exp_avg_sq' must be finite floats"),
+    ("a parameter short", _group_short, "the optimizer state does not fit this model"),
+    ("moments missing", lambda s: s["optimizer"]["state"][0].pop("exp_avg"), "optimizer state has"),
+    ("not a dict", lambda s: s.clear(), "has no optimizer state"),
+]
+
+
+@pytest.mark.parametrize("fault, damage, message", BAD_STATES, ids=[fault for fault, _, _ in BAD_STATES])
+def test_bad_resume_state_gets_one_line_error(fault, damage, message, resumable, tmp_path):
+    out, cfg = resumable
+    shutil.copytree(out, tmp_path / "run")
+    state_file = tmp_path / "run" / "checkpoints" / "step-000001" / STATE_FILE
+    state = torch.load(state_file, weights_only=True)
+    damage(state)
+    torch.save(state, state_file)
+    one_line_error(lambda: train(replace(cfg, out=str(tmp_path / "run"), resume=True)), STATE_FILE, message)

@@ -24,6 +24,7 @@ from qwenrt.mtp import mtp_state_dict
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 STATE_FILE = "training_state.pt"
 STEP_NAME = re.compile(r"step-\d{6,}")
+ADAMW_STATE = {"step", "exp_avg", "exp_avg_sq"}  # what AdamW keeps per parameter (amsgrad off)
 
 
 def config_json(c: TextConfig, special_ids: dict[str, int | list[int]], mtp: bool, dtype: torch.dtype) -> dict:
@@ -140,10 +141,43 @@ def latest_step_dir(out: Path) -> Path | None:
 
 
 def load_state(step_dir: Path) -> dict:
+    """A step directory's training state: {"step": an int >= 0, "optimizer": a state dict}, or one QwenrtError."""
+    path = step_dir / STATE_FILE
     try:
-        return torch.load(step_dir / STATE_FILE, weights_only=True)
+        state = torch.load(path, weights_only=True)
     except Exception as e:  # torch raises several types for a damaged file
-        raise QwenrtError(f"{step_dir / STATE_FILE}: cannot read the training state ({e})") from None
+        raise QwenrtError(f"{path}: cannot read the training state ({e})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("optimizer"), dict):
+        raise QwenrtError(f"{path}: the training state has no optimizer state")
+    step = state.get("step")
+    if type(step) is not int or step < 0:  # bool is an int subclass: excluded too
+        raise QwenrtError(f"{path}: the training state's step must be an integer >= 0, not {step!r:.40}")
+    return state
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict, where: Path) -> None:
+    """Load a saved AdamW state into `optimizer`, refusing one that does not fit its parameters (each one's
+    moments of its shape, finite); the settings (betas, weight decay, ...) stay this run's."""
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    try:
+        optimizer.load_state_dict(saved)
+    except Exception as e:  # torch checks group sizes only, and raises several types for the rest
+        raise QwenrtError(f"{where}: the optimizer state does not fit this model ({e})") from None
+    for group, own in zip(optimizer.param_groups, settings):
+        group.update(own)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for n, p in enumerate(params):
+        moments = optimizer.state.get(p, {})
+        if moments and set(moments) != ADAMW_STATE:
+            raise QwenrtError(f"{where}: parameter {n}'s optimizer state has {sorted(moments)}, not "
+                              f"{sorted(ADAMW_STATE)}")
+        for name, value in moments.items():
+            shape = () if name == "step" else p.shape
+            if not (torch.is_tensor(value) and value.is_floating_point() and value.shape == shape
+                    and bool(torch.isfinite(value).all())):
+                got = f"shape {tuple(value.shape)}" if torch.is_tensor(value) else type(value).__name__
+                raise QwenrtError(f"{where}: parameter {n}'s optimizer state {name!r} must be finite floats of "
+                                  f"shape {tuple(shape)}, got {got}")
 
 
 def prune(out: Path, keep: int) -> None:

@@ -27,8 +27,8 @@ from tqdm import tqdm
 from qwenrt.config import parse_config
 from qwenrt.errors import QwenrtError
 from qwenrt.mtp import MTPHead, chained_hidden
-from qwenrt.train.checkpoints import (config_json, latest_step_dir, load_state, prepare_output, prune, save_checkpoint,
-                                      step_dir)
+from qwenrt.train.checkpoints import (STATE_FILE, config_json, latest_step_dir, load_state, prepare_output, prune,
+                                      restore_optimizer, save_checkpoint, step_dir)
 from qwenrt.train.data import Example, collate, encode_all, read_jsonl
 
 LOG_FILE = "train_log.jsonl"
@@ -274,6 +274,10 @@ def _train(cfg: TrainConfig) -> dict:
     use_mtp = cfg.mtp_weight > 0
     resume_dir = latest_step_dir(out) if cfg.resume else None
     if resume_dir is not None:
+        state = load_state(resume_dir)
+        if state["step"] > cfg.steps:
+            raise QwenrtError(f"{resume_dir / STATE_FILE}: the training state is at step {state['step']}, past "
+                              f"steps {cfg.steps}")
         model, mtp = load_model_for_training(resume_dir, use_mtp, cfg.seed)
         tokenizer_dir = resume_dir
     elif cfg.init is not None:
@@ -309,8 +313,7 @@ def _train(cfg: TrainConfig) -> dict:
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, foreach=True)
     start = 0
     if resume_dir is not None:
-        state = load_state(resume_dir)
-        optimizer.load_state_dict(state["optimizer"])
+        restore_optimizer(optimizer, state["optimizer"], resume_dir / STATE_FILE)
         start = state["step"]
 
     log = _open_log(out / LOG_FILE, append=bool(start))
