@@ -4,6 +4,7 @@ seeded determinism and exact resumption, the `qwenrt train` command."""
 import json
 import random
 import shutil
+import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -26,7 +27,7 @@ from qwenrt.tokenizer import Tokenizer
 from qwenrt.train import TrainConfig, train
 from qwenrt.train.bpe import SPECIAL_TOKENS, build_tokenizer, train_bpe
 from qwenrt.train.checkpoints import STATE_FILE, prune, save_checkpoint, step_dir
-from qwenrt.train.data import encode_conversation
+from qwenrt.train.data import check_conversation, encode_conversation, load_conversations
 from qwenrt.train.trainer import (LOG_FILE, build_model, load_model_for_training, lr_at, sequence_losses,
                                   step_examples)
 from tests.hostile import no_hang, one_line_error
@@ -453,3 +454,114 @@ def test_bad_resume_state_gets_one_line_error(fault, damage, message, resumable,
     damage(state)
     torch.save(state, state_file)
     one_line_error(lambda: train(replace(cfg, out=str(tmp_path / "run"), resume=True)), STATE_FILE, message)
+
+
+DATA_FAULTS = [
+    ("invalid UTF-8", b'{"messages": [{"role": "user", "content": "\xff"}]}', "not UTF-8 text"),
+    ("100k-deep JSON", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    ("5000-digit integer", b'{"messages": [], "n": ' + b"9" * 5000 + b"}", "Exceeds the limit (4300 digits)"),
+    ("NaN", b'{"messages": [{"role": "user", "content": NaN}]}', "NaN is not valid JSON"),
+    ("non-string reasoning", json.dumps({"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "a", "reasoning_content": 5}]}).encode(),
+     "message 1: 'reasoning_content' must be a string, not int"),
+    ("tool_calls a number", json.dumps({"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "a", "tool_calls": 7}]}).encode(),
+     "message 1: 'tool_calls' must be a list, not int"),
+    ("content an object", json.dumps({"messages": [
+        {"role": "user", "content": {"a": 1}}, {"role": "assistant", "content": "a"}]}).encode(),
+     "message 0: 'content' must be a string or a list of text parts"),
+    ("deep tool arguments", json.dumps({"messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "[" * 100_000}}]}]}
+                                       ).encode(), "tool call arguments are not valid JSON (nested too deeply)"),
+]
+
+
+@pytest.mark.parametrize("fault, line, message", DATA_FAULTS, ids=[fault for fault, _, _ in DATA_FAULTS])
+def test_training_data_faults_get_one_line_errors_naming_the_line(fault, line, message, tmp_path):
+    data = tmp_path / "chats.jsonl"
+    data.write_bytes(json.dumps(conversations(1, 4)[0]).encode() + b"\n" + line + b"\n")
+    one_line_error(lambda: load_conversations(str(data)), f"{data}:2: ", message)
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    """The built-in model's tokenizer and the real Qwen3.5 one (its pre-tokenizer joins spaces and newlines)."""
+    from tests.tokenizer_fixture import qwen35_tokenizer_dir
+
+    return [Tokenizer(BUILTIN), Tokenizer(qwen35_tokenizer_dir())]
+
+
+def _encode_by_prefixes(tokenizer, conversation: dict) -> tuple[list[int], list[bool]]:
+    """The encoding before issue 36, as the reference: every assistant turn's prompt rendered and tokenized on its
+    own (quadratic in turns)."""
+    messages, tools = conversation["messages"], conversation.get("tools")
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=tools))
+    mask = [False] * len(ids)
+    for i, turn in enumerate(messages):
+        if turn["role"] != "assistant":
+            continue
+        before = messages[:i]
+        thinking = bool((turn.get("reasoning_content") or "").strip())
+        prompts = [tokenizer.apply_chat_template(before, add_generation_prompt=True, enable_thinking=thinking,
+                                                 tools=tools),
+                   tokenizer.apply_chat_template(before, add_generation_prompt=False, tools=tools)
+                   + "<|im_start|>assistant\n"]
+        prefixes = [tokenizer.encode(p) for p in prompts if any(m["role"] == "user" for m in before)]
+        start = next((len(p) for p in prefixes if ids[:len(p)] == p), None)
+        if start is None:
+            raise QwenrtError("not a prefix")
+        end = ids.index(tokenizer.token_to_id("<|im_end|>"), start) + 1
+        mask[start:end] = [True] * (end - start)
+    return ids, mask
+
+
+def _multi_turn_chats() -> list[dict]:
+    """Conversations with several user turns, tool calls, reasoning, and text the template or the pre-tokenizer
+    treat specially (a think block in the content, leading newlines and spaces)."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    call = {"function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
+    user, system = {"role": "user", "content": "Add 1 and 2."}, {"role": "system", "content": "Be brief."}
+    return [
+        {"messages": [system, user, {"role": "assistant", "content": "3", "reasoning_content": "1 + 2"},
+                      {"role": "user", "content": "Now with the tool."},
+                      {"role": "assistant", "content": "", "reasoning_content": "call it", "tool_calls": [call]},
+                      {"role": "tool", "content": "3"}, {"role": "tool", "content": "again 3"},
+                      {"role": "assistant", "content": "It is 3.", "reasoning_content": "the tool said 3"}],
+         "tools": tools},
+        {"messages": [user, {"role": "assistant", "content": "\n\n3"}, {"role": "user", "content": " and again?"},
+                      {"role": "assistant", "content": "", "tool_calls": [call, call]},
+                      {"role": "tool", "content": "3"}, {"role": "assistant", "content": " 3 "}],
+         "tools": tools},
+        {"messages": [user, {"role": "assistant", "content": "<think>\nhm\n</think>\n\n3"},
+                      {"role": "user", "content": "\nsure?"},
+                      {"role": "assistant", "content": "\nyes", "reasoning_content": "\n  "}]},
+        {"messages": [user, {"role": "assistant", "content": "3", "reasoning_content": "\nfirst a newline"}]},
+    ]
+
+
+def test_encoding_renders_once_and_masks_as_rendering_every_prompt_did(tokenizers):
+    """Each assistant turn's start is found in the one rendering (its header token, then the generation prompt's
+    tokens), not by rendering and tokenizing every prompt before it: the ids and loss masks are those of the
+    per-prompt encoding, for the recipe's conversations and multi-turn ones with tools and thinking."""
+    chats = [c for c in conversations(60, 9)] + _multi_turn_chats()
+    for tokenizer in tokenizers:
+        for chat in chats:
+            example = encode_conversation(tokenizer, check_conversation(chat, "chat"))
+            assert (example.ids, example.loss_mask) == _encode_by_prefixes(tokenizer, chat), chat
+    no_user_first = {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}]}
+    one_line_error(lambda: encode_conversation(tokenizers[0], no_user_first), "must follow a user message")
+
+
+def test_encoding_is_linear_in_turns(tokenizers):
+    """2,000 turns (a 60 KB line) encode in about half a second; rendering every prompt took 3.4 / 12.4 / 51 s
+    for 100 / 200 / 400 turns and more than 150 s for these. Too long for max_len is said before any turn."""
+    messages = [m for i in range(1000) for m in ({"role": "user", "content": f"What is {i} + {i}?"},
+                                                 {"role": "assistant", "content": f"{i} + {i} = {2 * i}"})]
+    chat = check_conversation({"messages": messages}, "chat")
+    with no_hang(60):
+        began = time.perf_counter()
+        example = encode_conversation(tokenizers[0], chat)
+        assert time.perf_counter() - began < 5
+    assert sum(example.loss_mask) > 1000 * 5
+    one_line_error(lambda: encode_conversation(tokenizers[0], chat, "chats.jsonl:7", max_len=1024),
+                   "chats.jsonl:7: ", "tokens, over max_len 1024")

@@ -29,7 +29,7 @@ from qwenrt.errors import QwenrtError
 from qwenrt.mtp import MTPHead, chained_hidden
 from qwenrt.train.checkpoints import (STATE_FILE, config_json, latest_step_dir, load_state, prepare_output, prune,
                                       restore_optimizer, save_checkpoint, step_dir)
-from qwenrt.train.data import Example, collate, encode_all, read_jsonl
+from qwenrt.train.data import Example, collate, encode_all, load_conversations
 
 LOG_FILE = "train_log.jsonl"
 
@@ -210,14 +210,6 @@ def evaluate(model, mtp, examples: list[Example], pad_id: int, batch: int, depth
     return out
 
 
-def _conversations(source: str | list[dict]) -> list[dict]:
-    if isinstance(source, list):
-        from qwenrt.train.data import check_conversation
-
-        return [check_conversation(c, f"conversation {n}") for n, c in enumerate(source)]
-    return read_jsonl(source)
-
-
 def step_examples(examples: list[Example], step: int, batch_size: int, seed: int, in_order: bool = False,
                   length_groups: int = 1) -> list[Example]:
     """The conversations of one optimizer step: consecutive slices of a per-epoch permutation of the data (the
@@ -298,8 +290,9 @@ def _train(cfg: TrainConfig) -> dict:
         raise QwenrtError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                           f"{model.config.text.vocab_size} embeddings")
 
-    train_set = encode_all(tokenizer, _conversations(cfg.data), cfg.max_len, "training data")
-    eval_set = encode_all(tokenizer, _conversations(cfg.eval_data), cfg.max_len, "eval data") if cfg.eval_data else []
+    train_set = encode_all(tokenizer, load_conversations(cfg.data, "training data"), cfg.max_len)
+    eval_set = (encode_all(tokenizer, load_conversations(cfg.eval_data, "eval data"), cfg.max_len)
+                if cfg.eval_data else [])
 
     model.train()
     if cfg.mtp_only:
