@@ -349,6 +349,17 @@ def test_unusable_output_directory_is_refused_before_any_training_work(layout, m
     assert sorted(p.name for p in victim.iterdir()) == ["keep.txt"] and (victim / "keep.txt").read_text() == "mine"
 
 
+def test_a_bad_model_config_gets_one_line_error(small_data, tmp_path, capsys):
+    config = tmp_path / "config.json"
+    for text, message in (("[" * 100_000, "not valid JSON"), ('{"n": ' + "9" * 5000 + "}", "not valid JSON"),
+                          ("[]", "expected a JSON object")):
+        config.write_text(text)
+        assert main(["train", str(tmp_path / "run"), "--data", str(small_data), "--config", str(config),
+                     "--tokenizer", BUILTIN]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and message in err, err
+
+
 def test_recipe_checks_its_output_before_building(tmp_path, capsys):
     (tmp_path / "rebuilt").write_text("a file")
     assert main(["train", str(tmp_path / "rebuilt"), "--recipe", "tiny"]) == 1
@@ -442,6 +453,7 @@ BAD_STATES = [
     ("a parameter short", _group_short, "the optimizer state does not fit this model"),
     ("moments missing", lambda s: s["optimizer"]["state"][0].pop("exp_avg"), "optimizer state has"),
     ("not a dict", lambda s: s.clear(), "has no optimizer state"),
+    ("code", lambda s: s.update(hook=shutil.rmtree), "not a training state (damaged, or holding more than"),
 ]
 
 

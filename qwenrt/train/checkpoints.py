@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import stat
@@ -145,8 +146,11 @@ def load_state(step_dir: Path) -> dict:
     path = step_dir / STATE_FILE
     try:
         state = torch.load(path, weights_only=True)
+    except (pickle.UnpicklingError, EOFError):  # torch's text for these is a page advising weights_only=False
+        raise QwenrtError(f"{path}: not a training state (damaged, or holding more than tensors and plain "
+                          "values)") from None
     except Exception as e:  # torch raises several types for a damaged file
-        raise QwenrtError(f"{path}: cannot read the training state ({e})") from None
+        raise QwenrtError(f"{path}: cannot read the training state ({_one_line(e)})") from None
     if not isinstance(state, dict) or not isinstance(state.get("optimizer"), dict):
         raise QwenrtError(f"{path}: the training state has no optimizer state")
     step = state.get("step")
@@ -162,7 +166,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict, where: Path
     try:
         optimizer.load_state_dict(saved)
     except Exception as e:  # torch checks group sizes only, and raises several types for the rest
-        raise QwenrtError(f"{where}: the optimizer state does not fit this model ({e})") from None
+        raise QwenrtError(f"{where}: the optimizer state does not fit this model ({_one_line(e)})") from None
     for group, own in zip(optimizer.param_groups, settings):
         group.update(own)
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -178,6 +182,10 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict, where: Path
                 got = f"shape {tuple(value.shape)}" if torch.is_tensor(value) else type(value).__name__
                 raise QwenrtError(f"{where}: parameter {n}'s optimizer state {name!r} must be finite floats of "
                                   f"shape {tuple(shape)}, got {got}")
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())[:200] or type(e).__name__
 
 
 def prune(out: Path, keep: int) -> None:
