@@ -152,3 +152,25 @@ class CheckpointDir:
             return sorted(p.name for p in self.path.glob(pattern))
         except OSError as e:
             raise QwenrtError(f"cannot list checkpoint directory {self.path}: {_why(e)}") from None
+
+
+def output_dir(path: str | Path, what: str = "output directory") -> Path:
+    """The directory `path` to write into, created (mode 0755 less the umask, missing parents too) when absent.
+    Refused in one line when it is a symlink (dangling or not), not a directory, or no folder can be made in it
+    (read-only, /proc). Links above `path` are the caller's own; whoever creates levels below checks each."""
+    import tempfile  # here, not at the top: this function was appended to the module last
+
+    path = Path(path)
+    try:
+        if not os.path.lexists(path):
+            path.mkdir(mode=0o755, parents=True, exist_ok=True)
+        mode = os.lstat(path).st_mode
+        if stat.S_ISDIR(mode):  # a real write, not access(): root passes that on /proc
+            os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=path))
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the name
+        raise QwenrtError(f"cannot write to {what} {path}: {getattr(e, 'strerror', None) or e}") from None
+    if stat.S_ISLNK(mode):
+        raise QwenrtError(f"{what} {path} is a symlink; qwenrt writes only into real directories (give its target)")
+    if not stat.S_ISDIR(mode):
+        raise QwenrtError(f"{what} {path} is not a directory")
+    return path

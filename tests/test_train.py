@@ -4,8 +4,10 @@ seeded determinism and exact resumption, the `qwenrt train` command."""
 import json
 import random
 import shutil
+import time
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 import qwenrt
 import qwenrt.kernels
 from qwenrt.cli import main
+from qwenrt.default_model import default_model_path
 from qwenrt.errors import QwenrtError
 from qwenrt.mtp import load_mtp_head, mtp_hidden
 from qwenrt.ops.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
@@ -23,8 +26,11 @@ from qwenrt.tiny.tasks import conversations
 from qwenrt.tokenizer import Tokenizer
 from qwenrt.train import TrainConfig, train
 from qwenrt.train.bpe import SPECIAL_TOKENS, build_tokenizer, train_bpe
-from qwenrt.train.data import encode_conversation
-from qwenrt.train.trainer import build_model, lr_at, sequence_losses, step_examples
+from qwenrt.train.checkpoints import STATE_FILE, prune, save_checkpoint, step_dir
+from qwenrt.train.data import check_conversation, encode_conversation, load_conversations
+from qwenrt.train.trainer import (LOG_FILE, build_model, load_model_for_training, lr_at, sequence_losses,
+                                  step_examples)
+from tests.hostile import no_hang, one_line_error
 
 
 @pytest.fixture(scope="session")
@@ -284,3 +290,290 @@ def test_recipe_steps_shorten_the_copying_phase_alike(monkeypatch, tmp_path, cap
     assert built[0].steps == 380 and built[0].copy_steps == full.copy_steps * 380 // full.steps > 0
     assert built[0].copy_steps < 380 and "trained 380 steps" in capsys.readouterr().out
     assert built[0].mtp_steps == full.mtp_steps * 380 // full.steps > 0
+
+
+# ---- hostile inputs: the output directory, resume states, training data (issue 36) ----
+
+BUILTIN = str(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    data = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in conversations(4, 4)))
+    return data
+
+
+def _planted(tmp_path, layout: str):
+    """(output directory, what must stay untouched) for one hostile or careless output layout."""
+    out, victim = tmp_path / "run", tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("mine")
+    if layout == "a file":
+        out.write_text("not a directory")
+    elif layout == "a dangling link":
+        out.symlink_to(tmp_path / "missing")
+    elif layout == "a link to a directory":
+        out.symlink_to(victim)
+    elif layout == "under /proc":
+        out = Path("/proc/qwenrt-train-out")
+    elif layout == "a 300-character name":
+        out = tmp_path / ("x" * 300)
+    elif layout == "a model.safetensors directory":
+        (out / "model.safetensors").mkdir(parents=True)
+    else:  # a link planted where training writes: a step directory, its old .tmp sibling, checkpoints/, the log
+        (out / "checkpoints").mkdir(parents=True)
+        (out / layout).symlink_to(victim if layout != LOG_FILE else victim / "keep.txt")
+    return out, victim
+
+
+OUTPUT_LAYOUTS = [("a file", "is not a directory"), ("a dangling link", "is a symlink"),
+                  ("a link to a directory", "is a symlink"), ("under /proc", "cannot write to output directory"),
+                  ("a 300-character name", "File name too long"), ("a model.safetensors directory", "is a directory"),
+                  ("checkpoints/step-000002", "is a symlink"), ("checkpoints/step-000002.tmp", "is a symlink"),
+                  (LOG_FILE, "is a symlink")]
+
+
+@pytest.mark.parametrize("layout, message", OUTPUT_LAYOUTS, ids=[layout for layout, _ in OUTPUT_LAYOUTS])
+def test_unusable_output_directory_is_refused_before_any_training_work(layout, message, small_data, tmp_path,
+                                                                        monkeypatch, capsys):
+    out, victim = _planted(tmp_path, layout)
+
+    def started(*_):
+        raise AssertionError("training work started")
+
+    monkeypatch.setattr("qwenrt.train.trainer.load_model_for_training", started)
+    assert main(["train", str(out), "--data", str(small_data), "--init", BUILTIN, "--steps", "2"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and message in err, err
+    assert sorted(p.name for p in victim.iterdir()) == ["keep.txt"] and (victim / "keep.txt").read_text() == "mine"
+
+
+def test_a_bad_model_config_gets_one_line_error(small_data, tmp_path, capsys):
+    config = tmp_path / "config.json"
+    for text, message in (("[" * 100_000, "not valid JSON"), ('{"n": ' + "9" * 5000 + "}", "not valid JSON"),
+                          ("[]", "expected a JSON object")):
+        config.write_text(text)
+        assert main(["train", str(tmp_path / "run"), "--data", str(small_data), "--config", str(config),
+                     "--tokenizer", BUILTIN]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and message in err, err
+
+
+def test_recipe_checks_its_output_before_building(tmp_path, capsys):
+    (tmp_path / "rebuilt").write_text("a file")
+    assert main(["train", str(tmp_path / "rebuilt"), "--recipe", "tiny"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "is not a directory" in err, err
+
+
+def test_a_file_beside_the_output_named_like_its_old_tmp_folder_is_left_alone(small_data, tmp_path):
+    """Checkpoints are written into a fresh private folder inside their directory: a file `OUT.tmp` (where the
+    final checkpoint used to be staged, failing at the end of the run) is neither in the way nor touched."""
+    out = tmp_path / "run"
+    (tmp_path / "run.tmp").write_text("mine")
+    train(TrainConfig(out=str(out), data=str(small_data), init=BUILTIN, steps=2, batch_size=2, save_every=1,
+                      mtp_weight=0, progress=False, threads=1))
+    assert (tmp_path / "run.tmp").read_text() == "mine"
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith("tokenizer")) == [
+        "chat_template.jinja", "checkpoints", "config.json", "generation_config.json", "model.safetensors",
+        LOG_FILE]
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000001"]
+
+
+@pytest.fixture(scope="module")
+def builtin_model():
+    return load_model_for_training(BUILTIN, False, 0)[0]
+
+
+def test_checkpoint_is_never_written_through_a_link(builtin_model, tmp_path):
+    """A link that appears where a step directory goes after the start is refused at the save, not followed."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "step-000002").symlink_to(victim)
+    one_line_error(lambda: save_checkpoint(step_dir(tmp_path, 2), builtin_model, None, {}, Path(BUILTIN),
+                                           state={"step": 2, "optimizer": {}}), "step-000002 is a symlink")
+    assert list(victim.iterdir()) == []
+    (tmp_path / "checkpoints").rename(tmp_path / "moved")
+    (tmp_path / "checkpoints").symlink_to(victim)
+    one_line_error(lambda: step_dir(tmp_path, 2), "checkpoints is a symlink")
+    assert list(victim.iterdir()) == []
+
+
+def test_prune_removes_only_real_step_directories(tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("mine")
+    checkpoints = tmp_path / "checkpoints"
+    for step in (1, 3, 4):
+        (checkpoints / f"step-{step:06d}").mkdir(parents=True)
+        (checkpoints / f"step-{step:06d}" / "model.safetensors").write_text("weights")
+    (checkpoints / "step-000002").symlink_to(victim)
+    (checkpoints / "step-000000.tmp").symlink_to(victim)
+    (checkpoints / "step-000003" / "inner").symlink_to(victim)
+    prune(tmp_path, 1)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000000.tmp", "step-000002", "step-000004"]
+    assert [p.name for p in victim.iterdir()] == ["keep.txt"]
+
+
+@pytest.fixture(scope="module")
+def resumable(small_data, tmp_path_factory):
+    """A 2-step run of the built-in model with a step checkpoint after step 1: (output directory, its config)."""
+    out = tmp_path_factory.mktemp("resumable")
+    cfg = TrainConfig(out=str(out), data=str(small_data), init=BUILTIN, steps=2, batch_size=2, save_every=1,
+                      mtp_weight=0, progress=False, threads=1)
+    train(cfg)
+    return out, cfg
+
+
+def _wrong_shape(state):
+    moments = state["optimizer"]["state"][0]
+    moments["exp_avg"] = moments["exp_avg"][:1]
+
+
+def _nan(state):
+    state["optimizer"]["state"][0]["exp_avg_sq"][...] = float("nan")
+
+
+def _group_short(state):
+    state["optimizer"]["param_groups"][0]["params"].pop()
+
+
+BAD_STATES = [
+    ("no optimizer", lambda s: s.pop("optimizer"), "has no optimizer state"),
+    ("no step", lambda s: s.pop("step"), "step must be an integer >= 0, not None"),
+    ("negative step", lambda s: s.update(step=-1), "step must be an integer >= 0, not -1"),
+    ("float step", lambda s: s.update(step=1.5), "not 1.5"),
+    ("string step", lambda s: s.update(step="1"), "not '1'"),
+    ("bool step", lambda s: s.update(step=True), "not True"),
+    ("step past the run", lambda s: s.update(step=5), "at step 5, past steps 2"),
+    ("moments of another shape", _wrong_shape, "'exp_avg' must be finite floats of shape"),
+    ("NaN moments", _nan, "'exp_avg_sq' must be finite floats"),
+    ("a parameter short", _group_short, "the optimizer state does not fit this model"),
+    ("moments missing", lambda s: s["optimizer"]["state"][0].pop("exp_avg"), "optimizer state has"),
+    ("not a dict", lambda s: s.clear(), "has no optimizer state"),
+    ("code", lambda s: s.update(hook=shutil.rmtree), "not a training state (damaged, or holding more than"),
+]
+
+
+@pytest.mark.parametrize("fault, damage, message", BAD_STATES, ids=[fault for fault, _, _ in BAD_STATES])
+def test_bad_resume_state_gets_one_line_error(fault, damage, message, resumable, tmp_path):
+    out, cfg = resumable
+    shutil.copytree(out, tmp_path / "run")
+    state_file = tmp_path / "run" / "checkpoints" / "step-000001" / STATE_FILE
+    state = torch.load(state_file, weights_only=True)
+    damage(state)
+    torch.save(state, state_file)
+    one_line_error(lambda: train(replace(cfg, out=str(tmp_path / "run"), resume=True)), STATE_FILE, message)
+
+
+DATA_FAULTS = [
+    ("invalid UTF-8", b'{"messages": [{"role": "user", "content": "\xff"}]}', "not UTF-8 text"),
+    ("100k-deep JSON", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    ("5000-digit integer", b'{"messages": [], "n": ' + b"9" * 5000 + b"}", "Exceeds the limit (4300 digits)"),
+    ("NaN", b'{"messages": [{"role": "user", "content": NaN}]}', "NaN is not valid JSON"),
+    ("non-string reasoning", json.dumps({"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "a", "reasoning_content": 5}]}).encode(),
+     "message 1: 'reasoning_content' must be a string, not int"),
+    ("tool_calls a number", json.dumps({"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "a", "tool_calls": 7}]}).encode(),
+     "message 1: 'tool_calls' must be a list, not int"),
+    ("content an object", json.dumps({"messages": [
+        {"role": "user", "content": {"a": 1}}, {"role": "assistant", "content": "a"}]}).encode(),
+     "message 0: 'content' must be a string or a list of text parts"),
+    ("deep tool arguments", json.dumps({"messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "[" * 100_000}}]}]}
+                                       ).encode(), "tool call arguments are not valid JSON (nested too deeply)"),
+]
+
+
+@pytest.mark.parametrize("fault, line, message", DATA_FAULTS, ids=[fault for fault, _, _ in DATA_FAULTS])
+def test_training_data_faults_get_one_line_errors_naming_the_line(fault, line, message, tmp_path):
+    data = tmp_path / "chats.jsonl"
+    data.write_bytes(json.dumps(conversations(1, 4)[0]).encode() + b"\n" + line + b"\n")
+    one_line_error(lambda: load_conversations(str(data)), f"{data}:2: ", message)
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    """The built-in model's tokenizer and the real Qwen3.5 one (its pre-tokenizer joins spaces and newlines)."""
+    from tests.tokenizer_fixture import qwen35_tokenizer_dir
+
+    return [Tokenizer(BUILTIN), Tokenizer(qwen35_tokenizer_dir())]
+
+
+def _encode_by_prefixes(tokenizer, conversation: dict) -> tuple[list[int], list[bool]]:
+    """The encoding before issue 36, as the reference: every assistant turn's prompt rendered and tokenized on its
+    own (quadratic in turns)."""
+    messages, tools = conversation["messages"], conversation.get("tools")
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=tools))
+    mask = [False] * len(ids)
+    for i, turn in enumerate(messages):
+        if turn["role"] != "assistant":
+            continue
+        before = messages[:i]
+        thinking = bool((turn.get("reasoning_content") or "").strip())
+        prompts = [tokenizer.apply_chat_template(before, add_generation_prompt=True, enable_thinking=thinking,
+                                                 tools=tools),
+                   tokenizer.apply_chat_template(before, add_generation_prompt=False, tools=tools)
+                   + "<|im_start|>assistant\n"]
+        prefixes = [tokenizer.encode(p) for p in prompts if any(m["role"] == "user" for m in before)]
+        start = next((len(p) for p in prefixes if ids[:len(p)] == p), None)
+        if start is None:
+            raise QwenrtError("not a prefix")
+        end = ids.index(tokenizer.token_to_id("<|im_end|>"), start) + 1
+        mask[start:end] = [True] * (end - start)
+    return ids, mask
+
+
+def _multi_turn_chats() -> list[dict]:
+    """Conversations with several user turns, tool calls, reasoning, and text the template or the pre-tokenizer
+    treat specially (a think block in the content, leading newlines and spaces)."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    call = {"function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
+    user, system = {"role": "user", "content": "Add 1 and 2."}, {"role": "system", "content": "Be brief."}
+    return [
+        {"messages": [system, user, {"role": "assistant", "content": "3", "reasoning_content": "1 + 2"},
+                      {"role": "user", "content": "Now with the tool."},
+                      {"role": "assistant", "content": "", "reasoning_content": "call it", "tool_calls": [call]},
+                      {"role": "tool", "content": "3"}, {"role": "tool", "content": "again 3"},
+                      {"role": "assistant", "content": "It is 3.", "reasoning_content": "the tool said 3"}],
+         "tools": tools},
+        {"messages": [user, {"role": "assistant", "content": "\n\n3"}, {"role": "user", "content": " and again?"},
+                      {"role": "assistant", "content": "", "tool_calls": [call, call]},
+                      {"role": "tool", "content": "3"}, {"role": "assistant", "content": " 3 "}],
+         "tools": tools},
+        {"messages": [user, {"role": "assistant", "content": "<think>\nhm\n</think>\n\n3"},
+                      {"role": "user", "content": "\nsure?"},
+                      {"role": "assistant", "content": "\nyes", "reasoning_content": "\n  "}]},
+        {"messages": [user, {"role": "assistant", "content": "3", "reasoning_content": "\nfirst a newline"}]},
+    ]
+
+
+def test_encoding_renders_once_and_masks_as_rendering_every_prompt_did(tokenizers):
+    """Each assistant turn's start is found in the one rendering (its header token, then the generation prompt's
+    tokens), not by rendering and tokenizing every prompt before it: the ids and loss masks are those of the
+    per-prompt encoding, for the recipe's conversations and multi-turn ones with tools and thinking."""
+    chats = [c for c in conversations(60, 9)] + _multi_turn_chats()
+    for tokenizer in tokenizers:
+        for chat in chats:
+            example = encode_conversation(tokenizer, check_conversation(chat, "chat"))
+            assert (example.ids, example.loss_mask) == _encode_by_prefixes(tokenizer, chat), chat
+    no_user_first = {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}]}
+    one_line_error(lambda: encode_conversation(tokenizers[0], no_user_first), "must follow a user message")
+
+
+def test_encoding_is_linear_in_turns(tokenizers):
+    """2,000 turns (a 60 KB line) encode in about half a second; rendering every prompt took 3.4 / 12.4 / 51 s
+    for 100 / 200 / 400 turns and more than 150 s for these. Too long for max_len is said before any turn."""
+    messages = [m for i in range(1000) for m in ({"role": "user", "content": f"What is {i} + {i}?"},
+                                                 {"role": "assistant", "content": f"{i} + {i} = {2 * i}"})]
+    chat = check_conversation({"messages": messages}, "chat")
+    with no_hang(60):
+        began = time.perf_counter()
+        example = encode_conversation(tokenizers[0], chat)
+        assert time.perf_counter() - began < 5
+    assert sum(example.loss_mask) > 1000 * 5
+    one_line_error(lambda: encode_conversation(tokenizers[0], chat, "chats.jsonl:7", max_len=1024),
+                   "chats.jsonl:7: ", "tokens, over max_len 1024")

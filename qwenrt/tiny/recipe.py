@@ -14,10 +14,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from qwenrt.files import output_dir
 from qwenrt.tiny.tasks import conversations, copy_conversations
 from qwenrt.train.bpe import build_tokenizer
+from qwenrt.train.checkpoints import TOKENIZER_FILES, check_files, prepare_output
 from qwenrt.train.data import write_jsonl
-from qwenrt.train.trainer import TrainConfig, train
+from qwenrt.train.trainer import LOG_FILE, TrainConfig, train
 
 ROPE_FRACTION = 0.25  # Qwen3.5's partial rotary factor
 ROPE_THETA = 10_000.0  # Qwen3.5's 10M spreads 8 rotary frequencies over 262K tokens; short prompts need fine ones
@@ -109,10 +111,12 @@ def build(out: str | Path, recipe: Recipe = Recipe(), progress: bool = True) -> 
     the wall time of each stage."""
     from qwenrt.tokenizer import Tokenizer
 
-    out = Path(out)
+    out = prepare_output(Path(out), (LOG_FILE, "recipe.json"))  # all checked before the minutes of data and tokenizer
+    prepare_output(out / "joint", (LOG_FILE,))
+    for folder, files in (("data", ("train.jsonl", "eval.jsonl")), ("tokenizer", TOKENIZER_FILES)):
+        check_files(output_dir(out / folder), files)
     began = time.perf_counter()
     data = out / "data"
-    data.mkdir(parents=True, exist_ok=True)
     write_jsonl(data / "train.jsonl", copy_conversations(recipe.copy_steps * recipe.batch_size, recipe.seed + 4)
                 + conversations(recipe.train_conversations, recipe.seed + 1, curriculum=True))
     write_jsonl(data / "eval.jsonl", conversations(recipe.eval_conversations, recipe.seed + 2, heldout=True))

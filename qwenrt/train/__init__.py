@@ -6,11 +6,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
 from qwenrt.errors import QwenrtError
+from qwenrt.files import read_json
 from qwenrt.train.trainer import TrainConfig, train
 
 __all__ = ["TrainConfig", "train", "train_command"]
@@ -39,16 +39,10 @@ def train_command(out: str, recipe: str | None = None, **options) -> str:
 
             options["init"] = str(default_model_path())
         if "model_config" in options:
-            options["model_config"] = _read_json(options["model_config"])
+            options["model_config"] = read_json(Path(options["model_config"]), what="model config")
         summary = train(TrainConfig(out=out, **options))
     last = summary["history"][-1] if summary["history"] else {}
     figures = ", ".join(f"{k} {v:.4f}" for k, v in last.items() if k.startswith("eval"))
     return (f"trained {summary['steps']} steps in {summary['seconds']:.0f} s ({summary['tokens']} tokens)"
             f"{'; ' + figures if figures else ''}; model in {out}")
 
-
-def _read_json(path: str) -> dict:
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise QwenrtError(f"{path}: cannot read the model config ({e})") from None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -26,8 +27,9 @@ from tqdm import tqdm
 from qwenrt.config import parse_config
 from qwenrt.errors import QwenrtError
 from qwenrt.mtp import MTPHead, chained_hidden
-from qwenrt.train.checkpoints import config_json, latest_step_dir, load_state, prune, save_checkpoint, step_dir
-from qwenrt.train.data import Example, collate, encode_all, read_jsonl
+from qwenrt.train.checkpoints import (STATE_FILE, config_json, latest_step_dir, load_state, prepare_output, prune,
+                                      restore_optimizer, save_checkpoint, step_dir)
+from qwenrt.train.data import Example, collate, encode_all, load_conversations
 
 LOG_FILE = "train_log.jsonl"
 
@@ -208,14 +210,6 @@ def evaluate(model, mtp, examples: list[Example], pad_id: int, batch: int, depth
     return out
 
 
-def _conversations(source: str | list[dict]) -> list[dict]:
-    if isinstance(source, list):
-        from qwenrt.train.data import check_conversation
-
-        return [check_conversation(c, f"conversation {n}") for n, c in enumerate(source)]
-    return read_jsonl(source)
-
-
 def step_examples(examples: list[Example], step: int, batch_size: int, seed: int, in_order: bool = False,
                   length_groups: int = 1) -> list[Example]:
     """The conversations of one optimizer step: consecutive slices of a per-epoch permutation of the data (the
@@ -267,12 +261,15 @@ def train(cfg: TrainConfig) -> dict:
 def _train(cfg: TrainConfig) -> dict:
     from qwenrt.tokenizer import Tokenizer
 
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_output(Path(cfg.out), (LOG_FILE,))
     torch.manual_seed(cfg.seed)
     use_mtp = cfg.mtp_weight > 0
     resume_dir = latest_step_dir(out) if cfg.resume else None
     if resume_dir is not None:
+        state = load_state(resume_dir)
+        if state["step"] > cfg.steps:
+            raise QwenrtError(f"{resume_dir / STATE_FILE}: the training state is at step {state['step']}, past "
+                              f"steps {cfg.steps}")
         model, mtp = load_model_for_training(resume_dir, use_mtp, cfg.seed)
         tokenizer_dir = resume_dir
     elif cfg.init is not None:
@@ -293,8 +290,9 @@ def _train(cfg: TrainConfig) -> dict:
         raise QwenrtError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                           f"{model.config.text.vocab_size} embeddings")
 
-    train_set = encode_all(tokenizer, _conversations(cfg.data), cfg.max_len, "training data")
-    eval_set = encode_all(tokenizer, _conversations(cfg.eval_data), cfg.max_len, "eval data") if cfg.eval_data else []
+    train_set = encode_all(tokenizer, load_conversations(cfg.data, "training data"), cfg.max_len)
+    eval_set = (encode_all(tokenizer, load_conversations(cfg.eval_data, "eval data"), cfg.max_len)
+                if cfg.eval_data else [])
 
     model.train()
     if cfg.mtp_only:
@@ -308,11 +306,10 @@ def _train(cfg: TrainConfig) -> dict:
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, foreach=True)
     start = 0
     if resume_dir is not None:
-        state = load_state(resume_dir)
-        optimizer.load_state_dict(state["optimizer"])
+        restore_optimizer(optimizer, state["optimizer"], resume_dir / STATE_FILE)
         start = state["step"]
 
-    log = open(out / LOG_FILE, "a" if start else "w", encoding="utf-8")
+    log = _open_log(out / LOG_FILE, append=bool(start))
     if not start:
         log.write(json.dumps({"config": asdict(cfg) | {"data": _describe(cfg.data), "eval_data": _describe(
             cfg.eval_data)}, "parameters": _count(modules), "train_conversations": len(train_set)}) + "\n")
@@ -367,6 +364,15 @@ def _train(cfg: TrainConfig) -> dict:
     return {"steps": cfg.steps, "seconds": time.perf_counter() - began, "cpu_seconds": time.process_time() - cpu_began,
             "tokens": tokens_seen,
             "parameters": _count(modules), "history": history}
+
+
+def _open_log(path: Path, append: bool):
+    """The training log, opened without following a link that appeared in its place since the start."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if append else os.O_TRUNC)
+    try:
+        return os.fdopen(os.open(path, flags, 0o666), "a" if append else "w", encoding="utf-8")
+    except OSError as e:
+        raise QwenrtError(f"cannot write the training log {path}: {e.strerror or e}") from None
 
 
 def _describe(source) -> str | None:
