@@ -1,10 +1,14 @@
-"""Hostile media: downloads that trickle, never end or redirect inside the network, private addresses, local files
-outside the allowed place, FIFOs and devices, decompression bombs, videos without a frame count. One line each."""
+"""Hostile media: downloads that trickle, never end or redirect inside the network, private addresses (in every
+spelling, through the server too), error texts that would make the server a port scanner, local files outside the
+allowed place or with names the OS cannot take, FIFOs and devices, decompression bombs and the decode memory budget,
+videos without a frame count. One line each."""
 
+import contextlib
 import http.server
 import io
 import os
 import re
+import socket
 import threading
 import time
 
@@ -13,6 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from qwenrt.vision import fetch as fetch_module
 from qwenrt.vision.config import PreprocessConfig
 from qwenrt.vision.fetch import is_public_address
 from qwenrt.vision.media import MediaPolicy, decode_video_file, load_image, preflight_media
@@ -77,13 +82,43 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._head(404, length=0)
 
 
-@pytest.fixture(scope="module")
-def server():
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    httpd.daemon_threads = True
+class _CountingServer(http.server.ThreadingHTTPServer):
+    """Counts the connections it accepts, before any HTTP is read."""
+
+    daemon_threads = True
+    connections = 0
+
+    def verify_request(self, request, client_address):
+        self.connections += 1
+        return True
+
+
+@contextlib.contextmanager
+def listening(host: str = "127.0.0.1"):
+    httpd = _CountingServer((host, 0), _Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
+    try:
+        yield httpd
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def listener():
+    with listening() as httpd:
+        yield httpd
+
+
+@pytest.fixture(scope="module")
+def server(listener):
+    return f"http://127.0.0.1:{listener.server_address[1]}"
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 FAST = MediaPolicy(download_seconds=1.5, max_bytes=1 << 20)
@@ -114,6 +149,8 @@ def test_hostile_downloads(server, path, fragment):
     "http://127.0.0.1:9/x.png", "http://localhost/x.png", "http://10.1.2.3/x.png", "http://192.168.0.1/x.png",
     "http://169.254.169.254/latest/meta-data/", "http://[::1]/x.png", "http://[::ffff:127.0.0.1]/x.png",
     "http://0.0.0.0/x.png", "http://2130706433/x.png", "http://[fe80::1]/x.png", "http://100.64.0.1/x.png",
+    "http://127.1/x.png", "http://0x7f000001/x.png", "http://LOCALHOST/x.png", "http://evil.com@127.0.0.1/x.png",
+    "http://[64:ff9b::7f00:1]/x.png", "http://[2002:7f00:1::1]/x.png", "http://[::127.0.0.1]/x.png",
 ])
 def test_private_addresses_are_refused_by_a_strict_policy(url):
     one_line_error(lambda: load_image(url, MediaPolicy.strict()), "non-public address")
@@ -211,3 +248,63 @@ def test_video_without_a_frame_count_is_not_decoded_whole(tmp_path):
     one_line_error(lambda: preprocess_videos([tmp_path / "fifo.mp4"], cfg), "is a FIFO")
     (tmp_path / "garbage.mp4").write_bytes(b"\0" * 1000)
     one_line_error(lambda: preprocess_videos([tmp_path / "garbage.mp4"], cfg), "cannot decode video file")
+
+
+# ---- what is public -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("address", [
+    "64:ff9b::7f00:1", "64:ff9b::a00:1", "64:ff9b:1::808:808", "2002:7f00:1::1", "2002:a00:1::",
+    "2001:0:4136:e378:8000:63bf:3fff:fdd2", "::127.0.0.1", "::10.0.0.1", "::ffff:0:7f00:1", "::ffff:10.0.0.1",
+    "::1", "::", "fc00::1", "fe80::1%eth0", "127.0.0.1", "0.0.0.0", "224.0.0.1", "100.64.0.1",
+])
+def test_addresses_that_reach_inside_are_not_public(address):
+    assert not is_public_address(address)
+
+
+@pytest.mark.parametrize("address", ["8.8.8.8", "2606:4700::1111", "::ffff:8.8.8.8", "64:ff9b::808:808",
+                                     "2002:808:808::1"])
+def test_public_addresses(address):
+    assert is_public_address(address)
+
+
+# ---- what an error tells (no port scanner) ------------------------------------------------------------------
+
+@pytest.fixture
+def loopback_is_public(monkeypatch):
+    """A strict policy that takes loopback for public, so local listeners stand in for hosts on the internet."""
+    judge = fetch_module.is_public_address
+    monkeypatch.setattr(fetch_module, "is_public_address", lambda a: a.startswith("127.") or judge(a))
+    return MediaPolicy.strict(download_seconds=2)
+
+
+@contextlib.contextmanager
+def raw_listener(answer: bytes):
+    """A TCP port that sends `answer` (e.g. a banner) to whoever connects, then closes."""
+    sock = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = sock.accept()
+                with conn:
+                    conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        sock.close()
+
+
+def test_errors_name_nothing_the_far_end_or_the_kernel_chose(loopback_is_public):
+    strict = loopback_is_public
+    closed = one_line_error(lambda: load_image(f"http://127.0.0.1:{closed_port()}/x.png", strict), "cannot connect")
+    assert "refused" not in closed.lower() and "errno" not in closed.lower()
+    with raw_listener(b"SSH-2.0-OpenSSH_9.6 secret-banner\r\n") as port:
+        banner = one_line_error(lambda: load_image(f"http://127.0.0.1:{port}/x.png", strict), "no valid HTTP answer")
+    assert "SSH" not in banner and "secret" not in banner
+    with raw_listener(b"HTTP/1.0 404 Secret Internal Reason\r\nContent-Length: 0\r\n\r\n") as port:
+        status = one_line_error(lambda: load_image(f"http://127.0.0.1:{port}/x.png", strict), "HTTP 404")
+    assert "Secret" not in status
+    # on the user's own machine the underlying error is worth showing
+    one_line_error(lambda: load_image(f"http://127.0.0.1:{closed_port()}/x.png", FAST), "Connection refused")
