@@ -308,3 +308,15 @@ def test_errors_name_nothing_the_far_end_or_the_kernel_chose(loopback_is_public)
     assert "Secret" not in status
     # on the user's own machine the underlying error is worth showing
     one_line_error(lambda: load_image(f"http://127.0.0.1:{closed_port()}/x.png", FAST), "Connection refused")
+
+
+# ---- local paths the OS cannot take -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, fragment", [("a\x00b.png", "NUL"), ("\ud800.png", "lone surrogate")])
+def test_local_paths_the_os_cannot_take(tmp_path, name, fragment):
+    path = str(tmp_path / name)
+    for policy in (MediaPolicy(), MediaPolicy.strict(file_root=tmp_path)):
+        message = one_line_error(lambda: load_image(path, policy), fragment)
+        message.encode("utf-8")  # a lone surrogate in the message would break a JSON error body
+        one_line_error(lambda: preflight_media(path, policy), fragment)
+        one_line_error(lambda: decode_video_file(path, lambda total, fps: [0], policy), fragment)

@@ -69,25 +69,35 @@ def _pil():
     return PIL
 
 
-def _describe(source) -> str:
+def describe(source) -> str:
+    """A source for a one-line message: cut to 80 characters, control characters and lone surrogates escaped."""
     text = source if isinstance(source, str) else f"<{type(source).__name__}>"
-    return text if len(text) <= 80 else text[:77] + "..."
+    text = text if len(text) <= 80 else text[:77] + "..."
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
-def _local_path(text: str, policy: MediaPolicy, what: str) -> Path:
-    """A local media path the policy allows (inside its root, links resolved); it need not exist."""
+def local_media_path(text: str, policy: MediaPolicy, what: str) -> Path:
+    """A local media path the policy allows (inside its root, links resolved); it need not exist. A path the OS
+    cannot take (a NUL, a lone surrogate) is refused here rather than by the first call that would raise."""
     if not policy.allow_files:
-        raise QwenrtError(f"{what} {_describe(text)}: local files are not allowed here")
+        raise QwenrtError(f"{what} {describe(text)}: local files are not allowed here")
+    try:
+        encoded = os.fsencode(text)
+    except UnicodeError:
+        raise QwenrtError(f"{what} {describe(text)}: the path is not valid Unicode (a lone surrogate)") from None
+    if b"\0" in encoded:
+        raise QwenrtError(f"{what} {describe(text)}: the path holds a NUL character")
     path = Path(text).expanduser()
-    if policy.file_root is not None:
-        root = Path(policy.file_root).resolve()
-        try:
-            resolved = path.resolve()
-        except (OSError, RuntimeError) as e:
-            raise QwenrtError(f"{what} {_describe(text)}: cannot resolve the path ({e})") from None
-        if resolved != root and root not in resolved.parents:
-            raise QwenrtError(f"{what} {_describe(text)}: only files under {root} are allowed")
-    return path
+    if policy.file_root is None:
+        return path
+    root = Path(policy.file_root).resolve()
+    try:
+        resolved = path.resolve()
+    except (OSError, RuntimeError) as e:
+        raise QwenrtError(f"{what} {describe(text)}: cannot resolve the path ({e})") from None
+    if resolved != root and root not in resolved.parents:
+        raise QwenrtError(f"{what} {describe(text)}: only files under {root} are allowed")
+    return resolved
 
 
 def _data_uri(text: str, policy: MediaPolicy) -> bytes:
@@ -95,13 +105,13 @@ def _data_uri(text: str, policy: MediaPolicy) -> bytes:
         raise QwenrtError("image data URIs are not allowed here")
     header, _, payload = text.partition(",")
     if not header.endswith(";base64") or not payload:
-        raise QwenrtError(f"image data URI {_describe(text)} is not a base64 data URI")
+        raise QwenrtError(f"image data URI {describe(text)} is not a base64 data URI")
     if len(payload) > policy.max_bytes * 4 // 3 + 4:
         raise QwenrtError(f"image data URI holds more than the limit of {policy.max_bytes} bytes")
     try:
         return base64.b64decode(payload)  # lenient like transformers: stray characters are skipped
     except (binascii.Error, ValueError) as e:
-        raise QwenrtError(f"image data URI {_describe(text)} is not valid base64: {e}") from None
+        raise QwenrtError(f"image data URI {describe(text)} is not valid base64: {e}") from None
 
 
 def preflight_media(source, policy: MediaPolicy = DEFAULT_POLICY, what: str = "media") -> None:
@@ -111,30 +121,30 @@ def preflight_media(source, policy: MediaPolicy = DEFAULT_POLICY, what: str = "m
         return
     text = os.fspath(source)
     if text.startswith(("http://", "https://")):
-        check_url(text, policy, f"{what} {_describe(text)}")
+        check_url(text, policy, f"{what} {describe(text)}")
     elif text.startswith("data:"):
         if not policy.allow_data_uris:
             raise QwenrtError("image data URIs are not allowed here")
     else:
-        path = _local_path(text, policy, what)
+        path = local_media_path(text, policy, what)
         try:
             mode = path.stat().st_mode
         except FileNotFoundError:
-            raise QwenrtError(f"{what} file not found: {_describe(text)}") from None
+            raise QwenrtError(f"{what} file not found: {describe(text)}") from None
         except OSError as e:
-            raise QwenrtError(f"cannot read {what} file {_describe(text)}: {e.strerror}") from None
+            raise QwenrtError(f"cannot read {what} file {describe(text)}: {e.strerror}") from None
         if not stat.S_ISREG(mode):
-            raise QwenrtError(f"{what} {_describe(text)} is not a regular file")
+            raise QwenrtError(f"{what} {describe(text)} is not a regular file")
 
 
 def _source_bytes(source: str | os.PathLike, policy: MediaPolicy) -> bytes:
     """The encoded bytes behind a path, a `data:` URI or an http(s) URL."""
     text = os.fspath(source)
     if text.startswith(("http://", "https://")):
-        return fetch(text, policy, f"image {_describe(text)}")
+        return fetch(text, policy, f"image {describe(text)}")
     if text.startswith("data:"):
         return _data_uri(text, policy)
-    return read_bytes(_local_path(text, policy, "image"), policy.max_bytes, "image file")
+    return read_bytes(local_media_path(text, policy, "image"), policy.max_bytes, "image file")
 
 
 def _decode(data: bytes, what: str, policy: MediaPolicy):
@@ -191,11 +201,11 @@ def load_image(source, policy: MediaPolicy = DEFAULT_POLICY):
             raise QwenrtError(f"image of {len(source)} bytes is over the limit of {policy.max_bytes}")
         image = _decode(bytes(source), f"<{len(source)} bytes>", policy)
     elif isinstance(source, (str, os.PathLike)):
-        image = _decode(_source_bytes(source, policy), _describe(os.fspath(source)), policy)
+        image = _decode(_source_bytes(source, policy), describe(os.fspath(source)), policy)
     else:
         raise QwenrtError(f"unsupported image input type {type(source).__name__}")
     if image.width < 1 or image.height < 1:
-        raise QwenrtError(f"image {_describe(source)} has zero size ({image.width}x{image.height})")
+        raise QwenrtError(f"image {describe(source)} has zero size ({image.width}x{image.height})")
     return image
 
 
@@ -227,12 +237,12 @@ def decode_video_file(path: str | os.PathLike, sample_indices, policy: MediaPoli
     decoding stops after the last. A stream that does not state its frame count has its packets counted first (a
     pass that decodes nothing). The file is read under `policy` (regular files only, frame and pixel limits).
     """
-    name = _describe(os.fspath(path))
+    name = describe(os.fspath(path))
     try:
         import av
     except ImportError:
         raise QwenrtError(f"decoding video file {name} needs PyAV: pip install av") from None
-    fd = open_regular(_local_path(os.fspath(path), policy, "video"), "video file")
+    fd = open_regular(local_media_path(os.fspath(path), policy, "video"), "video file")
     with os.fdopen(fd, "rb") as file:
         if os.fstat(fd).st_size > policy.max_video_bytes:
             raise QwenrtError(f"video file {name} is over the limit of {policy.max_video_bytes} bytes")
