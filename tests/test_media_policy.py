@@ -11,18 +11,20 @@ import re
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import av
 import numpy as np
 import pytest
 from PIL import Image
 
+from qwenrt.errors import QueueFullError
 from qwenrt.vision import fetch as fetch_module
 from qwenrt.vision.config import PreprocessConfig
 from qwenrt.vision.fetch import is_public_address
-from qwenrt.vision.media import MediaPolicy, decode_video_file, load_image, preflight_media
-from qwenrt.vision.preprocess import preprocess_videos, sample_frame_indices
-from tests.hostile import one_line_error
+from qwenrt.vision.media import DECODE_BUDGET, MediaPolicy, decode_video_file, load_image, preflight_media
+from qwenrt.vision.preprocess import preprocess_images, preprocess_videos, sample_frame_indices
+from tests.hostile import no_hang, one_line_error
 
 
 def png_bytes(width=8, height=6, mode="RGB") -> bytes:
@@ -320,3 +322,53 @@ def test_local_paths_the_os_cannot_take(tmp_path, name, fragment):
         message.encode("utf-8")  # a lone surrogate in the message would break a JSON error body
         one_line_error(lambda: preflight_media(path, policy), fragment)
         one_line_error(lambda: decode_video_file(path, lambda total, fps: [0], policy), fragment)
+
+
+# ---- the decode memory budget -------------------------------------------------------------------------------
+
+def test_a_decode_over_the_budget_alone_is_refused_before_decoding():
+    small = MediaPolicy(max_decode_bytes=1 << 20)
+    one_line_error(lambda: load_image(png_bytes(1000, 1000), small), "needs 11.4 MiB to decode; the limit is 1.0 MiB")
+    cfg = PreprocessConfig(min_pixels=32 * 32, max_pixels=512 * 512)
+    one_line_error(lambda: preprocess_images([png_bytes(200, 200)], cfg, small), "preprocessing image 1 needs")
+    assert DECODE_BUDGET.reserved == 0
+
+
+def test_concurrent_decodes_share_the_budget():
+    """Six 1000x1000 images under a budget for one at a time: each waits its turn, all decode, the reservations
+    never pass the limit; a decode that finds no room in time is told to try again."""
+    data, one = png_bytes(1000, 1000), 1000 * 1000 * 12
+    policy = MediaPolicy(max_decode_bytes=one + one // 2, decode_wait_seconds=30)
+    seen, stop = [], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            seen.append(DECODE_BUDGET.reserved)
+            time.sleep(0.0005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with no_hang(60), ThreadPoolExecutor(6) as pool:
+        sizes = list(pool.map(lambda _: load_image(data, policy).size, range(6)))
+    stop.set()
+    watcher.join()
+    assert sizes == [(1000, 1000)] * 6 and max(seen) == one and DECODE_BUDGET.reserved == 0
+
+    impatient = MediaPolicy(max_decode_bytes=one, decode_wait_seconds=0.3)
+    with DECODE_BUDGET.hold(one, impatient, "another request"):
+        start = time.monotonic()
+        with pytest.raises(QueueFullError, match="held the decoding memory .* for 0.3 s; try again later"):
+            load_image(data, impatient)
+        assert time.monotonic() - start < 2
+    assert load_image(data, impatient).size == (1000, 1000)
+
+
+def test_video_frames_count_against_the_budget(tmp_path):
+    cfg = PreprocessConfig(min_pixels=32 * 32, max_pixels=128 * 128)
+    mp4 = tmp_path / "clip.mp4"
+    write_video(mp4, 30)
+    one_line_error(lambda: preprocess_videos([mp4], cfg, policy=MediaPolicy(max_decode_bytes=100_000)),
+                   "video file", "clip.mp4 needs", "to decode; the limit is")  # 6 frames 32x64 + one 96x64 decoding
+    one_line_error(lambda: preprocess_videos([mp4], cfg, policy=MediaPolicy(max_decode_bytes=200_000)),
+                   "preprocessing video 1 needs 0.5 MiB")
+    assert DECODE_BUDGET.reserved == 0
