@@ -6,6 +6,7 @@ videos without a frame count. One line each."""
 import contextlib
 import http.server
 import io
+import json
 import os
 import re
 import socket
@@ -18,12 +19,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import qwenrt
 from qwenrt.errors import QueueFullError
 from qwenrt.vision import fetch as fetch_module
 from qwenrt.vision.config import PreprocessConfig
 from qwenrt.vision.fetch import is_public_address
 from qwenrt.vision.media import DECODE_BUDGET, MediaPolicy, decode_video_file, load_image, preflight_media
 from qwenrt.vision.preprocess import preprocess_images, preprocess_videos, sample_frame_indices
+from tests import checkpoints
 from tests.hostile import no_hang, one_line_error
 
 
@@ -372,3 +375,98 @@ def test_video_frames_count_against_the_budget(tmp_path):
     one_line_error(lambda: preprocess_videos([mp4], cfg, policy=MediaPolicy(max_decode_bytes=200_000)),
                    "preprocessing video 1 needs 0.5 MiB")
     assert DECODE_BUDGET.reserved == 0
+
+
+# ---- through the server -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    """A tiny chat VLM (real vocabulary and template, small-image preprocessor), loaded once."""
+    path = tmp_path_factory.mktemp("vlm-chat")
+    checkpoints.build_chat_vlm(path)
+    return qwenrt.load(path, dtype="float32")
+
+
+@contextlib.contextmanager
+def serving(vlm, **config):
+    """The real app over a real engine, in-process: a test can stand a local listener in for a public host."""
+    from fastapi.testclient import TestClient
+
+    from qwenrt.engine import Engine
+    from qwenrt.server.app import ServerConfig, create_app
+
+    def load():
+        engine = Engine(*vlm, max_model_len=1024)
+        engine.start()
+        return engine
+
+    with TestClient(create_app(ServerConfig("vlm", ["tiny"], **config), load)) as http:
+        deadline = time.monotonic() + 60
+        while http.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, http.get("/health").text
+            time.sleep(0.02)
+        yield http
+
+
+@pytest.fixture(scope="module")
+def app(vlm):
+    """A server as `qwenrt serve` starts one without --allowed-local-media-path."""
+    with serving(vlm) as http:
+        yield http
+
+
+def ask_image(http, url: str) -> tuple[int, dict]:
+    """(status, body) of a chat request with one image; the JSON is ASCII, so a lone surrogate travels escaped."""
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is this?"}]}]}
+    r = http.post("/v1/chat/completions", content=json.dumps(body), headers={"Content-Type": "application/json"})
+    return r.status_code, r.json()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "LOCALHOST", "2130706433", "127.1", "0x7f000001",
+                                  "0.0.0.0", "[::ffff:127.0.0.1]", "evil.com@127.0.0.1"])
+def test_the_server_fetches_nothing_on_loopback(app, listener, host):
+    before = listener.connections
+    status, body = ask_image(app, f"http://{host}:{listener.server_address[1]}/ok.png")
+    assert status == 400 and "non-public address" in body["error"]["message"], body
+    assert listener.connections == before
+
+
+def test_the_server_checks_every_redirect(app, listener, monkeypatch):
+    """A host on the internet (127.0.0.2 stands in, judged public here) that redirects to loopback."""
+    judge = fetch_module.is_public_address
+    monkeypatch.setattr(fetch_module, "is_public_address", lambda a: a == "127.0.0.2" or judge(a))
+    target = f"http://127.0.0.1:{listener.server_address[1]}/ok.png"
+    before = listener.connections
+    with listening("127.0.0.2") as public:
+        status, body = ask_image(app, f"http://127.0.0.2:{public.server_address[1]}/redirect-to/{target}")
+        assert public.connections == 1
+    assert status == 400 and "non-public address" in body["error"]["message"], body
+    assert listener.connections == before
+
+
+def test_the_server_is_no_port_scanner(app, listener):
+    """An open port (its listener would answer 404) and a closed one get the same answer, word for word."""
+    def answer(port: int) -> tuple[int, str]:
+        status, body = ask_image(app, f"http://127.0.0.1:{port}/x.png")
+        return status, body["error"]["message"].replace(str(port), "PORT")
+
+    assert answer(listener.server_address[1]) == answer(closed_port())
+
+
+@pytest.fixture(scope="module")
+def media_app(vlm, tmp_path_factory):
+    """A server started with --allowed-local-media-path MEDIA."""
+    media = tmp_path_factory.mktemp("media").resolve()
+    (media / "ok.png").write_bytes(png_bytes(64, 48))
+    with serving(vlm, media_policy=MediaPolicy.strict(file_root=media)) as http:
+        yield http, media
+
+
+@pytest.mark.parametrize("spelling", ["file://{}/a%00b.png", "file://{}/a\x00b.png", "{}/a\x00b.png",
+                                      "file://{}/\ud800.png", "{}/\ud800.png"])
+def test_server_local_paths_the_os_cannot_take_are_a_400(media_app, spelling):
+    http, media = media_app
+    status, body = ask_image(http, spelling.format(media))
+    assert status == 400 and body["error"]["param"] == "messages[0].content[0].image_url.url", body
+    assert ask_image(http, f"file://{media}/ok.png")[0] == 200
