@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -287,8 +288,23 @@ def test_image_from_data_uri_and_allowed_file(vlm_server, media_dir):
     text_only = chat(client, user("What is this?"), **kw)
     assert by_uri.usage.prompt_tokens > text_only.usage.prompt_tokens + 5  # the image's tokens are in the prompt
     assert by_uri.choices[0].message == by_file.choices[0].message
-    with pytest.raises(openai.BadRequestError, match="outside the allowed media directory"):
+    with pytest.raises(openai.BadRequestError, match="only files under"):
         chat(client, image_message(f"file://{ROOT / 'README.md'}"), **kw)
+
+
+def test_media_is_read_under_one_strict_policy(vlm_server, media_dir):
+    """The policy `qwenrt serve` builds: nothing on loopback is fetched (nothing even connects), local files only
+    under --allowed-local-media-path, a path the OS cannot take a 400 naming the part."""
+    client = vlm_server.client()
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        with pytest.raises(openai.BadRequestError, match="non-public address"):
+            chat(client, image_message(f"http://localhost:{listener.getsockname()[1]}/x.png"), max_tokens=2)
+        listener.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            listener.accept()
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, image_message(f"file://{media_dir}/a%00b.png"), max_tokens=2)
+    assert e.value.body["param"] == "messages[0].content[0].image_url.url" and "NUL" in e.value.message
 
 
 def test_local_files_need_the_flag(server, media_dir):

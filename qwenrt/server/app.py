@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
@@ -21,6 +20,7 @@ from qwenrt.server.completions import completions
 from qwenrt.server.errors import APIError
 from qwenrt.server.metrics import ServerMetrics
 from qwenrt.server.protocol import ChatCompletionRequest, CompletionRequest
+from qwenrt.vision.media import MediaPolicy
 
 STOP_WAIT_S = 10
 
@@ -30,7 +30,9 @@ class ServerConfig:
     model: str  # what was asked for (path or repo id): /v1/models' root
     served_model_names: list[str]  # the first is the name responses carry
     api_key: str | None = None
-    allowed_media: Path | None = None  # local image/video files are read only under this directory
+    # the one policy every request's images and videos are read under: strict (no private addresses), local
+    # files only under its file_root (--allowed-local-media-path)
+    media_policy: MediaPolicy = field(default_factory=MediaPolicy.strict)
 
 
 @dataclass
@@ -50,8 +52,8 @@ class ServerState:
         return self.engine.max_model_len
 
     @property
-    def allowed_media(self) -> Path | None:
-        return self.config.allowed_media
+    def media_policy(self) -> MediaPolicy:
+        return self.config.media_policy
 
     def check_model(self, name: str | None) -> str:
         """The served name a request addresses (none given: the first); 404 for any other."""

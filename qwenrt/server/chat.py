@@ -40,7 +40,7 @@ def _messages(body: ChatCompletionRequest, state) -> list[dict]:
                     raise APIError(400, f"{param}: must be a JSON object", param)
                 call["function"] = {**function, "arguments": arguments}
         messages.append(message)
-    return check_media(messages, state.allowed_media)
+    return check_media(messages, state.media_policy)
 
 
 def _tools(body: ChatCompletionRequest) -> tuple[list[dict] | None, bool]:
@@ -102,7 +102,7 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest, state
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     request_id = new_id("chatcmpl")
     requests = [Request(messages, params, enable_thinking=thinking, tools=tools, logprobs=logprobs,
-                        request_id=f"{request_id}-{j}")
+                        request_id=f"{request_id}-{j}", media_policy=state.media_policy)
                 for j, params in enumerate(choice_params(body, state.tokenizer, max_tokens, state.max_model_len))]
     submission = await submit(state.engine, state.metrics, requests)
     try:

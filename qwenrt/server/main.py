@@ -57,6 +57,7 @@ def serve(args) -> None:
         import uvicorn
 
         from qwenrt.server.app import ServerConfig, create_app
+        from qwenrt.vision.media import MediaPolicy
     except ImportError as e:
         raise QwenrtError(f"qwenrt serve needs the serve extra ({e.name} is missing): pip install 'qwenrt[serve]'"
                           ) from None
@@ -68,7 +69,8 @@ def serve(args) -> None:
     name = resolve_model(args.model)[1]
     model = str(args.model) if args.model is not None else DEFAULT_MODEL
     config = ServerConfig(model, args.served_model_name or [model],
-                          args.api_key or os.environ.get("QWENRT_API_KEY") or None, allowed)
+                          args.api_key or os.environ.get("QWENRT_API_KEY") or None,
+                          MediaPolicy.strict(file_root=allowed))
     server = None
 
     def stop(_: str) -> None:

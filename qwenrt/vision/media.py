@@ -2,27 +2,38 @@
 
 Decoded sources follow transformers' `load_image` (EXIF transpose, then `convert("RGB")`); in-memory PIL images
 and arrays follow its `convert_to_rgb` (alpha composited onto white). Paths, URLs, data URIs and encoded bytes are
-read under a `MediaPolicy` (what sources are allowed, time and size limits). Errors are one-line `QwenrtError`s.
+read under a `MediaPolicy` (what sources are allowed, time and size limits). Decoded pixels count against one
+budget shared by every decode in the process (`DECODE_BUDGET`): a decode reserves its estimate from the header, before
+any pixel is decoded, and gives it back once the pixels are reduced to the size the caller wants. Errors are one-line
+`QwenrtError`s.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import collections
+import contextlib
 import io
 import os
 import stat
+import threading
+import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from qwenrt.errors import QwenrtError
+from qwenrt.errors import QueueFullError, QwenrtError
 from qwenrt.files import open_regular, read_bytes
 from qwenrt.vision.fetch import check_url, fetch
 
 MIB = 1 << 20
+DECODE_BYTES_PER_PIXEL = 12  # Pillow keeps 4 bytes a pixel: the decoded image, its upright copy, its RGB copy
+FRAME_BYTES_PER_PIXEL = 12  # one video frame at a time: decoded (YUV), as an RGB array, and Pillow's copy to resize
+PILLOW_BLOCK_BYTES = 64 * MIB  # over glibc's 32 MiB mmap ceiling, so a large image's blocks go back to the OS
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,8 @@ class MediaPolicy:
     max_pixels: int = 50_000_000  # one decoded image or video frame (checked before decoding)
     max_frames: int = 100_000  # video frames read from a file (decoded or counted)
     max_video_pixels: int = 1 << 30  # all the sampled frames of one video together, before resizing
+    max_decode_bytes: int | None = 1024 * MIB  # decoded pixels of every image/video being prepared in this process
+    decode_wait_seconds: float = 60.0  # how long a decode waits for room in that budget before it is refused
 
     @classmethod
     def strict(cls, file_root: str | os.PathLike | None = None, allowed_domains: tuple[str, ...] | None = None,
@@ -58,6 +71,63 @@ class MediaPolicy:
 
 
 DEFAULT_POLICY = MediaPolicy()
+ResizeTo = Callable[[int, int], tuple[int, int]]  # (height, width) -> the (height, width) to resize to
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / MIB:.1f} MiB"
+
+
+class DecodeBudget:
+    """Memory for decoded pixels, shared by every image and video this process prepares (all of a server's requests):
+    a decode waits, in turn, while what is reserved would pass its policy's `max_decode_bytes`."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._reserved = 0
+        self._turns: collections.deque[object] = collections.deque()
+
+    @property
+    def reserved(self) -> int:
+        return self._reserved
+
+    @contextlib.contextmanager
+    def hold(self, nbytes: int, policy: MediaPolicy, what: str):
+        """`nbytes` reserved for the with block. One that alone passes the limit is refused; one that finds no room
+        within `policy.decode_wait_seconds` gets a QueueFullError (the server says 429: try again later)."""
+        limit = policy.max_decode_bytes
+        if limit is None:
+            yield
+            return
+        if nbytes > limit:
+            raise QwenrtError(f"{what} needs {_size(nbytes)} to decode; the limit is {_size(limit)}")
+        self._reserve(nbytes, limit, policy.decode_wait_seconds, what)
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._reserved -= nbytes
+                self._changed.notify_all()
+
+    def _reserve(self, nbytes: int, limit: int, seconds: float, what: str) -> None:
+        """First come, first served, so a large decode is not starved by a stream of small ones."""
+        turn, deadline = object(), time.monotonic() + seconds
+        with self._changed:
+            self._turns.append(turn)
+            try:
+                while self._turns[0] is not turn or self._reserved + nbytes > limit:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise QueueFullError(f"{what}: other images and videos held the decoding memory "
+                                             f"({_size(limit)}) for {seconds:g} s; try again later")
+                    self._changed.wait(left)
+                self._reserved += nbytes
+            finally:
+                self._turns.remove(turn)
+                self._changed.notify_all()
+
+
+DECODE_BUDGET = DecodeBudget()
 
 
 def _pil():
@@ -66,28 +136,40 @@ def _pil():
         import PIL.ImageOps
     except ImportError:
         raise QwenrtError("image input needs Pillow: pip install 'qwenrt[vision]'") from None
+    if PIL.Image.core.get_block_size() < PILLOW_BLOCK_BYTES:  # 16 MiB blocks stay in each thread's malloc arena
+        PIL.Image.core.set_block_size(PILLOW_BLOCK_BYTES)  # once freed: six decoding threads kept +2.4 GB
     return PIL
 
 
-def _describe(source) -> str:
+def describe(source) -> str:
+    """A source for a one-line message: cut to 80 characters, control characters and lone surrogates escaped."""
     text = source if isinstance(source, str) else f"<{type(source).__name__}>"
-    return text if len(text) <= 80 else text[:77] + "..."
+    text = text if len(text) <= 80 else text[:77] + "..."
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
-def _local_path(text: str, policy: MediaPolicy, what: str) -> Path:
-    """A local media path the policy allows (inside its root, links resolved); it need not exist."""
+def local_media_path(text: str, policy: MediaPolicy, what: str) -> Path:
+    """A local media path the policy allows (inside its root, links resolved); it need not exist. A path the OS
+    cannot take (a NUL, a lone surrogate) is refused here rather than by the first call that would raise."""
     if not policy.allow_files:
-        raise QwenrtError(f"{what} {_describe(text)}: local files are not allowed here")
+        raise QwenrtError(f"{what} {describe(text)}: local files are not allowed here")
+    try:
+        encoded = os.fsencode(text)
+    except UnicodeError:
+        raise QwenrtError(f"{what} {describe(text)}: the path is not valid Unicode (a lone surrogate)") from None
+    if b"\0" in encoded:
+        raise QwenrtError(f"{what} {describe(text)}: the path holds a NUL character")
     path = Path(text).expanduser()
-    if policy.file_root is not None:
-        root = Path(policy.file_root).resolve()
-        try:
-            resolved = path.resolve()
-        except (OSError, RuntimeError) as e:
-            raise QwenrtError(f"{what} {_describe(text)}: cannot resolve the path ({e})") from None
-        if resolved != root and root not in resolved.parents:
-            raise QwenrtError(f"{what} {_describe(text)}: only files under {root} are allowed")
-    return path
+    if policy.file_root is None:
+        return path
+    root = Path(policy.file_root).resolve()
+    try:
+        resolved = path.resolve()
+    except (OSError, RuntimeError) as e:
+        raise QwenrtError(f"{what} {describe(text)}: cannot resolve the path ({e})") from None
+    if resolved != root and root not in resolved.parents:
+        raise QwenrtError(f"{what} {describe(text)}: only files under {root} are allowed")
+    return resolved
 
 
 def _data_uri(text: str, policy: MediaPolicy) -> bytes:
@@ -95,13 +177,13 @@ def _data_uri(text: str, policy: MediaPolicy) -> bytes:
         raise QwenrtError("image data URIs are not allowed here")
     header, _, payload = text.partition(",")
     if not header.endswith(";base64") or not payload:
-        raise QwenrtError(f"image data URI {_describe(text)} is not a base64 data URI")
+        raise QwenrtError(f"image data URI {describe(text)} is not a base64 data URI")
     if len(payload) > policy.max_bytes * 4 // 3 + 4:
         raise QwenrtError(f"image data URI holds more than the limit of {policy.max_bytes} bytes")
     try:
         return base64.b64decode(payload)  # lenient like transformers: stray characters are skipped
     except (binascii.Error, ValueError) as e:
-        raise QwenrtError(f"image data URI {_describe(text)} is not valid base64: {e}") from None
+        raise QwenrtError(f"image data URI {describe(text)} is not valid base64: {e}") from None
 
 
 def preflight_media(source, policy: MediaPolicy = DEFAULT_POLICY, what: str = "media") -> None:
@@ -111,47 +193,71 @@ def preflight_media(source, policy: MediaPolicy = DEFAULT_POLICY, what: str = "m
         return
     text = os.fspath(source)
     if text.startswith(("http://", "https://")):
-        check_url(text, policy, f"{what} {_describe(text)}")
+        check_url(text, policy, f"{what} {describe(text)}")
     elif text.startswith("data:"):
         if not policy.allow_data_uris:
             raise QwenrtError("image data URIs are not allowed here")
     else:
-        path = _local_path(text, policy, what)
+        path = local_media_path(text, policy, what)
         try:
             mode = path.stat().st_mode
         except FileNotFoundError:
-            raise QwenrtError(f"{what} file not found: {_describe(text)}") from None
+            raise QwenrtError(f"{what} file not found: {describe(text)}") from None
         except OSError as e:
-            raise QwenrtError(f"cannot read {what} file {_describe(text)}: {e.strerror}") from None
+            raise QwenrtError(f"cannot read {what} file {describe(text)}: {e.strerror}") from None
         if not stat.S_ISREG(mode):
-            raise QwenrtError(f"{what} {_describe(text)} is not a regular file")
+            raise QwenrtError(f"{what} {describe(text)} is not a regular file")
 
 
 def _source_bytes(source: str | os.PathLike, policy: MediaPolicy) -> bytes:
     """The encoded bytes behind a path, a `data:` URI or an http(s) URL."""
     text = os.fspath(source)
     if text.startswith(("http://", "https://")):
-        return fetch(text, policy, f"image {_describe(text)}")
+        return fetch(text, policy, f"image {describe(text)}")
     if text.startswith("data:"):
         return _data_uri(text, policy)
-    return read_bytes(_local_path(text, policy, "image"), policy.max_bytes, "image file")
+    return read_bytes(local_media_path(text, policy, "image"), policy.max_bytes, "image file")
 
 
-def _decode(data: bytes, what: str, policy: MediaPolicy):
+@contextlib.contextmanager
+def _pillow_errors(what: str):
+    """Pillow's failures on bad data as one-line QwenrtErrors."""
     PIL = _pil()
     try:
-        with warnings.catch_warnings():  # the policy's pixel limit below is the one that applies
-            warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
-            image = PIL.Image.open(io.BytesIO(data))
-        if image.width * image.height > policy.max_pixels:  # known from the header, before any pixel is decoded
-            raise QwenrtError(f"image {what} is {image.width}x{image.height} pixels; the limit is "
-                              f"{policy.max_pixels} pixels")
-        image.load()
+        yield
     except PIL.UnidentifiedImageError:
         raise QwenrtError(f"cannot decode image {what}: not an image format Pillow recognises") from None
     except (PIL.Image.DecompressionBombError, OSError, ValueError, SyntaxError, EOFError) as e:
         raise QwenrtError(f"cannot decode image {what}: {' '.join(str(e).split())}") from None
-    return PIL.ImageOps.exif_transpose(image).convert("RGB")
+
+
+def _decode(data: bytes, what: str, policy: MediaPolicy, resize_to: ResizeTo | None, resample: int):
+    """The header first (the pixel limit, then the decode budget), then the pixels: upright, RGB, resized."""
+    PIL = _pil()
+    with _pillow_errors(what), warnings.catch_warnings():  # the policy's pixel limit below is the one that applies
+        warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
+        image = PIL.Image.open(io.BytesIO(data))
+    if image.width * image.height > policy.max_pixels:
+        raise QwenrtError(f"image {what} is {image.width}x{image.height} pixels; the limit is "
+                          f"{policy.max_pixels} pixels")
+    with DECODE_BUDGET.hold(image.width * image.height * DECODE_BYTES_PER_PIXEL, policy, f"image {what}"):
+        with _pillow_errors(what):
+            image.load()
+            rgb = PIL.ImageOps.exif_transpose(image).convert("RGB")
+        del image  # the decoded pixels go before the resize needs room
+        fitted = _fit(rgb, what, resize_to, resample)
+        del rgb  # the full-size pixels go before their reservation does
+    return fitted
+
+
+def _fit(image, what: str, resize_to: ResizeTo | None, resample: int):
+    """An RGB image that has pixels, resized to `resize_to(height, width)` when given."""
+    if image.width < 1 or image.height < 1:
+        raise QwenrtError(f"image {what} has zero size ({image.width}x{image.height})")
+    if resize_to is None:
+        return image
+    height, width = resize_to(image.height, image.width)
+    return image.resize((width, height), resample=resample)
 
 
 def _composite_rgb(image):
@@ -178,25 +284,22 @@ def _array_rgb(array: np.ndarray) -> np.ndarray:
     return array
 
 
-def load_image(source, policy: MediaPolicy = DEFAULT_POLICY):
+def load_image(source, policy: MediaPolicy = DEFAULT_POLICY, resize_to: ResizeTo | None = None, resample: int = 3):
     """A PIL RGB image from a PIL image, a path, a `data:` URI, an http(s) URL, encoded bytes or a uint8 array;
-    paths, URLs and encoded bytes are read under `policy`."""
+    paths, URLs and encoded bytes are read under `policy` and decoded within the decode budget. With `resize_to`,
+    it is resized (PIL filter `resample`, 3 = bicubic) before the full-size pixels are given back."""
     PIL = _pil()
     if isinstance(source, PIL.Image.Image):
-        image = _composite_rgb(source)
-    elif isinstance(source, np.ndarray):
-        image = PIL.Image.fromarray(_array_rgb(source))
-    elif isinstance(source, (bytes, bytearray, memoryview)):
+        return _fit(_composite_rgb(source), describe(source), resize_to, resample)
+    if isinstance(source, np.ndarray):
+        return _fit(PIL.Image.fromarray(_array_rgb(source)), describe(source), resize_to, resample)
+    if isinstance(source, (bytes, bytearray, memoryview)):
         if len(source) > policy.max_bytes:
             raise QwenrtError(f"image of {len(source)} bytes is over the limit of {policy.max_bytes}")
-        image = _decode(bytes(source), f"<{len(source)} bytes>", policy)
-    elif isinstance(source, (str, os.PathLike)):
-        image = _decode(_source_bytes(source, policy), _describe(os.fspath(source)), policy)
-    else:
-        raise QwenrtError(f"unsupported image input type {type(source).__name__}")
-    if image.width < 1 or image.height < 1:
-        raise QwenrtError(f"image {_describe(source)} has zero size ({image.width}x{image.height})")
-    return image
+        return _decode(bytes(source), f"<{len(source)} bytes>", policy, resize_to, resample)
+    if isinstance(source, (str, os.PathLike)):
+        return _decode(_source_bytes(source, policy), describe(os.fspath(source)), policy, resize_to, resample)
+    raise QwenrtError(f"unsupported image input type {type(source).__name__}")
 
 
 def resize_rgb(pixels: np.ndarray, height: int, width: int, resample: int) -> np.ndarray:
@@ -219,20 +322,23 @@ def load_frame(frame) -> np.ndarray:
     return frame
 
 
-def decode_video_file(path: str | os.PathLike, sample_indices, policy: MediaPolicy = DEFAULT_POLICY
+def decode_video_file(path: str | os.PathLike, sample_indices, policy: MediaPolicy = DEFAULT_POLICY,
+                      frame_size: Callable[[int, int, int], tuple[int, int]] | None = None, resample: int = 3
                       ) -> tuple[list[np.ndarray], list[int], float | None]:
     """Decode a video file with PyAV: (sampled frames uint8 [H, W, 3], their indices, the stream's fps or None).
 
     `sample_indices(total_frames, fps) -> list[int]` picks the frames to keep; only those are converted to RGB and
     decoding stops after the last. A stream that does not state its frame count has its packets counted first (a
-    pass that decodes nothing). The file is read under `policy` (regular files only, frame and pixel limits).
+    pass that decodes nothing). `frame_size(sampled_frames, height, width) -> (h, w)`, when given, is the size each
+    kept frame is resized to (PIL filter `resample`) as soon as it is decoded, so the full-size frames are never held
+    together. The file is read under `policy` (regular files only, frame and pixel limits, the decode budget).
     """
-    name = _describe(os.fspath(path))
+    name = describe(os.fspath(path))
     try:
         import av
     except ImportError:
         raise QwenrtError(f"decoding video file {name} needs PyAV: pip install av") from None
-    fd = open_regular(_local_path(os.fspath(path), policy, "video"), "video file")
+    fd = open_regular(local_media_path(os.fspath(path), policy, "video"), "video file")
     with os.fdopen(fd, "rb") as file:
         if os.fstat(fd).st_size > policy.max_video_bytes:
             raise QwenrtError(f"video file {name} is over the limit of {policy.max_video_bytes} bytes")
@@ -252,9 +358,12 @@ def decode_video_file(path: str | os.PathLike, sample_indices, policy: MediaPoli
             if len(wanted) * width * height > policy.max_video_pixels:
                 raise QwenrtError(f"video file {name}: {len(wanted)} sampled {width}x{height} frames exceed the "
                                   f"limit of {policy.max_video_pixels} pixels")
+            size = frame_size(len(wanted), height, width) if frame_size is not None and wanted else (height, width)
+            need = width * height * FRAME_BYTES_PER_PIXEL + len(wanted) * size[0] * size[1] * 3
             file.seek(0)
-            with av.open(file) as container:
-                frames = _decode_frames(container, container.streams.video[0], wanted, policy, name)
+            with DECODE_BUDGET.hold(need, policy, f"video file {name}"), av.open(file) as container:
+                frames = _decode_frames(container, container.streams.video[0], wanted, (height, width), size,
+                                        resample, name)
         except (av.error.FFmpegError, IndexError, OSError, ValueError) as e:
             raise QwenrtError(f"cannot decode video file {name}: {' '.join(str(e).split())}") from None
     if not wanted:
@@ -276,15 +385,19 @@ def _count_packets(container, stream, policy: MediaPolicy, name: str) -> int:
     return count
 
 
-def _decode_frames(container, stream, wanted: list[int], policy: MediaPolicy, name: str) -> dict[int, np.ndarray]:
-    """The `wanted` frames (uint8 [H, W, 3]) by index, decoding no further than the last."""
+def _decode_frames(container, stream, wanted: list[int], stated: tuple[int, int], size: tuple[int, int],
+                   resample: int, name: str) -> dict[int, np.ndarray]:
+    """The `wanted` frames (uint8 [h, w, 3], (h, w) = `size`) by index, decoding no further than the last. Every
+    frame must have the (height, width) the stream `stated`: the one the pixel limit and the decode budget were
+    checked for."""
     frames, keep = {}, set(wanted)
     for i, frame in enumerate(container.decode(stream)):
         if not wanted or i > wanted[-1]:
             break
+        if (frame.height, frame.width) != stated:
+            raise QwenrtError(f"video file {name} has a {frame.width}x{frame.height} frame in a stream of "
+                              f"{stated[1]}x{stated[0]} frames")
         if i in keep:
-            if frame.width * frame.height > policy.max_pixels:
-                raise QwenrtError(f"video file {name} has a {frame.width}x{frame.height} frame; the limit is "
-                                  f"{policy.max_pixels} pixels")
-            frames[i] = frame.to_ndarray(format="rgb24")
+            pixels = frame.to_ndarray(format="rgb24")
+            frames[i] = pixels if size == stated else resize_rgb(pixels, *size, resample)
     return frames

@@ -18,9 +18,18 @@ import torch
 
 from qwenrt.errors import QwenrtError
 from qwenrt.vision.config import PreprocessConfig
-from qwenrt.vision.media import DEFAULT_POLICY, MediaPolicy, decode_video_file, load_frame, load_image, resize_rgb
+from qwenrt.vision.media import (
+    DECODE_BUDGET,
+    DEFAULT_POLICY,
+    MediaPolicy,
+    decode_video_file,
+    load_frame,
+    load_image,
+    resize_rgb,
+)
 
 MAX_ASPECT_RATIO = 200
+PATCH_BYTES_PER_PIXEL = 40  # normalizing and patchifying a resized pixel: its uint8 copies, fp32 frames, patches
 DEFAULT_VIDEO_FPS = 24.0  # transformers' assumption when frames come without a frame rate
 
 
@@ -81,16 +90,27 @@ def smart_resize_video(num_frames: int, height: int, width: int, *, factor: int,
 
 
 def _normalize(frames: np.ndarray, cfg: PreprocessConfig) -> torch.Tensor:
-    """uint8 [F, H, W, C] -> fp32 [F, C, H, W]; rescale in fp64 then normalize in fp32, as transformers does."""
-    x = (frames.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
-    x = (x - np.asarray(cfg.image_mean, np.float32)) / np.asarray(cfg.image_std, np.float32)
-    return torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
+    """uint8 [F, H, W, C] -> fp32 [F, C, H, W]; rescale in fp64 then normalize in fp32, as transformers does (a
+    channel at a time, in place: one fp64 channel is the only temporary)."""
+    F, H, W, C = frames.shape
+    out = np.empty((F, C, H, W), np.float32)
+    for c in range(C):
+        rescaled = frames[..., c].astype(np.float64)
+        rescaled *= cfg.rescale_factor
+        channel = out[:, c]
+        channel[...] = rescaled  # rounded to fp32 as astype would
+        del rescaled
+        channel -= np.float32(cfg.image_mean[c])
+        channel /= np.float32(cfg.image_std[c])
+    return torch.from_numpy(out)
 
 
 def _patchify(frames: torch.Tensor, cfg: PreprocessConfig) -> tuple[torch.Tensor, list[int]]:
-    """fp32 [F, C, H, W] -> ([t·h·w, C·Tp·P·P], [t, h, w]); F is padded to Tp by repeating the last frame."""
+    """fp32 [F, C, H, W] -> ([t·h·w, C·Tp·P·P], [t, h, w]); F is padded to Tp by repeating the last frame (a lone
+    frame, an image, as a view: the reshape below is then the only copy)."""
     if pad := -frames.shape[0] % cfg.temporal_patch_size:
-        frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
+        frames = (frames.expand(cfg.temporal_patch_size, -1, -1, -1) if frames.shape[0] == 1 else
+                  torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)]))
     F, C, H, W = frames.shape
     P, m, Tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
     t, h, w = F // Tp, H // P, W // P
@@ -99,21 +119,33 @@ def _patchify(frames: torch.Tensor, cfg: PreprocessConfig) -> tuple[torch.Tensor
     return x.reshape(t * h * w, C * Tp * P * P), [t, h, w]
 
 
+def _patches(frames: np.ndarray, cfg: PreprocessConfig, policy: MediaPolicy, what: str
+             ) -> tuple[torch.Tensor, list[int]]:
+    """Resized uint8 [F, H, W, C] -> `_patchify`'s (patches, grid), within the decode budget (it takes copies)."""
+    with DECODE_BUDGET.hold(frames[..., 0].size * PATCH_BYTES_PER_PIXEL, policy, f"preprocessing {what}"):
+        return _patchify(_normalize(frames, cfg), cfg)
+
+
+def _joined(patches: list[torch.Tensor]) -> torch.Tensor:
+    """The patches of every item in one tensor; a lone item's as they are (a copy of a 16M-pixel image's is 400 MB)."""
+    return patches[0] if len(patches) == 1 else torch.cat(patches)
+
+
 def preprocess_images(images: list, cfg: PreprocessConfig, policy: MediaPolicy = DEFAULT_POLICY) -> ImageBatch:
     """Images (anything `load_image` takes, read under `policy`) -> ImageBatch; each still image fills one temporal
     patch."""
+    def resize_to(height: int, width: int) -> tuple[int, int]:
+        return smart_resize(height, width, factor=cfg.factor, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
+
     patches, grids = [], []
-    for source in images:
-        image = load_image(source, policy)
-        height, width = smart_resize(image.height, image.width, factor=cfg.factor,
-                                     min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
-        pixels = _normalize(resize_rgb(np.asarray(image), height, width, cfg.resample)[None], cfg)  # [1, C, H, W]
-        flat, grid = _patchify(pixels, cfg)
+    for number, source in enumerate(images, 1):
+        image = load_image(source, policy, resize_to, cfg.resample)
+        flat, grid = _patches(np.asarray(image)[None], cfg, policy, f"image {number}")
         patches.append(flat)
         grids.append(grid)
     if not patches:
         raise QwenrtError("preprocess_images got no images")
-    return ImageBatch(torch.cat(patches), torch.tensor(grids, dtype=torch.long))
+    return ImageBatch(_joined(patches), torch.tensor(grids, dtype=torch.long))
 
 
 def sample_frame_indices(total_frames: int, video_fps: float | None, cfg: PreprocessConfig) -> list[int]:
@@ -133,20 +165,23 @@ def frame_timestamps(indices: list[int], video_fps: float | None, temporal_patch
     return [(times[i] + times[i + temporal_patch_size - 1]) / 2 for i in range(0, len(times), temporal_patch_size)]
 
 
-def _video_pixels(frames: list[np.ndarray], cfg: PreprocessConfig) -> torch.Tensor:
-    """Sampled uint8 frames -> fp32 [F, C, H, W] resized to the video grid."""
-    sizes = {f.shape[:2] for f in frames}
-    if len(sizes) != 1:
-        raise QwenrtError(f"video frames differ in size: {sorted(sizes)}")
-    (height, width), n = sizes.pop(), len(frames)
+def _video_size(n: int, height: int, width: int, cfg: PreprocessConfig) -> tuple[int, int]:
+    """The (h, w) every frame of a video of `n` sampled height×width frames is resized to."""
     max_pixels = cfg.max_pixels
     if cfg.cap_pixels_per_frame:  # qwen-vl-utils: per-frame budget capped, floored at 1.05·min_pixels
         per_frame = max(min(cfg.max_video_tokens * cfg.factor ** 2, cfg.max_pixels // n), int(cfg.min_pixels * 1.05))
         max_pixels = per_frame * n
-    h, w = smart_resize_video(n, height, width, factor=cfg.factor, temporal_factor=cfg.temporal_patch_size,
+    return smart_resize_video(n, height, width, factor=cfg.factor, temporal_factor=cfg.temporal_patch_size,
                               min_pixels=cfg.min_pixels, max_pixels=max_pixels)
-    resized = np.stack([resize_rgb(f, h, w, cfg.resample) for f in frames])  # [F, h, w, 3]
-    return _normalize(resized, cfg)
+
+
+def _resized_frames(frames: list[np.ndarray], cfg: PreprocessConfig) -> list[np.ndarray]:
+    """Sampled uint8 frames (all one size) resized to the video grid."""
+    sizes = {f.shape[:2] for f in frames}
+    if len(sizes) != 1:
+        raise QwenrtError(f"video frames differ in size: {sorted(sizes)}")
+    h, w = _video_size(len(frames), *sizes.pop(), cfg)
+    return [resize_rgb(f, h, w, cfg.resample) for f in frames]
 
 
 def preprocess_videos(videos: list, cfg: PreprocessConfig, *, frames_fps: float | None = None,
@@ -156,20 +191,21 @@ def preprocess_videos(videos: list, cfg: PreprocessConfig, *, frames_fps: float 
     if frames_fps is not None and not frames_fps > 0:
         raise QwenrtError(f"frames_fps must be positive, got {frames_fps}")
     patches, grids, stamps = [], [], []
-    for video in videos:
+    for number, video in enumerate(videos, 1):
         if isinstance(video, (str, os.PathLike)):
-            frames, indices, fps = decode_video_file(video, lambda total, fps: sample_frame_indices(total, fps, cfg),
-                                                     policy)
+            frames, indices, fps = decode_video_file(
+                video, lambda total, fps: sample_frame_indices(total, fps, cfg), policy,
+                lambda n, height, width: _video_size(n, height, width, cfg), cfg.resample)
         else:
             if not isinstance(video, (list, tuple)) or not video:
                 raise QwenrtError(f"a video must be a file path or a non-empty list of frames, got {type(video).__name__}")
             fps = frames_fps
             indices = sample_frame_indices(len(video), fps, cfg)
-            frames = [load_frame(video[i]) for i in indices]
-        flat, grid = _patchify(_video_pixels(frames, cfg), cfg)
+            frames = _resized_frames([load_frame(video[i]) for i in indices], cfg)
+        flat, grid = _patches(np.stack(frames), cfg, policy, f"video {number}")
         patches.append(flat)
         grids.append(grid)
         stamps.append(frame_timestamps(indices, fps, cfg.temporal_patch_size))
     if not patches:
         raise QwenrtError("preprocess_videos got no videos")
-    return VideoBatch(torch.cat(patches), torch.tensor(grids, dtype=torch.long), stamps)
+    return VideoBatch(_joined(patches), torch.tensor(grids, dtype=torch.long), stamps)
