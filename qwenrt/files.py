@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import tempfile
 from pathlib import Path, PurePosixPath
 
 from qwenrt.errors import QwenrtError
@@ -158,8 +159,6 @@ def output_dir(path: str | Path, what: str = "output directory") -> Path:
     """The directory `path` to write into, created (mode 0755 less the umask, missing parents too) when absent.
     Refused in one line when it is a symlink (dangling or not), not a directory, or no folder can be made in it
     (read-only, /proc). Links above `path` are the caller's own; whoever creates levels below checks each."""
-    import tempfile  # here, not at the top: this function was appended to the module last
-
     path = Path(path)
     try:
         if not os.path.lexists(path):
