@@ -4,6 +4,7 @@ the model loads, quantize leftovers. One line each, and `qwenrt chat` survives i
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -115,6 +116,33 @@ def early(capsys, *args) -> str:
 def test_options_are_refused_before_loading(capsys, tmp_path, args, fragment):
     err = early(capsys, "run", tmp_path / "not-loaded", "hi", *args)
     assert fragment in err
+
+
+def with_generation_config(source, tmp_path, **fields):
+    """A copy of a checkpoint whose generation_config.json also sets `fields`."""
+    shutil.copytree(source, tmp_path / "ckpt")
+    config = json.loads((source / "generation_config.json").read_text())
+    (tmp_path / "ckpt" / "generation_config.json").write_text(json.dumps(config | fields))
+    return tmp_path / "ckpt"
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324])
+def test_run_with_a_vanishing_temperature_default_is_greedy(capsys, chat_ckpt, tmp_path, temperature):
+    """Dividing by it overflowed float32: multinomial saw inf and `qwenrt run` printed a traceback."""
+    ckpt = with_generation_config(chat_ckpt[0], tmp_path, temperature=temperature)
+    assert main(["run", str(ckpt), "Hi", "-n", "3", "--no-thinking"]) == 0
+    greedy = capsys.readouterr().out
+    assert main(["run", str(ckpt), "Hi", "-n", "3", "--no-thinking", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == greedy
+
+
+def test_run_names_a_bad_generation_default(capsys, chat_ckpt, tmp_path):
+    ckpt = with_generation_config(chat_ckpt[0], tmp_path, repetition_penalty=1e-300)
+    assert main(["run", str(ckpt), "Hi", "-n", "3"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("qwenrt: error: ") and "the checkpoint's generation_config.json: repetition_penalty must be in [0.01, 100] (1 = off), got " \
+           "1e-300 (set it explicitly to override)" in err
+    assert main(["run", str(ckpt), "Hi", "-n", "3", "--repetition-penalty", "1.1"]) == 0
 
 
 def test_cli_basics(capsys, dense_ckpt, chat_ckpt, tmp_path, monkeypatch):
