@@ -11,7 +11,8 @@ from starlette.exceptions import HTTPException
 from qwenrt.errors import QueueFullError, QwenrtError
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+               405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
+               422: "invalid_request_error",
                429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
 
@@ -22,8 +23,13 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"), "param": param,
-                      "code": status}}
+    """The body of an error; text echoed from a request (a lone surrogate UTF-8 cannot hold) is escaped."""
+    return {"error": {"message": _encodable(message), "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": _encodable(param), "code": status}}
+
+
+def _encodable(text: str | None) -> str | None:
+    return text if text is None else text.encode("utf-8", "backslashreplace").decode()
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:

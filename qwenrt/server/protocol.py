@@ -11,11 +11,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from qwenrt.engine.core import MAX_LOGPROBS
 
 MAX_CHOICES = 16
+MAX_TOOLS = 128  # OpenAI's limit
 TokenId = Annotated[int, Field(ge=0)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a bool is no number (the prompt `[true]` was token id 1), a string no bool ("yes" was true)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -69,7 +71,7 @@ class NamedToolChoice(_Body):
 class ChatMessage(BaseModel):
     """One message of the conversation; extra keys (reasoning, name, ...) pass through to the chat template."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -86,7 +88,7 @@ class ChatTemplateKwargs(_Body):
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
