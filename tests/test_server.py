@@ -361,6 +361,13 @@ MALFORMED = [
     b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": "yes"}}',
     b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
     b'{"messages": [{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]}',
+    # an earlier turn's tool calls in OpenAI's shape (they were 400s worded by the chat template, or rendered)
+    b'{"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"function": 5}]}, '
+    b'{"role": "user", "content": "hi"}]}',
+    b'{"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": 5}}]}, '
+    b'{"role": "user", "content": "hi"}]}',
+    b'{"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]}, '
+    b'{"role": "user", "content": "hi"}]}',
     # caps before work
     b'{"messages": [{"role": "user", "content": "hi"}], "stop": ' + json.dumps([f"s{i}" for i in range(65)]).encode()
     + b'}',
@@ -402,6 +409,8 @@ def test_bad_completion_input_is_a_400(server, body):
      "repetition_penalty"),
     (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}', "messages[0].content[0].text"),
     (b'{"prompt": [true]}', "prompt"),
+    (b'{"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]},'
+     b' {"role": "user", "content": "hi"}]}', "messages[0].tool_calls[0].function.arguments"),
 ])
 def test_a_refusal_names_its_field(server, body, param):
     path = "/v1/completions" if body.startswith(b'{"prompt"') else "/v1/chat/completions"

@@ -29,7 +29,7 @@ def _messages(body: ChatCompletionRequest, state) -> list[dict]:
         if message["role"] == "developer":
             message["role"] = "system"
         for c, call in enumerate(message.get("tool_calls") or ()):
-            function = call.get("function") if isinstance(call.get("function"), dict) else {}
+            function = call["function"]
             arguments = function.get("arguments")
             if isinstance(arguments, str):
                 param = f"messages[{m}].tool_calls[{c}].function.arguments"

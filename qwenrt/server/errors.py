@@ -45,14 +45,22 @@ def from_engine(e: Exception) -> APIError:
     return APIError(500, f"internal error: {type(e).__name__}: {e}")
 
 
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list"}
+
+
 def _location(loc) -> str:
     """pydantic's error location ('body', 'messages', 0, 'content') as a field path: messages[0].content."""
     path = ""
     for part in loc:
-        if (part == "body" and not path) or (isinstance(part, str) and not part.isidentifier()):
-            continue  # the body itself, or pydantic's name for a member of a union ("list[int]")
+        if (part == "body" and not path) or (isinstance(part, str) and _names_a_type(part)):
+            continue  # the body itself, or pydantic's name for a member of a union
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     return path
+
+
+def _names_a_type(part: str) -> bool:
+    """A union member's tag: "list[int]", "str", a model's class name; API fields are lower-case identifiers."""
+    return not part.isidentifier() or part in _TYPE_NAMES or part[:1].isupper()
 
 
 def _validation_message(e: RequestValidationError) -> tuple[str, str | None]:

@@ -68,6 +68,23 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
+class FunctionCall(BaseModel):
+    """A call in an earlier assistant turn; arguments as OpenAI sends them (a JSON string) or already an object."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: Annotated[str, Field(min_length=1)]
+    arguments: str | dict[str, Any] | None = None
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     """One message of the conversation; extra keys (reasoning, name, ...) pass through to the chat template."""
 
@@ -75,7 +92,7 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
