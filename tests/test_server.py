@@ -409,6 +409,7 @@ def test_bad_completion_input_is_a_400(server, body):
      "repetition_penalty"),
     (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}', "messages[0].content[0].text"),
     (b'{"prompt": [true]}', "prompt"),
+    (b'{"prompt": ' + json.dumps([1] * 5000).encode() + b'}', "prompt"),  # counted before each id is checked
     (b'{"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]},'
      b' {"role": "user", "content": "hi"}]}', "messages[0].tool_calls[0].function.arguments"),
 ])
