@@ -8,6 +8,7 @@ import base64
 import io
 import json
 import re
+import shutil
 import socket
 import threading
 import time
@@ -439,6 +440,19 @@ def test_an_error_echoing_unencodable_text_is_still_json(server):
     assert r.status_code == 404, r.text
     error = r.json()["error"]
     assert error["param"] == "model" and "The model `\\ud800` does not exist" in error["message"]
+
+
+def test_a_bad_generation_default_stops_the_server_at_start(chat_ckpt, tmp_path):
+    """repetition_penalty 1e-300 in generation_config.json made every request that did not set it a 500."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(chat_ckpt[0], ckpt)
+    config = json.loads((ckpt / "generation_config.json").read_text())
+    (ckpt / "generation_config.json").write_text(json.dumps(config | {"repetition_penalty": 1e-300}))
+    with pytest.raises(RuntimeError, match="did not come up"):
+        Server(tmp_path, ckpt)
+    assert (tmp_path / "server.log").read_text().strip().splitlines()[-1] == (
+        "qwenrt: error: the checkpoint's generation_config.json: repetition_penalty must be in [0.01, 100] (1 = off), "
+        "got 1e-300 (set it explicitly to override)")
 
 
 # ---- connections: keys and sizes before bodies, timeouts, a connection cap ---------------------------------
