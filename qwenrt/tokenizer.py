@@ -47,7 +47,8 @@ PIECE_CHARS = 1 << 15
 _CUT_MARGIN = 16
 # an NFC/NFKC normalizer composes at most 2 characters per UTF-8 byte of its output
 _COMPOSING = {"NFC": 2, "NFKC": 2, "NFD": 1, "NFKD": 1}
-_SPLIT_PROBE = "Hello, world!  It's 2024:\n\n\tfoo_bar(x) -- 'quoted'   end.\r\nMore text\u00e9 \u4f60\u597d\uff0c\u4e16\u754c x"
+_SPLIT_PROBE = ("Hello, world!  It's 2024:\n\n\tfoo_bar(x) -- 'quoted'   end.\r\nMore text\u00e9 "
+                "\u4f60\u597d\uff0c\u4e16\u754c x")
 
 # Names a message's reasoning may arrive under; transformers copies it to `reasoning_content` and `thinking`.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")

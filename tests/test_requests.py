@@ -145,9 +145,9 @@ def spied(monkeypatch, tok) -> LibrarySpy:
     return spy
 
 
-PIECES = ["Hello, world! ", "It's 2024:\n\n\t", "foo_bar(x) -- ", "<|im_start|>user\n", "<think>\n", "e\u0301", "\u0301",
-          "\u4f60\u597d\uff0c", "\U0001f600\u200d", "\ufb03 ", "A\u030a", "\u1100\u1161", "    ", "\r\n", "====", "1234567",
-          "x" * 50, " " * 40]
+PIECES = ["Hello, world! ", "It's 2024:\n\n\t", "foo_bar(x) -- ", "<|im_start|>user\n", "<think>\n", "e\u0301",
+          "\u0301", "\u4f60\u597d\uff0c", "\U0001f600\u200d", "\ufb03 ", "A\u030a", "\u1100\u1161", "    ", "\r\n",
+          "====", "1234567", "x" * 50, " " * 40]
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -173,7 +173,8 @@ def test_a_prompt_over_the_context_is_refused_after_a_limit_of_tokenizing(chat_m
     by 0.5 GB. Now the library sees pieces and stops once the prompt cannot fit, without the GIL."""
     model, tok, _ = chat_model
     spy = spied(monkeypatch, tok)
-    one_line_error(lambda: prepare_prompt(model, tok, text), "prompt has more than 4095 tokens; the context limit is 4096")
+    one_line_error(lambda: prepare_prompt(model, tok, text),
+                   "prompt has more than 4095 tokens; the context limit is 4096")
     one_line_error(lambda: prepare_prompt(model, tok, [{"role": "user", "content": text}]), "context limit is 4096")
     assert max(spy.handed) <= 2 * tokenizer_module.PIECE_CHARS and sum(spy.handed) < 20 * tokenizer_module.PIECE_CHARS
 
@@ -208,8 +209,8 @@ def test_run_names_a_bad_generation_default(capsys, chat_ckpt, tmp_path):
     ckpt = with_generation_config(chat_ckpt[0], tmp_path, repetition_penalty=1e-300)
     assert main(["run", str(ckpt), "Hi", "-n", "3"]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("qwenrt: error: ") and "the checkpoint's generation_config.json: repetition_penalty must be in [0.01, 100] (1 = off), got " \
-           "1e-300 (set it explicitly to override)" in err
+    assert err == ("qwenrt: error: the checkpoint's generation_config.json: repetition_penalty must be in [0.01, 100] "
+                   "(1 = off), got 1e-300 (set it explicitly to override)")
     assert main(["run", str(ckpt), "Hi", "-n", "3", "--repetition-penalty", "1.1"]) == 0
 
 

@@ -367,8 +367,8 @@ MALFORMED = [
     b'{"role": "user", "content": "hi"}]}',
     b'{"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": 5}}]}, '
     b'{"role": "user", "content": "hi"}]}',
-    b'{"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]}, '
-    b'{"role": "user", "content": "hi"}]}',
+    b'{"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]'
+    b'}, {"role": "user", "content": "hi"}]}',
     # caps before work
     b'{"messages": [{"role": "user", "content": "hi"}], "stop": ' + json.dumps([f"s{i}" for i in range(65)]).encode()
     + b'}',
@@ -411,8 +411,8 @@ def test_bad_completion_input_is_a_400(server, body):
     (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}', "messages[0].content[0].text"),
     (b'{"prompt": [true]}', "prompt"),
     (b'{"prompt": ' + json.dumps([1] * 5000).encode() + b'}', "prompt"),  # counted before each id is checked
-    (b'{"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]},'
-     b' {"role": "user", "content": "hi"}]}', "messages[0].tool_calls[0].function.arguments"),
+    (b'{"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": 5}}'
+     b']}, {"role": "user", "content": "hi"}]}', "messages[0].tool_calls[0].function.arguments"),
 ])
 def test_a_refusal_names_its_field(server, body, param):
     path = "/v1/completions" if body.startswith(b'{"prompt"') else "/v1/chat/completions"

@@ -31,7 +31,9 @@ def default_max_connections() -> int:
     """DEFAULT_MAX_CONNECTIONS, or half the open-file limit when that is lower: the checkpoint, the cache folder and
     media files need the rest."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return DEFAULT_MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(1, min(DEFAULT_MAX_CONNECTIONS, soft // 2))
+    if soft == resource.RLIM_INFINITY:
+        return DEFAULT_MAX_CONNECTIONS
+    return max(1, min(DEFAULT_MAX_CONNECTIONS, soft // 2))
 
 
 class RequestGate:
