@@ -54,17 +54,23 @@ def check_options(source: str | None, sampling: dict, device: str, dtype: str, m
 
 
 def sampling_params(options: dict, tokenizer) -> SamplingParams:
-    """The checkpoint's generation_config sampling defaults, overridden by what the user set."""
-    chosen = {}
+    """The checkpoint's generation_config sampling defaults, overridden by what the user set. A default out of range
+    is refused naming the file (the user did not write it)."""
+    chosen = {k: v for k, v in options.items() if v is not None}
+    defaults = {}
     if tokenizer is not None:
-        defaults = tokenizer.generation_defaults
-        if defaults.get("do_sample", True) is False:
-            chosen["temperature"] = 0.0
+        given = tokenizer.generation_defaults
+        if given.get("do_sample", True) is False:
+            defaults["temperature"] = 0.0
         else:
-            chosen.update({k: defaults[k] for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                                                     "presence_penalty", "frequency_penalty") if k in defaults})
-    chosen.update({k: v for k, v in options.items() if v is not None})
-    return SamplingParams(**chosen)
+            defaults.update({k: given[k] for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                                                    "presence_penalty", "frequency_penalty") if k in given})
+    defaults = {k: v for k, v in defaults.items() if k not in chosen}
+    try:
+        SamplingParams(**defaults)
+    except QwenrtError as e:
+        raise QwenrtError(f"the checkpoint's generation_config.json: {e} (set it explicitly to override)") from None
+    return SamplingParams(**defaults, **chosen)
 
 
 def stats_line(last: GenerationResponse) -> str:

@@ -29,17 +29,16 @@ def prepare_prompt(model, tokenizer, prompt, enable_thinking: bool | None = None
     if isinstance(prompt, str):
         if tokenizer is None:
             raise QwenrtError("a text prompt needs a tokenizer; this checkpoint has none (pass token ids)")
-        ids, text = tokenizer.encode(prompt), prompt
+        ids, text = _encode(tokenizer, prompt, limit), prompt
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
         if tokenizer is None:
             raise QwenrtError("chat messages need a tokenizer; this checkpoint has none")
         text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
                                              enable_thinking=enable_thinking, tools=tools)
+        ids = _encode(tokenizer, text, limit)  # with images, a bound first: expanding them only adds tokens
         images, videos = collect_media(prompt)
         if images or videos:
             ids, vision = prepare_vision_prompt(model, tokenizer, text, images, videos, limit, policy)
-        else:
-            ids = tokenizer.encode(text)
     elif isinstance(prompt, torch.Tensor) or (isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt)):
         ids = [int(t) for t in (prompt.reshape(-1).tolist() if isinstance(prompt, torch.Tensor) else prompt)]
         text = None  # decoded once the ids are known to be in the vocabulary
@@ -57,3 +56,12 @@ def prepare_prompt(model, tokenizer, prompt, enable_thinking: bool | None = None
         text = tokenizer.decode(ids[-4:]) if tokenizer is not None else ""
     # the thinking generation prompt ends with an open "<think>\n": the output starts inside the reasoning
     return PreparedPrompt(ids, text.rstrip().endswith("<think>"), vision)
+
+
+def _encode(tokenizer, text: str, limit: int) -> list[int]:
+    """The ids of `text`, refused once they are known not to fit `limit` (tokenizing stops there)."""
+    ids = tokenizer.encode_within(text, limit - 1)
+    if ids is None:
+        raise QwenrtError(f"prompt has more than {limit - 1} tokens; the context limit is {limit} (leave room for "
+                          "the answer)")
+    return ids

@@ -14,6 +14,14 @@ from qwenrt.errors import QwenrtError
 from qwenrt.kernels import cpu_kernels
 
 _NEG_INF = float("-inf")
+_FLOAT_MAX = torch.finfo(torch.float32).max
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy (vLLM's rule): dividing by them overflows float32
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # outside it the penalized logits leave float32's range
+# Stop strings are searched for at every token, on the engine thread every request shares: at these caps a token's
+# matching takes ~0.1 ms on average, and at most ~7 ms when a long held-back prefix breaks.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
 
 
 def _is_number(value: object) -> bool:
@@ -28,7 +36,7 @@ def _is_int(value: object) -> bool:
 class SamplingParams:
     """How to pick each next token; one instance is shared by every row of a batch.
 
-    temperature 0 means greedy (argmax after penalties). top_k 0, top_p 1 and min_p 0 are off.
+    temperature 0 (or under GREEDY_BELOW) means greedy (argmax after penalties). top_k 0, top_p 1 and min_p 0 are off.
     repetition_penalty follows transformers (prompt + output, multiplicative); presence_penalty and
     frequency_penalty follow OpenAI/vLLM (output only, additive). seed makes draws reproducible.
     """
@@ -61,8 +69,10 @@ class SamplingParams:
             raise QwenrtError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise QwenrtError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise QwenrtError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise QwenrtError(f"repetition_penalty must be in [{low:g}, {high:g}] (1 = off), got "
+                              f"{self.repetition_penalty:g}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise QwenrtError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -70,26 +80,45 @@ class SamplingParams:
             raise QwenrtError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise QwenrtError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        if not all(isinstance(s, str) and s for s in stop):
-            raise QwenrtError(f"stop must be non-empty strings, got {stop!r}")
-        object.__setattr__(self, "stop", stop)
-        ids = tuple(self.stop_token_ids)
-        if not all(_is_int(i) and i >= 0 for i in ids):
-            raise QwenrtError(f"stop_token_ids must be integers >= 0, got {ids!r}")
-        object.__setattr__(self, "stop_token_ids", ids)
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+        object.__setattr__(self, "stop_token_ids", _stop_token_ids(self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             raise QwenrtError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def uses_penalties(self) -> bool:
         """True when sample() needs a TokenCounts history."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def _stop_strings(stop) -> tuple[str, ...]:
+    """stop as a tuple of non-empty strings, counted before anything looks at them."""
+    stop = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)):
+        raise QwenrtError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise QwenrtError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+    if not all(isinstance(s, str) and s for s in stop):
+        raise QwenrtError(f"stop must be non-empty strings, got {stop!r:.80}")
+    longest = max(stop, key=len, default="")
+    if len(longest) > MAX_STOP_CHARS:
+        raise QwenrtError(f"stop strings take at most {MAX_STOP_CHARS} characters each, got one of {len(longest)}")
+    return tuple(stop)
+
+
+def _stop_token_ids(ids) -> tuple[int, ...]:
+    if not isinstance(ids, (list, tuple)):
+        raise QwenrtError(f"stop_token_ids must be a list of integers, got {type(ids).__name__}")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise QwenrtError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+    if not all(_is_int(i) and i >= 0 for i in ids):
+        raise QwenrtError(f"stop_token_ids must be integers >= 0, got {tuple(ids)!r:.80}")
+    return tuple(ids)
 
 
 class TokenCounts:
@@ -128,7 +157,7 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, history: Token
     """Repetition (HF), then frequency and presence (OpenAI/vLLM) penalties; logits [B, V] fp32."""
     if params.repetition_penalty != 1.0:
         p = params.repetition_penalty
-        penalized = torch.where(logits < 0, logits * p, logits / p)  # [B, V]
+        penalized = torch.where(logits < 0, logits * p, logits / p).clamp_(-_FLOAT_MAX, _FLOAT_MAX)  # [B, V], finite
         logits = torch.where(history.seen, penalized, logits)
     if params.frequency_penalty != 0.0:
         logits = logits - params.frequency_penalty * history.counts
@@ -159,8 +188,8 @@ def _candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Ten
     scores are the whole vocabulary in id order. With top-k the later steps run over N ~ k tokens;
     top-p without top-k sorts all V like transformers (~20 ms per row on one CPU core at V = 248k).
     """
-    if params.temperature != 1.0:
-        logits = logits / params.temperature
+    if params.temperature != 1.0:  # kept finite: a huge logit over a small temperature would make the softmax NaN
+        logits = (logits / params.temperature).clamp_(-_FLOAT_MAX, _FLOAT_MAX)
     vocab = logits.shape[-1]
     ids = None
     if 0 < params.top_k < vocab:

@@ -4,6 +4,8 @@ sandbox exactly as transformers renders it, and an incremental detokenizer for s
 from __future__ import annotations
 
 import dataclasses
+import functools
+import unicodedata
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,15 @@ CHATML_TEMPLATE = (
 
 TEMPLATE_FILE = "chat_template.jinja"
 _ADDED_TOKEN_FLAGS = ("normalized", "lstrip", "rstrip", "single_word")
+
+# encode_within hands the library this many characters at a time (about 8k tokens of English, ~30 ms)
+PIECE_CHARS = 1 << 15
+# cut points need text after them, so a pattern's lookahead or a special token at the piece's end cannot move them
+_CUT_MARGIN = 16
+# an NFC/NFKC normalizer composes at most 2 characters per UTF-8 byte of its output
+_COMPOSING = {"NFC": 2, "NFKC": 2, "NFD": 1, "NFKD": 1}
+_SPLIT_PROBE = ("Hello, world!  It's 2024:\n\n\tfoo_bar(x) -- 'quoted'   end.\r\nMore text\u00e9 "
+                "\u4f60\u597d\uff0c\u4e16\u754c x")
 
 # Names a message's reasoning may arrive under; transformers copies it to `reasoning_content` and `thinking`.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -163,6 +174,99 @@ class Tokenizer:
         return render_template(template, self.template_limits, dict(
             messages=chat, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
             **_plain(variables)))
+
+    # ---- bounded encoding ----
+
+    def encode_within(self, text: str, limit: int) -> list[int] | None:
+        """`encode(text)`, or None as soon as that is known to be more than `limit` ids: a text far over a context
+        limit costs about a limit's worth of tokenizing, not its whole length (10 MB took 12 s and held the GIL).
+
+        Text longer than `limit` tokens of the longest length can hold is refused before any work; the rest goes to
+        the library a piece at a time, each cut where a word starts (the ids equal a whole encode's), without the GIL.
+        """
+        text = check_text(text, "text to encode")
+        if len(text) > limit * self._chars_per_token:
+            return None
+        if not self._splits_exactly:
+            ids = self._encode_free(text).ids
+            return ids if len(ids) <= limit else None
+        ids, start, size = [], 0, PIECE_CHARS
+        while start < len(text):
+            piece = text[start:start + size]
+            encoding = self._encode_free(piece)
+            if start + len(piece) == len(text):
+                ids += encoding.ids
+                break
+            cut = self._word_cut(piece, encoding)
+            if cut is None:  # one word runs on past the piece: a piece past its end, if the word can fit
+                word = self._counted_word(text, start, limit - len(ids))
+                if word is None:
+                    return None
+                size = word + PIECE_CHARS
+                continue
+            token, offset = cut
+            ids += encoding.ids[:token]
+            if len(ids) > limit:
+                return None
+            start, size = start + offset, PIECE_CHARS
+        return ids if len(ids) <= limit else None
+
+    def _counted_word(self, text: str, start: int, limit: int) -> int | None:
+        """Characters in the word at `start` (one longer than a piece: a string with no space or punctuation),
+        counted in pieces cut anywhere, since the library cannot stop inside a word. A cut changes the ids beside it,
+        not the count's order: None when the pieces hold more than twice `limit` ids."""
+        count, at = 0, start
+        while at < len(text):
+            encoding = self._encode_free(text[at:at + PIECE_CHARS])
+            count += len(encoding.ids)
+            if count > 2 * limit:
+                return None
+            words = encoding.word_ids
+            end = next((offset for k, (offset, _) in enumerate(encoding.offsets) if words[k] != words[0]), None)
+            if at > start and end is not None:
+                return at + end - start
+            at += PIECE_CHARS
+        return len(text) - start
+
+    def _encode_free(self, text: str):
+        """The library's Encoding of `text` (no special tokens added); encode_batch runs without the GIL."""
+        return _library(f"{self._file} cannot encode the text", self._tok.encode_batch, [text],
+                        add_special_tokens=False)[0]
+
+    def _word_cut(self, piece: str, encoding) -> tuple[int, int] | None:
+        """(token index, character offset) of the last word start in `piece` that the text after the piece cannot
+        move: a margin before its end, on a character that combines with nothing before it. None: there is none."""
+        words, offsets = encoding.word_ids, encoding.offsets
+        horizon = len(piece) - self._cut_margin
+        for k in range(len(words) - 1, 0, -1):
+            at = offsets[k][0]
+            if 0 < at <= horizon and words[k] != words[k - 1] and not unicodedata.combining(piece[at]):
+                return k, at
+        return None
+
+    @functools.cached_property
+    def _longest_token(self) -> int:
+        """Characters in the vocabulary's longest token string (byte-level BPE: one per byte, so >= its text's)."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+
+    @functools.cached_property
+    def _cut_margin(self) -> int:
+        return self._longest_token + _CUT_MARGIN
+
+    @functools.cached_property
+    def _chars_per_token(self) -> float:
+        """The most input characters one token can stand for; infinite when the normalizer may drop text."""
+        normalizer = self._tok.normalizer
+        composing = 1 if normalizer is None else _COMPOSING.get(type(normalizer).__name__)
+        return float("inf") if composing is None else composing * self._longest_token
+
+    @functools.cached_property
+    def _splits_exactly(self) -> bool:
+        """Whether encoding in pieces cut at word starts gives the whole encoding's ids: not with a normalizer or
+        pre-tokenizer that treats a text's start or end specially (Strip, a prefix space)."""
+        whole = self._encode_free(_SPLIT_PROBE)
+        return all(self._encode_free(_SPLIT_PROBE[:at]).ids + self._encode_free(_SPLIT_PROBE[at:]).ids == whole.ids
+                   for k, (at, _) in enumerate(whole.offsets) if k and whole.word_ids[k] != whole.word_ids[k - 1])
 
     # ---- loading helpers ----
 

@@ -4,6 +4,8 @@ the model loads, quantize leftovers. One line each, and `qwenrt chat` survives i
 import io
 import json
 import os
+import random
+import shutil
 import subprocess
 import sys
 
@@ -12,7 +14,9 @@ import torch
 
 from qwenrt.cli import main
 from qwenrt.convert import quantize_checkpoint
+from qwenrt import tokenizer as tokenizer_module
 from qwenrt.parsing import parse_completion
+from qwenrt.prompt import prepare_prompt
 from qwenrt.validation import check_max_context, check_request
 from tests.hostile import one_line_error
 
@@ -115,6 +119,99 @@ def early(capsys, *args) -> str:
 def test_options_are_refused_before_loading(capsys, tmp_path, args, fragment):
     err = early(capsys, "run", tmp_path / "not-loaded", "hi", *args)
     assert fragment in err
+
+
+class LibrarySpy:
+    """Stands in for a tokenizer's library object, recording how many characters each encode call is handed."""
+
+    def __init__(self, library):
+        self.library, self.handed = library, []
+
+    def encode(self, text, **kw):
+        self.handed.append(len(text))
+        return self.library.encode(text, **kw)
+
+    def encode_batch(self, texts, **kw):
+        self.handed += [len(t) for t in texts]
+        return self.library.encode_batch(texts, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.library, name)
+
+
+def spied(monkeypatch, tok) -> LibrarySpy:
+    spy = LibrarySpy(tok._tok)
+    monkeypatch.setattr(tok, "_tok", spy)
+    return spy
+
+
+PIECES = ["Hello, world! ", "It's 2024:\n\n\t", "foo_bar(x) -- ", "<|im_start|>user\n", "<think>\n", "e\u0301",
+          "\u0301", "\u4f60\u597d\uff0c", "\U0001f600\u200d", "\ufb03 ", "A\u030a", "\u1100\u1161", "    ", "\r\n",
+          "====", "1234567", "x" * 50, " " * 40]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_encoding_in_pieces_gives_the_whole_encoding(chat_model, monkeypatch, seed):
+    """Pieces cut at word starts give exactly the ids of one whole encode: special tokens, CJK, combining marks,
+    whitespace runs, and words longer than a piece."""
+    tok = chat_model[1]
+    monkeypatch.setattr(tokenizer_module, "PIECE_CHARS", 300)
+    rng = random.Random(seed)
+    for _ in range(25):
+        text = "".join(rng.choice(PIECES) for _ in range(rng.randrange(20, 400)))
+        assert tok.encode_within(text, 10 ** 6) == tok.encode(text)
+    for word in ("a" * 5000, "\u4f60" * 3000, " " * 5000):
+        text = f"start {word} end " * 3
+        assert tok.encode_within(text, 10 ** 6) == tok.encode(text)
+        assert tok.encode_within(text, len(tok.encode(text)) - 1) is None
+
+
+@pytest.mark.parametrize("text", ["word " * 200_000, "a" * 1_000_000, "\u4f60" * 300_000],
+                         ids=["words", "one-letter word", "cjk word"])
+def test_a_prompt_over_the_context_is_refused_after_a_limit_of_tokenizing(chat_model, monkeypatch, text):
+    """1 MB was tokenized whole (with the GIL held) before the context check: 10 MB froze a server for 12 s and grew it
+    by 0.5 GB. Now the library sees pieces and stops once the prompt cannot fit, without the GIL."""
+    model, tok, _ = chat_model
+    spy = spied(monkeypatch, tok)
+    one_line_error(lambda: prepare_prompt(model, tok, text),
+                   "prompt has more than 4095 tokens; the context limit is 4096")
+    one_line_error(lambda: prepare_prompt(model, tok, [{"role": "user", "content": text}]), "context limit is 4096")
+    assert max(spy.handed) <= 2 * tokenizer_module.PIECE_CHARS and sum(spy.handed) < 20 * tokenizer_module.PIECE_CHARS
+
+
+def test_a_prompt_that_cannot_fit_whatever_it_holds_is_refused_untokenized(chat_model, monkeypatch):
+    model, tok, _ = chat_model
+    spy = spied(monkeypatch, tok)
+    one_line_error(lambda: prepare_prompt(model, tok, "x" * (64 * 256 + 1), max_context=65), "context limit is 65")
+    assert spy.handed == []
+    assert prepare_prompt(model, tok, " " * 4000, max_context=65).ids == tok.encode(" " * 4000)  # 32 tokens: fits
+
+
+def with_generation_config(source, tmp_path, **fields):
+    """A copy of a checkpoint whose generation_config.json also sets `fields`."""
+    shutil.copytree(source, tmp_path / "ckpt")
+    config = json.loads((source / "generation_config.json").read_text())
+    (tmp_path / "ckpt" / "generation_config.json").write_text(json.dumps(config | fields))
+    return tmp_path / "ckpt"
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324])
+def test_run_with_a_vanishing_temperature_default_is_greedy(capsys, chat_ckpt, tmp_path, temperature):
+    """Dividing by it overflowed float32: multinomial saw inf and `qwenrt run` printed a traceback."""
+    ckpt = with_generation_config(chat_ckpt[0], tmp_path, temperature=temperature)
+    assert main(["run", str(ckpt), "Hi", "-n", "3", "--no-thinking"]) == 0
+    greedy = capsys.readouterr().out
+    assert main(["run", str(ckpt), "Hi", "-n", "3", "--no-thinking", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == greedy
+
+
+def test_run_names_a_bad_generation_default(capsys, chat_ckpt, tmp_path):
+    ckpt = with_generation_config(chat_ckpt[0], tmp_path, repetition_penalty=1e-300)
+    assert main(["run", str(ckpt), "Hi", "-n", "3"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == ("qwenrt: error: the checkpoint's generation_config.json: repetition_penalty must be in [0.01, 100] "
+                   "(1 = off), got 1e-300 (set it explicitly to override)")
+    assert main(["run", str(ckpt), "Hi", "-n", "3", "--repetition-penalty", "1.1"]) == 0
 
 
 def test_cli_basics(capsys, dense_ckpt, chat_ckpt, tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ from qwenrt.sampling import (
     apply_penalties,
     filter_logits,
     make_generator,
+    probabilities,
     sample,
 )
 
@@ -170,17 +171,54 @@ def test_empirical_frequencies_match_filtered_softmax(kwargs):
     (dict(top_k=-1), r"top_k must be an integer >= 0"),
     (dict(top_k=2.5), r"top_k must be an integer >= 0"),
     (dict(min_p=1.5), r"min_p must be in \[0, 1\], got 1.5"),
-    (dict(repetition_penalty=0), r"repetition_penalty must be > 0"),
+    (dict(repetition_penalty=0), r"repetition_penalty must be in \[0.01, 100\] \(1 = off\), got 0"),
+    (dict(repetition_penalty=1e-300), r"repetition_penalty must be in \[0.01, 100\] \(1 = off\), got 1e-300"),
+    (dict(repetition_penalty=1e300), r"repetition_penalty must be in \[0.01, 100\]"),
     (dict(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\], got 2.5"),
     (dict(frequency_penalty=-3), r"frequency_penalty must be in \[-2, 2\], got -3.0"),
     (dict(seed=-1), r"seed must be None or an integer"),
     (dict(max_tokens=0), r"max_tokens must be an integer >= 1, got 0"),
     (dict(stop=["ok", ""]), r"stop must be non-empty strings"),
     (dict(stop_token_ids=[1, -2]), r"stop_token_ids must be integers >= 0"),
+    (dict(stop_token_ids=[True]), r"stop_token_ids must be integers >= 0"),
+    (dict(stop=5), r"stop must be a string or a list of strings, got int"),
+    (dict(stop_token_ids=7), r"stop_token_ids must be a list of integers, got int"),
+    # counted before any matching: 100,000 stop strings cost every request in the batch ~50 ms a token
+    (dict(stop=[f"s{i}" for i in range(100_000)]), r"^stop takes at most 64 strings, got 100000$"),
+    (dict(stop=["ok", "x" * 257]), r"^stop strings take at most 256 characters each, got one of 257$"),
+    (dict(stop_token_ids=list(range(257))), r"^stop_token_ids takes at most 256 ids, got 257$"),
 ])
 def test_parameter_validation(kwargs, message):
     with pytest.raises(QwenrtError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_caps_admit_their_limits():
+    params = SamplingParams(stop=["x" * 256] * 64, stop_token_ids=list(range(256)))
+    assert len(params.stop) == 64 and len(params.stop_token_ids) == 256
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 9e-6])
+def test_a_temperature_under_the_epsilon_is_greedy(temperature):
+    """Dividing by such a temperature overflows float32 (multinomial then saw inf/NaN: an HTTP 500)."""
+    torch.manual_seed(5)
+    logits = torch.randn(3, 100)
+    params = SamplingParams(temperature=temperature, seed=1)
+    assert params.greedy and params.temperature == temperature
+    assert torch.equal(sample(logits, params, generator=make_generator(params)), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1e-5), SamplingParams(temperature=1e-5, top_p=0.5),
+                                    SamplingParams(temperature=0.5, repetition_penalty=0.01)],
+                         ids=["temperature", "temperature+top_p", "repetition_penalty"])
+def test_overflowing_scores_stay_a_distribution(params):
+    """Logits near float32's limit over a small temperature (or a penalty) overflow: the sampler keeps them finite
+    rather than handing inf/NaN to multinomial."""
+    logits = torch.tensor([[3e38, 2e38, -3e38, 1.0], [-3e38, -2e38, -3e38, -3e38]])
+    history = TokenCounts.from_prompts([[0, 1], [1]], vocab_size=4)
+    probs = probabilities(logits, params, history)
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(2))
+    assert sample(logits, params, history, make_generator(SamplingParams(seed=3))).tolist()[0] in (0, 1)
 
 
 def test_parameter_normalisation():

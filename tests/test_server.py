@@ -7,6 +7,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
+import shutil
 import socket
 import threading
 import time
@@ -26,6 +28,7 @@ from tests import checkpoints
 from tests.server_process import ROOT, ServerProcess
 
 KEY = "sk-test"
+JSON_HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 
 
 # ---- a real server ------------------------------------------------------------------------------------------
@@ -43,6 +46,15 @@ class Server(ServerProcess):
 def server(chat_ckpt, tmp_path_factory):
     """The chat checkpoint (real vocabulary and template), default limits, no local media."""
     s = Server(tmp_path_factory.mktemp("server"), chat_ckpt[0], "--max-model-len", "1024")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def guarded_server(chat_ckpt, tmp_path_factory):
+    """The chat checkpoint behind tight connection limits: 64 KiB bodies, headers due in 1 s, 16 connections."""
+    s = Server(tmp_path_factory.mktemp("guarded"), chat_ckpt[0], "--max-request-bytes", "64KiB", "--header-timeout",
+               "1", "--max-connections", "16")
     yield s
     s.stop()
 
@@ -357,6 +369,30 @@ MALFORMED = [
     b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}]}]}',
     b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": '
     b'{"url": "data:image/png;base64,AAAA"}}]}]}',
+    # bools are not numbers nor strings bools (they were taken as 1 or true); a text part's text is a string
+    b'{"messages": [{"role": "user", "content": "hi"}], "n": true}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": true}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "temperature": true}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [true]}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": "yes"}}',
+    b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
+    b'{"messages": [{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]}',
+    # an earlier turn's tool calls in OpenAI's shape (they were 400s worded by the chat template, or rendered)
+    b'{"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"function": 5}]}, '
+    b'{"role": "user", "content": "hi"}]}',
+    b'{"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": 5}}]}, '
+    b'{"role": "user", "content": "hi"}]}',
+    b'{"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]'
+    b'}, {"role": "user", "content": "hi"}]}',
+    # caps before work
+    b'{"messages": [{"role": "user", "content": "hi"}], "stop": ' + json.dumps([f"s{i}" for i in range(65)]).encode()
+    + b'}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "stop": "' + b"x" * 257 + b'"}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": ' + json.dumps(list(range(257))).encode()
+    + b'}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "tools": ' + json.dumps(
+        [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]).encode() + b'}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 1e-300, "temperature": 1}',
 ]
 
 
@@ -370,13 +406,146 @@ def test_bad_input_is_a_400_in_openai_shape(server, body):
 
 
 @pytest.mark.parametrize("body", [b'{"prompt": ""}', b'{"prompt": [999999999]}', b'{"prompt": [-5, 3]}',
-                                  b'{"prompt": []}',
+                                  b'{"prompt": []}', b'{"prompt": [true]}', b'{"prompt": [1.0, 2]}',
+                                  b'{"prompt": [[1], [true]]}',
                                   b'{"prompt": "x", "echo": true}', b'{"prompt": "x", "best_of": 3}',
                                   b'{"prompt": [[1], "x"]}', b'{"prompt": "x", "logprobs": 50}'])
 def test_bad_completion_input_is_a_400(server, body):
     r = httpx.post(server.url + "/v1/completions", content=body, timeout=60,
                    headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("body, param", [
+    (b'{"messages": [{"role": "user", "content": "hi"}], "stop": ' + json.dumps([f"s{i}" for i in range(65)]).encode()
+     + b'}', "stop"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": ' + json.dumps(list(range(300))).encode()
+     + b'}', "stop_token_ids"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 1e-300, "temperature": 1}',
+     "repetition_penalty"),
+    (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}', "messages[0].content[0].text"),
+    (b'{"prompt": [true]}', "prompt"),
+    (b'{"prompt": ' + json.dumps([1] * 5000).encode() + b'}', "prompt"),  # counted before each id is checked
+    (b'{"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": 5}}'
+     b']}, {"role": "user", "content": "hi"}]}', "messages[0].tool_calls[0].function.arguments"),
+])
+def test_a_refusal_names_its_field(server, body, param):
+    path = "/v1/completions" if body.startswith(b'{"prompt"') else "/v1/chat/completions"
+    r = httpx.post(server.url + path, content=body, timeout=60, headers=JSON_HEADERS)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_extreme_temperatures_are_greedy(server):
+    """1e-300 and 5e-324 overflowed float32 once divided by: multinomial saw inf, an HTTP 500."""
+    client = server.client()
+    kw = dict(max_tokens=6, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    greedy = chat(client, user("Tell me a story."), temperature=0, **kw).choices[0].message.content
+    for temperature in (1e-300, 5e-324):
+        assert chat(client, user("Tell me a story."), temperature=temperature, **kw).choices[0].message.content \
+            == greedy
+    completion = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=1e-300, logprobs=3)
+    assert completion.choices[0].text == client.completions.create(model="tiny", prompt="Hello", max_tokens=4,
+                                                                   temperature=0).choices[0].text
+
+
+def test_an_error_echoing_unencodable_text_is_still_json(server):
+    """`"model": "\\ud800"` is echoed by the 404; UTF-8 cannot encode a lone surrogate, so encoding the error failed."""
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, headers=JSON_HEADERS,
+                   content=b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}')
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert error["param"] == "model" and "The model `\\ud800` does not exist" in error["message"]
+
+
+def test_a_bad_generation_default_stops_the_server_at_start(chat_ckpt, tmp_path):
+    """repetition_penalty 1e-300 in generation_config.json made every request that did not set it a 500."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(chat_ckpt[0], ckpt)
+    config = json.loads((ckpt / "generation_config.json").read_text())
+    (ckpt / "generation_config.json").write_text(json.dumps(config | {"repetition_penalty": 1e-300}))
+    with pytest.raises(RuntimeError, match="did not come up"):
+        Server(tmp_path, ckpt)
+    assert (tmp_path / "server.log").read_text().strip().splitlines()[-1] == (
+        "qwenrt: error: the checkpoint's generation_config.json: repetition_penalty must be in [0.01, 100] (1 = off), "
+        "got 1e-300 (set it explicitly to override)")
+
+
+# ---- connections: keys and sizes before bodies, timeouts, a connection cap ---------------------------------
+
+def raw_exchange(url: str, request: bytes, wait: float = 10.0) -> tuple[int, dict | None, float]:
+    """Send raw bytes on a fresh connection; (status, JSON body or None, seconds until the server answered)."""
+    host, port = url.removeprefix("http://").split(":")
+    start = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=wait) as sock:
+        sock.sendall(request)
+        response = b""
+        while b"\r\n\r\n" not in response or len(response.split(b"\r\n\r\n", 1)[1]) < content_length(response):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            response += chunk
+    elapsed = time.monotonic() - start
+    head, _, body = response.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body) if body else None, elapsed
+
+
+def content_length(response: bytes) -> int:
+    match = re.search(rb"content-length: *(\d+)", response.split(b"\r\n\r\n", 1)[0], re.I)
+    return int(match.group(1)) if match else 0
+
+
+def post_head(path: str, length: int, key: str | None = KEY, extra: str = "") -> bytes:
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n{extra}"
+            f"Content-Length: {length}\r\n\r\n").encode()
+
+
+def test_the_api_key_is_checked_before_the_body_is_read(server):
+    """A 100 MB body was read and parsed (+300 MB) before the 401; now the headers are enough."""
+    status, body, elapsed = raw_exchange(server.url, post_head("/v1/chat/completions", 100_000_000, key=None))
+    assert status == 401 and body["error"]["type"] == "authentication_error" and elapsed < 5
+
+
+def test_a_body_over_the_limit_is_refused_unread(server, guarded_server):
+    status, body, elapsed = raw_exchange(server.url, post_head("/v1/completions", 100_000_000))
+    assert status == 413 and "over the server's limit of 33554432 bytes" in body["error"]["message"] and elapsed < 5
+    # chunked, so no length is announced: cut off once it passes the limit (64 KiB here)
+    head = post_head("/v1/completions", 0).replace(b"Content-Length: 0", b"Transfer-Encoding: chunked")
+    chunk = b"%x\r\n%s\r\n" % (16384, b"x" * 16384)
+    status, body, _ = raw_exchange(guarded_server.url, head + chunk * 5)
+    assert status == 413 and "limit of 65536 bytes" in body["error"]["message"]
+
+
+def test_a_body_that_trickles_is_dropped(guarded_server):
+    status, body, elapsed = raw_exchange(guarded_server.url, post_head("/v1/completions", 1000) + b'{"prompt": ')
+    assert status == 408 and 0.9 < elapsed < 5, body
+
+
+def test_half_sent_requests_are_closed_and_cannot_starve_the_server(guarded_server):
+    """Slowloris: uvicorn waits forever for headers, and 160 half-sent requests starved /health under `ulimit -n 128`.
+    Now the connections over the cap are closed as they open and the rest once their headers are 1 s late."""
+    host, port = guarded_server.url.removeprefix("http://").split(":")
+    half_sent = []
+    for _ in range(24):  # the cap is 16
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        half_sent.append(sock)
+    start = time.monotonic()
+    closed = []
+    for sock in half_sent:
+        try:
+            closed.append(sock.recv(100) == b"")
+        except ConnectionResetError:
+            closed.append(True)
+        sock.close()
+    assert all(closed) and time.monotonic() - start < 5
+    while True:  # the server answers again once the slots free up
+        try:
+            assert httpx.get(guarded_server.url + "/health", timeout=5).status_code == 200
+            break
+        except httpx.TransportError:
+            assert time.monotonic() - start < 5
+            time.sleep(0.05)
 
 
 def test_full_queue_is_a_429(vlm_server):

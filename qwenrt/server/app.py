@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import secrets
 import sys
 import threading
 import time
@@ -18,6 +17,7 @@ from qwenrt.server import errors
 from qwenrt.server.chat import chat_completions
 from qwenrt.server.completions import completions
 from qwenrt.server.errors import APIError
+from qwenrt.server.limits import Limits, RequestGate
 from qwenrt.server.metrics import ServerMetrics
 from qwenrt.server.protocol import ChatCompletionRequest, CompletionRequest
 from qwenrt.vision.media import MediaPolicy
@@ -66,9 +66,10 @@ class ServerState:
 
 
 def create_app(config: ServerConfig, load: Callable[[], object],
-               on_load_failed: Callable[[str], None] | None = None) -> FastAPI:
+               on_load_failed: Callable[[str], None] | None = None, limits: Limits = Limits()) -> FastAPI:
     """`load()` returns a started engine (with its tokenizer); it runs in a thread once the app starts. If it raises,
-    the error is kept (and /health stays 503) and `on_load_failed(message)` is called."""
+    the error is kept (and /health stays 503) and `on_load_failed(message)` is called. The API key and the request
+    body's `limits` are checked before anything reads the body (RequestGate)."""
     state = ServerState(config)
     state.metrics = ServerMetrics(state)
 
@@ -96,16 +97,9 @@ def create_app(config: ServerConfig, load: Callable[[], object],
     app = FastAPI(title="qwenrt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.qwenrt = state
     errors.install(app)
+    app.add_middleware(RequestGate, limits=limits, api_key=config.api_key)
 
-    def authorized(request: Request) -> None:
-        key = config.api_key
-        if key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')")
-
-    def ready(_: None = Depends(authorized)) -> ServerState:
+    def ready() -> ServerState:
         if state.engine is None:
             raise APIError(503, f"the model failed to load: {state.load_error}" if state.load_error else
                            "the model is still loading; retry when /health answers 200")

@@ -25,10 +25,11 @@ def _messages(body: ChatCompletionRequest, state) -> list[dict]:
     messages = []
     for m, message in enumerate(body.messages):
         message = message.model_dump(exclude_none=True)
+        _check_text_parts(message.get("content"), m)
         if message["role"] == "developer":
             message["role"] = "system"
         for c, call in enumerate(message.get("tool_calls") or ()):
-            function = call.get("function") if isinstance(call.get("function"), dict) else {}
+            function = call["function"]
             arguments = function.get("arguments")
             if isinstance(arguments, str):
                 param = f"messages[{m}].tool_calls[{c}].function.arguments"
@@ -41,6 +42,14 @@ def _messages(body: ChatCompletionRequest, state) -> list[dict]:
                 call["function"] = {**function, "arguments": arguments}
         messages.append(message)
     return check_media(messages, state.media_policy)
+
+
+def _check_text_parts(content, m: int) -> None:
+    """A text part's text is a string (the template would render a number or an object as text)."""
+    for p, part in enumerate(content if isinstance(content, list) else ()):
+        if part.get("type") == "text" and not isinstance(part.get("text"), str):
+            param = f"messages[{m}].content[{p}].text"
+            raise APIError(400, f"{param}: expected a string", param)
 
 
 def _tools(body: ChatCompletionRequest) -> tuple[list[dict] | None, bool]:

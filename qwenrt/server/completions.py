@@ -14,12 +14,15 @@ from qwenrt.server.protocol import CompletionRequest
 from qwenrt.server.responses import LogprobCollector, completion_logprobs, new_id, now, sse, usage
 
 
-def _prompts(body: CompletionRequest) -> list:
-    """A list of prompts, each a string or a list of token ids."""
+def _prompts(body: CompletionRequest, max_model_len: int) -> list:
+    """A list of prompts, each a string or a list of token ids; token ids counted before each is checked."""
     prompt = body.prompt
-    if isinstance(prompt, str) or isinstance(prompt[0], int):
-        return [prompt]
-    return list(prompt)
+    prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else list(prompt)
+    for ids in prompts:
+        if not isinstance(ids, str) and len(ids) >= max_model_len:
+            raise APIError(400, f"prompt has {len(ids)} tokens; the context limit is {max_model_len} (leave room for "
+                                "the answer)", "prompt")
+    return prompts
 
 
 async def completions(body: CompletionRequest, http: HTTPRequest, state):
@@ -29,7 +32,7 @@ async def completions(body: CompletionRequest, http: HTTPRequest, state):
             raise APIError(400, f"{field} is not supported", field)
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of must equal n (qwenrt does not rank extra samples)", "best_of")
-    prompts = _prompts(body)
+    prompts = _prompts(body, state.max_model_len)
     params = choice_params(body, state.tokenizer, body.max_tokens, state.max_model_len)
     request_id = new_id("cmpl")
     requests = [Request(prompt, p, logprobs=body.logprobs, request_id=f"{request_id}-{k}-{j}")

@@ -11,7 +11,8 @@ from starlette.exceptions import HTTPException
 from qwenrt.errors import QueueFullError, QwenrtError
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+               405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
+               422: "invalid_request_error",
                429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
 
@@ -22,8 +23,13 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"), "param": param,
-                      "code": status}}
+    """The body of an error; text echoed from a request (a lone surrogate UTF-8 cannot hold) is escaped."""
+    return {"error": {"message": _encodable(message), "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": _encodable(param), "code": status}}
+
+
+def _encodable(text: str | None) -> str | None:
+    return text if text is None else text.encode("utf-8", "backslashreplace").decode()
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -39,14 +45,22 @@ def from_engine(e: Exception) -> APIError:
     return APIError(500, f"internal error: {type(e).__name__}: {e}")
 
 
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list"}
+
+
 def _location(loc) -> str:
     """pydantic's error location ('body', 'messages', 0, 'content') as a field path: messages[0].content."""
     path = ""
     for part in loc:
-        if (part == "body" and not path) or (isinstance(part, str) and not part.isidentifier()):
-            continue  # the body itself, or pydantic's name for a member of a union ("list[int]")
+        if (part == "body" and not path) or (isinstance(part, str) and _names_a_type(part)):
+            continue  # the body itself, or pydantic's name for a member of a union
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     return path
+
+
+def _names_a_type(part: str) -> bool:
+    """A union member's tag: "list[int]", "str", a model's class name; API fields are lower-case identifiers."""
+    return not part.isidentifier() or part in _TYPE_NAMES or part[:1].isupper()
 
 
 def _validation_message(e: RequestValidationError) -> tuple[str, str | None]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
 import sys
 import time
@@ -9,15 +11,15 @@ from pathlib import Path
 
 from qwenrt.default_model import DEFAULT_MODEL, resolve_model
 from qwenrt.errors import QwenrtError
-from qwenrt.units import add_speculative_option
+from qwenrt.units import add_speculative_option, parse_size
 
 
 def load_engine(args):
     """Load the model and start its engine; checks that a request at the full context can ever run."""
+    from qwenrt.console import sampling_params
     from qwenrt.engine import Engine
     from qwenrt.engine.core import _size
     from qwenrt.loader import load
-    from qwenrt.units import parse_size
 
     start = time.perf_counter()
     model, tokenizer = load(args.model, dtype=args.dtype, quantize=args.quantize, progress=True)
@@ -25,9 +27,10 @@ def load_engine(args):
         from qwenrt.hub import resolve_model_path
         from qwenrt.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(resolve_model_path(args.tokenizer))
+        tokenizer = load_tokenizer(resolve_model_path(args.tokenizer), model_vocab_size=model.config.text.vocab_size)
     if tokenizer is None:
         raise QwenrtError(f"{args.tokenizer or args.model}: no tokenizer.json; the server needs one (--tokenizer)")
+    sampling_params({}, tokenizer)  # a generation_config.json default out of range fails here, not every request
     limits = {"max_running": args.max_running, "max_queue": args.max_queue, "max_model_len": args.max_model_len,
               "max_batched_tokens": args.max_num_batched_tokens,
               "memory_budget": parse_size(args.kv_cache_memory_bytes) if args.kv_cache_memory_bytes else None,
@@ -57,6 +60,7 @@ def serve(args) -> None:
         import uvicorn
 
         from qwenrt.server.app import ServerConfig, create_app
+        from qwenrt.server.limits import Limits, default_max_connections, guarded_protocol
         from qwenrt.vision.media import MediaPolicy
     except ImportError as e:
         raise QwenrtError(f"qwenrt serve needs the serve extra ({e.name} is missing): pip install 'qwenrt[serve]'"
@@ -76,16 +80,34 @@ def serve(args) -> None:
     def stop(_: str) -> None:
         server.should_exit = True
 
-    app = create_app(config, lambda: load_engine(args), on_load_failed=stop)
+    limits = Limits(parse_size(args.max_request_bytes), args.header_timeout,
+                    args.max_connections or default_max_connections())
+    if limits.max_request_bytes < 1:
+        raise QwenrtError(f"--max-request-bytes must be at least 1 byte, got {args.max_request_bytes!r}")
+    app = create_app(config, lambda: load_engine(args), on_load_failed=stop, limits=limits)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            access_log=not args.disable_uvicorn_access_log,
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=5, http=guarded_protocol(limits),
+                                           timeout_keep_alive=args.timeout_keep_alive))
     print(f"qwenrt serve: http://{args.host}:{args.port} (loading {name}; /health answers 200 when ready)",
           file=sys.stderr, flush=True)
     server.run()
     state = app.state.qwenrt
     if state.load_error is not None:
         raise QwenrtError(state.load_error)
+
+
+def _positive(kind):
+    """An argparse type: a finite number of `kind` above 0."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+    return parse
 
 
 def add_parser(verbs) -> None:
@@ -115,6 +137,17 @@ def add_parser(verbs) -> None:
     add_speculative_option(p)
     p.add_argument("--allowed-local-media-path", help="let requests read local image/video files under this "
                                                       "directory (file:// URLs or paths)")
+    p.add_argument("--max-request-bytes", default="32MiB",
+                   help="largest request body, e.g. 64MiB: larger ones get 413 before they are read (default 32MiB: "
+                        "a full context of text and several large base64 images)")
+    p.add_argument("--header-timeout", type=_positive(float), default=10.0, metavar="SECONDS",
+                   help="a connection whose request headers are not all in within this many seconds is closed; a "
+                        "body then has as long before it must keep up 64 KiB/s (default 10)")
+    p.add_argument("--max-connections", type=_positive(int),
+                   help="connections held at once; more are closed as they open (default 1024, or half the "
+                        "open-file limit when that is lower)")
+    p.add_argument("--timeout-keep-alive", type=_positive(float), default=5.0, metavar="SECONDS",
+                   help="an idle keep-alive connection is closed after this many seconds (default 5)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per request")
     p.set_defaults(run=lambda args: serve(args))

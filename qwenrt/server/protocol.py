@@ -11,11 +11,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from qwenrt.engine.core import MAX_LOGPROBS
 
 MAX_CHOICES = 16
+MAX_TOOLS = 128  # OpenAI's limit
 TokenId = Annotated[int, Field(ge=0)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a bool is no number (the prompt `[true]` was token id 1), a string no bool ("yes" was true)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -66,14 +68,31 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
+class FunctionCall(BaseModel):
+    """A call in an earlier assistant turn; arguments as OpenAI sends them (a JSON string) or already an object."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: Annotated[str, Field(min_length=1)]
+    arguments: str | dict[str, Any] | None = None
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     """One message of the conversation; extra keys (reasoning, name, ...) pass through to the chat template."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
@@ -86,7 +105,7 @@ class ChatTemplateKwargs(_Body):
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
