@@ -46,7 +46,8 @@ _ADDED_TOKEN_FLAGS = ("normalized", "lstrip", "rstrip", "single_word")
 PIECE_CHARS = 1 << 15
 # cut points need text after them, so a pattern's lookahead or a special token at the piece's end cannot move them
 _CUT_MARGIN = 16
-# an NFC/NFKC normalizer composes at most 2 characters per UTF-8 byte of its output
+# input characters per UTF-8 byte a Unicode normalizer outputs, at most: NFC/NFKC compose up to 4 code points into
+# one character, which takes at least 2 bytes
 _COMPOSING = {"NFC": 2, "NFKC": 2, "NFD": 1, "NFKD": 1}
 _SPLIT_PROBE = ("Hello, world!  It's 2024:\n\n\tfoo_bar(x) -- 'quoted'   end.\r\nMore text\u00e9 "
                 "\u4f60\u597d\uff0c\u4e16\u754c x")
@@ -181,8 +182,9 @@ class Tokenizer:
         """`encode(text)`, or None as soon as that is known to be more than `limit` ids: a text far over a context
         limit costs about a limit's worth of tokenizing, not its whole length (10 MB took 12 s and held the GIL).
 
-        Text longer than `limit` tokens of the longest length can hold is refused before any work; the rest goes to
-        the library a piece at a time, each cut where a word starts (the ids equal a whole encode's), without the GIL.
+        Text longer than `limit` of the vocabulary's longest tokens could cover is refused before any work; the rest
+        goes to the library a piece at a time, each cut where a word starts (the ids equal a whole encode's), without
+        the GIL.
         """
         text = check_text(text, "text to encode")
         if len(text) > limit * self._chars_per_token:

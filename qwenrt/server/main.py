@@ -80,8 +80,9 @@ def serve(args) -> None:
     def stop(_: str) -> None:
         server.should_exit = True
 
-    limits = Limits(parse_size(args.max_request_bytes), args.header_timeout,
-                    args.max_connections or default_max_connections())
+    given = {"max_request_bytes": parse_size(args.max_request_bytes) if args.max_request_bytes else None,
+             "header_timeout": args.header_timeout, "max_connections": args.max_connections or default_max_connections()}
+    limits = Limits(**{k: v for k, v in given.items() if v is not None})
     if limits.max_request_bytes < 1:
         raise QwenrtError(f"--max-request-bytes must be at least 1 byte, got {args.max_request_bytes!r}")
     app = create_app(config, lambda: load_engine(args), on_load_failed=stop, limits=limits)
@@ -137,10 +138,10 @@ def add_parser(verbs) -> None:
     add_speculative_option(p)
     p.add_argument("--allowed-local-media-path", help="let requests read local image/video files under this "
                                                       "directory (file:// URLs or paths)")
-    p.add_argument("--max-request-bytes", default="32MiB",
-                   help="largest request body, e.g. 64MiB: larger ones get 413 before they are read (default 32MiB: "
-                        "a full context of text and several large base64 images)")
-    p.add_argument("--header-timeout", type=_positive(float), default=10.0, metavar="SECONDS",
+    p.add_argument("--max-request-bytes",
+                   help="largest request body, e.g. 64MiB: larger ones get 413 before they are read (default 32MiB: room "
+                        "for a full context of text, or ~24 MB of images as base64)")
+    p.add_argument("--header-timeout", type=_positive(float), metavar="SECONDS",
                    help="a connection whose request headers are not all in within this many seconds is closed; a "
                         "body then has as long before it must keep up 64 KiB/s (default 10)")
     p.add_argument("--max-connections", type=_positive(int),
