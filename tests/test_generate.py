@@ -127,7 +127,7 @@ def test_bad_arguments_to_the_api_are_one_line(chat_model):
     one_line_error(lambda: list(qwenrt.stream_generate(model, tok, "hi", on_prefill=5)), "on_prefill must be a function")
     one_line_error(lambda: qwenrt.generate(model, tok, "hi", temprature=0.5, max_tokenz=2),
                    "unknown generation option(s): max_tokenz, temprature")
-    one_line_error(lambda: qwenrt.generate(model, tok, "hi", stop=5), "invalid generation option")
+    one_line_error(lambda: qwenrt.generate(model, tok, "hi", stop=5), "stop must be a string or a list of strings")
 
 
 def test_load_gives_the_tokenizer_the_models_vocabulary():
