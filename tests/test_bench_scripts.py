@@ -61,3 +61,19 @@ def test_mtp_cost_times_a_speculative_step_on_the_built_in_model():
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")]
     assert {"decode step", "verify 3", "draft 3"} <= set(rows), done.stdout
+
+
+def test_hostile_review_runs_a_quick_class(tmp_path):
+    """bench/hostile_review.py --quick on the checkpoint class: a table whose counts add up, every case ended in an
+    outcome of qwenrt's (none from a fault of the review itself, none a hang), and its control (a hub-cache layout as
+    the hub writes it) is loaded."""
+    out = tmp_path / "review.json"
+    done = run("bench/hostile_review.py", "--quick", "--only", "checkpoints", "--workdir", str(tmp_path / "work"),
+               "--json", str(out), timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["checkpoints"]
+    assert len(rows) >= 20 and not [r for r in rows if "(review harness)" in r["detail"] or r["outcome"] == "hang"]
+    assert rows[0]["label"] == "hub cache: the layout as the hub writes it" and rows[0]["outcome"] == "handled"
+    line = next(line for line in done.stdout.splitlines() if line.startswith("| checkpoints |"))
+    cases, *outcomes = map(int, line.strip("| ").split(" | ")[1:])
+    assert cases == len(rows) == sum(outcomes), line
