@@ -21,6 +21,7 @@ from qwenrt.errors import QwenrtError
 MIB = 1 << 20
 JSON_LIMIT = 64 * MIB  # config / tokenizer_config / generation_config / index files
 TOKENIZER_LIMIT = 512 * MIB  # tokenizer.json (Qwen3.5's is ~12 MB)
+NAME_MAX = 255  # bytes in one part of a path (Linux, macOS)
 
 
 def _why(e: OSError) -> str:
@@ -116,6 +117,12 @@ class CheckpointDir:
         """The checkpoint file `name` (relative), refused if it escapes the checkpoint; it need not exist."""
         if not isinstance(name, str) or not name or "\0" in name:
             raise QwenrtError(f"{self.path}: invalid {what} name {name!r}")
+        try:
+            too_long = any(len(os.fsencode(part)) > NAME_MAX for part in PurePosixPath(name).parts)
+        except UnicodeEncodeError:  # a lone surrogate: no file can have that name
+            raise QwenrtError(f"{self.path}: invalid {what} name {name!r:.80} (not valid Unicode)") from None
+        if too_long:
+            raise QwenrtError(f"{self.path}: invalid {what} name {name!r:.80}: a part of it is over {NAME_MAX} bytes")
         pure = PurePosixPath(name)
         if pure.is_absolute() or ".." in pure.parts or name.startswith("~"):
             raise QwenrtError(f"{self.path}: {what} name {name!r} points outside the checkpoint directory")

@@ -18,10 +18,13 @@ def resolve_model_path(source: str | Path, revision: str | None = None) -> Path:
     """A local directory as is; otherwise a hub repo id, fetched with huggingface_hub (HF_HUB_OFFLINE respected)."""
     if revision is not None and not isinstance(revision, str):
         raise QwenrtError(f"revision must be a string (a branch, tag or commit), got {type(revision).__name__}")
-    path = Path(check_path(source, "model (a checkpoint directory or hub repo id)")).expanduser()
+    path = Path(check_path(source, "model (a checkpoint directory or hub repo id)"))
     try:
+        path = path.expanduser()
         exists = path.exists()
-    except OSError as e:  # e.g. a path through an unreadable directory
+    except RuntimeError as e:  # `~user/...` of a user who does not exist
+        raise QwenrtError(f"{source}: {e}") from None
+    except OSError as e:  # e.g. a path through an unreadable directory, a name too long
         raise QwenrtError(f"{path}: {e.strerror or e}") from None
     if exists:
         if not path.is_dir():

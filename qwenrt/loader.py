@@ -19,7 +19,7 @@ from qwenrt.model import Qwen35ForCausalLM
 from qwenrt.mtp import PREFIX as MTP_PREFIX, MTPHead
 from qwenrt.quant import LoadQuantizer, QuantSpec, install_placeholders, stored_spec
 from qwenrt.tokenizer import Tokenizer, load_tokenizer
-from qwenrt.validation import check_path
+from qwenrt.validation import check_flag, check_path
 from qwenrt.writer import DTYPE_NAMES
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -261,6 +261,8 @@ def load(path: str | Path | None = None, dtype="auto", device: str | torch.devic
     on this model uses (`qwenrt.engine.Engine`: max_running, max_model_len, prefix_cache_size, prefix_cache_dir,
     ...), checked when it is made.
     """
+    check_flag(progress, "progress")
+    check_flag(check_finite, "check_finite")
     device = resolve_device(device)
     path = resolve_model_path(resolve_model(path)[0], revision)
     verified, tokenizer = check_checkpoint(path)  # the tokenizer too, before any weight is read

@@ -242,8 +242,13 @@ class Qwen35ForCausalLM(nn.Module):
         return SequenceState(self.config.text, self.dtype, self.device, capacity, limit)
 
     def new_cache(self, batch_size: int = 1, capacity: int = 256) -> HybridCache:
-        """An empty cache for `batch_size` sequences, continued together by `forward`."""
+        """An empty cache for `batch_size` sequences, continued together by `forward`; `capacity` tokens are allocated
+        up front (it grows past them), at most the model's context."""
         _check_count("batch_size", batch_size)
+        _check_count("capacity", capacity)
+        if capacity > self.config.text.max_position_embeddings:
+            raise QwenrtError(f"capacity must be at most the model's context of {self.config.text.max_position_embeddings}"
+                              f" tokens, got {capacity}")
         return HybridCache([self.new_sequence(capacity) for _ in range(batch_size)])
 
     def forward(self, input_ids: torch.Tensor | None = None, cache: HybridCache | None = None, *,

@@ -236,8 +236,12 @@ def _reject_constant(name: str) -> Any:
 
 
 def _json(value: str) -> Any:
-    """json.loads without NaN/Infinity (they would not survive json.dumps); raises ValueError."""
-    return json.loads(value, parse_constant=_reject_constant)
+    """json.loads without NaN/Infinity (they would not survive json.dumps); raises ValueError, nesting past Python's
+    recursion limit included."""
+    try:
+        return json.loads(value, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def _convert(value: str, schema: Any) -> Any:

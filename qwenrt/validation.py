@@ -24,6 +24,12 @@ def check_path(path: Any, what: str = "checkpoint path") -> str | os.PathLike:
         raise QwenrtError(f"{what} must be a str or an os.PathLike, got {type(path).__name__}")
     if not name:
         raise QwenrtError(f"{what} is empty")
+    if "\0" in name:
+        raise QwenrtError(f"{what} {name!r:.80} holds a NUL character")
+    try:
+        os.fsencode(name)
+    except UnicodeEncodeError as e:
+        raise QwenrtError(f"{what} {name!r:.80} is not valid Unicode (lone surrogate at character {e.start})") from None
     return path
 
 

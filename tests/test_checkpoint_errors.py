@@ -173,4 +173,8 @@ def test_paths_of_the_wrong_type_are_one_line(bad, kind):
 
 def test_empty_path_and_bad_revision():
     one_line_error(lambda: qwenrt.load(""), "is empty")  # was: the current directory
+    one_line_error(lambda: qwenrt.load("bad\0path"), "NUL")  # was a ValueError
+    one_line_error(lambda: qwenrt.load("\ud800/x"), "not valid Unicode")  # was a UnicodeEncodeError
+    one_line_error(lambda: qwenrt.load("~no-such-user-qwenrt/x"), "~no-such-user-qwenrt")  # was a RuntimeError
+    one_line_error(lambda: qwenrt.load(None, progress="yes"), "progress must be True or False")  # was accepted
     one_line_error(lambda: qwenrt.load("Qwen/Qwen3.5-0.8B", revision=5), "revision must be a string")

@@ -124,6 +124,8 @@ def test_bad_arguments_to_the_api_are_one_line(chat_model):
     one_line_error(lambda: qwenrt.generate(5, tok, "hi"), "model must be the model qwenrt.load returned", "got int")
     one_line_error(lambda: qwenrt.generate(model, tok, MESSAGES, enable_thinking="no"),
                    "enable_thinking must be True or False")  # "no" is truthy: it switched thinking on
+    one_line_error(lambda: qwenrt.generate(model, tok, "hi", enable_thinking="no"),
+                   "enable_thinking must be True or False")  # was accepted (a raw prompt renders no template)
     one_line_error(lambda: list(qwenrt.stream_generate(model, tok, "hi", on_prefill=5)), "on_prefill must be a function")
     one_line_error(lambda: qwenrt.generate(model, tok, "hi", temprature=0.5, max_tokenz=2),
                    "unknown generation option(s): max_tokenz, temprature")

@@ -50,6 +50,8 @@ def split_into_index(path, shard_of):
     ("~/model.safetensors", "points outside the checkpoint"),
     ("sub/../../other/model.safetensors", "points outside the checkpoint"),
     ("", "invalid shard name"),
+    ("\ud800", "not valid Unicode"),  # was a UnicodeEncodeError
+    ("x" * 300 + ".safetensors", "over 255 bytes"),  # was an OSError (file name too long)
 ])
 def test_index_entries_cannot_escape(ckpt, name, fragment):
     split_into_index(ckpt, lambda n: name if n == "model.norm.weight" else "real.safetensors")

@@ -141,6 +141,7 @@ def test_forward_refuses_bad_inputs_before_any_work(dense_ckpt):
     (dict(batch_size=True), "batch_size must be an integer >= 1, got True"),
     (dict(capacity=0), "capacity must be an integer >= 1, got 0"),
     (dict(capacity=2.5), "capacity must be an integer >= 1, got 2.5"),
+    (dict(capacity=10 ** 15), "capacity must be at most the model's context"),  # was the allocator's error
 ])
 def test_new_cache_refuses_bad_sizes(dense_ckpt, options, fragment):
     model, _ = qwenrt.load(dense_ckpt[0], dtype="float32")

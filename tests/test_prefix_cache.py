@@ -422,3 +422,12 @@ def test_a_snapshot_holding_nan_is_not_used(chat_model, ids, tmp_path, monkeypat
     again = greedy(ids[:40])
     assert finish(prefix_engine(model, tok, folder), [again])[again.request_id] == expected
     assert "NaN" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("folder, fragment", [
+    ("bad\0dir", "NUL"), ("\ud800", "not valid Unicode"), (123, "must be a str or an os.PathLike"),
+    (b"/tmp/x", "must be a str or an os.PathLike")])
+def test_a_prefix_cache_dir_that_is_no_path_is_one_line(chat_model, folder, fragment):
+    """Was a ValueError, UnicodeEncodeError or TypeError from the OS layer (and "" used the current directory)."""
+    model, tok, _ = chat_model
+    one_line_error(lambda: Engine(model, tok, prefix_cache_dir=folder), "prefix_cache_dir", fragment)

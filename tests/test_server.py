@@ -366,6 +366,8 @@ MALFORMED = [
     b'{"messages": [{"role": "user", "content": "hi"}], "stream": "maybe"}',
     b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"function": '
     b'{"name": "f", "arguments": "{oops"}}]}]}',
+    b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"function": '
+    b'{"name": "f", "arguments": "' + b"[" * 100_000 + b'"}}]}]}',  # was a RecursionError: a 500
     b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}]}]}',
     b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": '
     b'{"url": "data:image/png;base64,AAAA"}}]}]}',

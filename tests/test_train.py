@@ -577,3 +577,13 @@ def test_encoding_is_linear_in_turns(tokenizers):
     assert sum(example.loss_mask) > 1000 * 5
     one_line_error(lambda: encode_conversation(tokenizers[0], chat, "chats.jsonl:7", max_len=1024),
                    "chats.jsonl:7: ", "tokens, over max_len 1024")
+
+
+@pytest.mark.parametrize("options, fragment", [
+    (dict(out="", data=[]), "output directory is empty"),  # was: trained into the current directory
+    (dict(out="o\0", data=[]), "NUL"),
+    (dict(out="o", data=123), "data (a JSONL file, or a list of conversations) must be a str"),  # was a TypeError
+    (dict(out="o", data=[], eval_data=b"x.jsonl"), "eval_data"),
+])
+def test_training_paths_that_are_no_paths_are_one_line(options, fragment):
+    one_line_error(lambda: TrainConfig(**options), fragment)

@@ -32,7 +32,7 @@ from qwenrt.errors import QueueFullError, QwenrtError
 from qwenrt.mtp import DEFAULT_DRAFT_VOCAB
 from qwenrt.prompt import prepare_prompt
 from qwenrt.sampling import TokenCounts, check_finite, sample
-from qwenrt.validation import check_request
+from qwenrt.validation import check_flag, check_request
 
 DEFAULT_MAX_RUNNING = 8
 DEFAULT_MAX_QUEUE = 256
@@ -258,6 +258,8 @@ class Engine:
                               model_limit=self.max_model_len, tools=request.tools, max_context=request.max_context)
         if request.prefill_chunk is not None:
             _positive("prefill_chunk", request.prefill_chunk)
+        if request.enable_thinking is not None:
+            check_flag(request.enable_thinking, "enable_thinking")
         if request.logprobs is not None and not (isinstance(request.logprobs, int) and
                                                  0 <= request.logprobs <= MAX_LOGPROBS):
             raise QwenrtError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {request.logprobs!r}")

@@ -45,6 +45,7 @@ from safetensors.torch import load as load_tensors, save as save_tensors
 from qwenrt.checkpoint import shard_files
 from qwenrt.errors import QwenrtError
 from qwenrt.files import JSON_LIMIT, CheckpointDir, open_regular, read_bytes
+from qwenrt.validation import check_path
 
 FORMAT = "qwenrt-prefix-2"
 SAMPLE = 1 << 16  # bytes read at each of SAMPLES places of every weight file for the identity
@@ -183,8 +184,9 @@ def _read_header(fd: int, size: int) -> dict:
 
 class PrefixStore:
     def __init__(self, directory: str | Path, identity: str, budget: int):
-        self.path = Path(directory) / identity  # for messages: every access goes through self._fd
-        self._fd = _open_private_folder(Path(directory), identity)
+        directory = Path(check_path(directory, "prefix_cache_dir"))
+        self.path = directory / identity  # for messages: every access goes through self._fd
+        self._fd = _open_private_folder(directory, identity)
         try:
             self._secret = _read_key(self._fd, self.path)
         except QwenrtError:

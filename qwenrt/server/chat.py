@@ -35,7 +35,7 @@ def _messages(body: ChatCompletionRequest, state) -> list[dict]:
                 param = f"messages[{m}].tool_calls[{c}].function.arguments"
                 try:
                     arguments = json.loads(arguments) if arguments.strip() else {}
-                except json.JSONDecodeError:
+                except (json.JSONDecodeError, RecursionError):  # RecursionError: nested past Python's limit
                     raise APIError(400, f"{param}: not valid JSON", param) from None
                 if not isinstance(arguments, dict):
                     raise APIError(400, f"{param}: must be a JSON object", param)

@@ -30,6 +30,7 @@ from qwenrt.mtp import MTPHead, chained_hidden
 from qwenrt.train.checkpoints import (STATE_FILE, config_json, latest_step_dir, load_state, prepare_output, prune,
                                       restore_optimizer, save_checkpoint, step_dir)
 from qwenrt.train.data import Example, collate, encode_all, load_conversations
+from qwenrt.validation import check_path
 
 LOG_FILE = "train_log.jsonl"
 
@@ -88,6 +89,11 @@ class TrainConfig:
                 raise QwenrtError(f"training: {name} {getattr(self, name)} is out of range")
         if self.mtp_only and self.mtp_weight <= 0:
             raise QwenrtError("training: mtp_only trains the MTP head alone, so mtp_weight must be above 0")
+        check_path(self.out, "training: output directory")
+        for name in ("data", "eval_data"):
+            value = getattr(self, name)
+            if not (isinstance(value, list) or (value is None and name == "eval_data")):
+                check_path(value, f"training: {name} (a JSONL file, or a list of conversations)")
         if self.save_dtype not in ("float32", "bfloat16", "float16"):
             raise QwenrtError(f"training: save_dtype must be float32, bfloat16 or float16, not {self.save_dtype!r}")
 
