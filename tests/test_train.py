@@ -587,3 +587,7 @@ def test_encoding_is_linear_in_turns(tokenizers):
 ])
 def test_training_paths_that_are_no_paths_are_one_line(options, fragment):
     one_line_error(lambda: TrainConfig(**options), fragment)
+
+
+def test_data_that_is_no_path_is_one_line():
+    one_line_error(lambda: load_conversations(123), "data (a JSONL file, or a list of conversations) must be a str")

@@ -17,6 +17,7 @@ import torch
 
 from qwenrt.errors import QwenrtError
 from qwenrt.files import JSON_LIMIT
+from qwenrt.validation import check_path
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 TURN_HEADER = f"{IM_START}assistant\n"
@@ -42,7 +43,7 @@ def load_conversations(source: str | Path | list[dict], what: str = "data") -> l
     if isinstance(source, list):
         labelled = [(f"{what}: conversation {n}", c) for n, c in enumerate(source)]
         return [(where, check_conversation(c, where)) for where, c in labelled]
-    return read_jsonl(source)
+    return read_jsonl(check_path(source, f"{what} (a JSONL file, or a list of conversations)"))
 
 
 def read_jsonl(path: str | Path) -> list[tuple[str, dict]]:
