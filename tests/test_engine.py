@@ -171,6 +171,8 @@ def test_limits_are_enforced(chat_model):
         Engine(model, tok, max_model_len=10**9)
     with pytest.raises(QwenrtError, match="max_running"):
         Engine(model, tok, max_running=0)
+    with pytest.raises(QwenrtError, match="model must be the model qwenrt.load returned, got int"):
+        Engine(5, tok)  # was an AttributeError
     limited = Engine(model, tok, max_model_len=12)
     with pytest.raises(QwenrtError, match="context limit is 12"):
         limited.add_request(greedy("a b c d e f g h i j k l m n o p"), lambda o: None)

@@ -29,6 +29,7 @@ from qwenrt.engine.runner import Cycle, ModelRunner, Verified
 from qwenrt.engine.scheduler import Scheduler, SchedulerConfig
 from qwenrt.engine.speculative import DraftPolicy, accept, propose_ngram
 from qwenrt.errors import QueueFullError, QwenrtError
+from qwenrt.model import Qwen35ForCausalLM
 from qwenrt.mtp import DEFAULT_DRAFT_VOCAB
 from qwenrt.prompt import prepare_prompt
 from qwenrt.sampling import TokenCounts, check_finite, sample
@@ -171,6 +172,8 @@ class Engine:
                  prefix_cache_size: int | None = None, prefix_cache_dir: str | None = None,
                  snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL, speculative_tokens: int | str = "auto",
                  draft_vocab: int = DEFAULT_DRAFT_VOCAB):
+        if not isinstance(model, Qwen35ForCausalLM):
+            raise QwenrtError(f"model must be the model qwenrt.load returned, got {type(model).__name__}")
         c = model.config.text
         limit = c.max_position_embeddings
         if max_model_len is not None and _positive("max_model_len", max_model_len) > limit:
