@@ -64,13 +64,14 @@ class Submission:
             self.engine.abort(request_id)
 
 
-async def submit(engine, metrics, requests: list[Request]) -> Submission:
-    """Add requests to the engine; raises APIError (400 bad request, 429 queue full)."""
+async def submit(engine, metrics, requests: list[Request], prompt_field: str | None = None,
+                 max_tokens_field: str = "max_tokens") -> Submission:
+    """Add requests to the engine; raises APIError (400 bad request naming the field, 429 queue full)."""
     submission = Submission(engine, metrics)
     try:
         await run_in_threadpool(submission._add, requests)
     except Exception as e:
-        raise from_engine(e) from None
+        raise from_engine(e, prompt_field, max_tokens_field) from None
     return submission
 
 
