@@ -59,7 +59,7 @@ COMPLETION = {"prompt": "Once upon a time", "max_tokens": 4, "logprobs": 2, "n":
 TOKENIZE = {"messages": CHAT["messages"], "tools": CHAT["tools"], "add_generation_prompt": False,
             "chat_template_kwargs": {"enable_thinking": False}, "return_token_strs": True}
 DETOKENIZE = {"tokens": [5, 6, 7]}
-CODES = {"context_length_exceeded": 400, "model_not_found": 404}  # OpenAI's string codes, for the clients acting on them
+CODES = {"context_length_exceeded": 400, "model_not_found": 404}  # OpenAI's string codes, which clients act on
 
 
 @pytest.fixture(scope="module")

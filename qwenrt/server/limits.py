@@ -38,8 +38,8 @@ def default_max_connections() -> int:
 
 
 class RequestGate:
-    """ASGI middleware in front of the app: a request to /v1 (or vLLM's /tokenize, /detokenize) without the API key is refused on its headers (its body
-    never read); a body is read whole, up to `max_request_bytes` (413 past it, announced or not) and at
+    """ASGI middleware in front of the app: a request to KEYED_PATHS without the API key is refused on its headers
+    (its body never read); a body is read whole, up to `max_request_bytes` (413 past it, announced or not) and at
     `MIN_BODY_RATE` after a grace period (408), then handed to the app."""
 
     def __init__(self, app, limits: Limits, api_key: str | None):

@@ -116,7 +116,8 @@ _ORIGIN = re.compile(r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})
 
 
 def _origin(text: str) -> str:
-    """An argparse type: `*` or an origin as a browser sends it, scheme://host[:port] (with a path it never matches)."""
+    """An argparse type: `*` or an origin as a browser sends it, scheme://host[:port] (one with a path never
+    matches)."""
     if text != "*" and not _ORIGIN.fullmatch(text):
         raise argparse.ArgumentTypeError(f"not an origin: {text!r} (scheme://host[:port], no path; or *)")
     return text

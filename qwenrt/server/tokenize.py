@@ -19,22 +19,20 @@ async def tokenize(body: TokenizeRequest, state) -> dict:
         raise APIError(400, "give prompt (text) or messages (chat), one of them", "prompt")
     field = "prompt" if body.prompt is not None else "messages"
     prompt = body.prompt if body.prompt is not None else chat_messages(body.messages, state)
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    thinking = body.chat_template_kwargs.enable_thinking if body.chat_template_kwargs else None
-    engine = state.engine
     try:
-        prepared = await run_in_threadpool(
-            prepare_prompt, engine.model, state.tokenizer, prompt, thinking, tools, state.max_model_len,
-            state.media_policy, add_generation_prompt=body.add_generation_prompt)
-        strs = await run_in_threadpool(_token_strs, state.tokenizer, prepared.ids) if body.return_token_strs else None
+        ids, strs = await run_in_threadpool(_tokenize, body, prompt, state)
     except QwenrtError as e:
         raise from_engine(e, field) from None
-    return {"count": len(prepared.ids), "max_model_len": state.max_model_len, "tokens": prepared.ids,
-            "token_strs": strs}
+    return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
 
 
-def _token_strs(tokenizer, ids: list[int]) -> list[str | None]:
-    return [tokenizer.id_to_token(t) for t in ids]
+def _tokenize(body: TokenizeRequest, prompt, state) -> tuple[list[int], list[str | None] | None]:
+    """In a worker thread: the prompt's ids, as the engine prepares them for a request, and their strings if asked."""
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    thinking = body.chat_template_kwargs.enable_thinking if body.chat_template_kwargs else None
+    ids = prepare_prompt(state.engine.model, state.tokenizer, prompt, thinking, tools, state.max_model_len,
+                         state.media_policy, add_generation_prompt=body.add_generation_prompt).ids
+    return ids, [state.tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
 
 
 async def detokenize(body: DetokenizeRequest, state) -> dict:
@@ -43,7 +41,8 @@ async def detokenize(body: DetokenizeRequest, state) -> dict:
     limit = state.max_model_len
     if len(body.tokens) > limit:
         raise APIError(400, f"This model's maximum context length is {limit} tokens. However, tokens has "
-                            f"{len(body.tokens)} ids. Please send at most {limit}.", "tokens", "context_length_exceeded")
+                            f"{len(body.tokens)} ids. Please send at most {limit}.", "tokens",
+                       "context_length_exceeded")
     try:
         return {"prompt": await run_in_threadpool(state.tokenizer.decode, body.tokens)}
     except QwenrtError as e:
