@@ -14,10 +14,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Literal
 
 import httpx
+import jsonschema
 import numpy as np
 import openai
+import pydantic
 import pytest
 from PIL import Image
 
@@ -515,7 +518,7 @@ MALFORMED = [
     b'{"messages": [{"role": "user", "content": "hi"}], "seed": -1}',
     b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}',
     b'{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}',
-    b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}}',
     b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 1}}',
     b'{"messages": [{"role": "user", "content": "hi"}], "stream": "maybe"}',
     b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"function": '
@@ -960,3 +963,74 @@ def test_legacy_function_turns_render_as_tool_turns(tokenizer):
             client.chat.completions.create(model="tiny", messages=messages, functions=LEGACY_FUNCTIONS)
     rendered = [tokenizer.apply_chat_template(r.prompt, tools=r.tools) for r in engine.requests]
     assert rendered[0] == rendered[1] and "<tool_response>\nsunny\n</tool_response>" in rendered[0]
+
+
+# ---- structured output and forced tool calls ----------------------------------------------------------------
+
+class Reading(pydantic.BaseModel):
+    """Bounded everywhere, so that this checkpoint's random choices end within max_tokens."""
+
+    station: str = pydantic.Field(max_length=10)
+    level: int = pydantic.Field(ge=0, le=500)
+    unit: Literal["cm", "m"]
+    ok: bool
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                     "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "days"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_parse_returns_content_that_validates(server, thinking):
+    completion = server.client().chat.completions.parse(
+        model="tiny", messages=user("Give me a reading"), response_format=Reading, max_tokens=300, temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": thinking}})
+    message = completion.choices[0].message
+    assert isinstance(message.parsed, Reading)
+    assert Reading.model_validate_json(message.content) == message.parsed
+
+
+@pytest.mark.parametrize("choice, names", [("required", {"get_weather", "get_time"}),
+                                           ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})])
+def test_forced_tool_calls_validate_whole_and_streamed(server, choice, names):
+    tools = [WEATHER, CLOCK]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    kw = dict(tools=tools, tool_choice=choice, max_tokens=200, temperature=0)
+    whole = chat(server.client(), user("Hello!"), **kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.tool_calls
+    for call in whole.message.tool_calls:
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    streamed = collect_stream(chat(server.client(), user("Hello!"), stream=True, **kw))
+    assert [(c["name"], c["arguments"]) for c in streamed["calls"].values()] == \
+        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
+def test_completions_take_a_response_format(server):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    out = server.client().completions.create(model="tiny", prompt="JSON:", max_tokens=30, temperature=0,
+                                             extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                                 "name": "n", "schema": schema}}})
+    jsonschema.validate(json.loads(out.choices[0].text), schema)
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+     "response_format", "Invalid type"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+     "response_format.json_schema.schema", "JSON Schema"),
+    ({"tools": [CLOCK], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+    ({"tools": [CLOCK], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "cannot be combined"),
+])
+def test_bad_constraints_are_400s_naming_the_field(server, extra, param, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server.client(), user("hi"), max_tokens=5, extra_body=extra)
+    assert e.value.body["param"] == param and words in e.value.body["message"]
