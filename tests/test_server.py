@@ -976,7 +976,7 @@ class Reading(pydantic.BaseModel):
     ok: bool
 
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+FORECAST = {"type": "function", "function": {"name": "get_forecast", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                      "days": {"type": "integer", "minimum": 1, "maximum": 7},
                                      "unit": {"enum": ["c", "f"]}},
@@ -995,10 +995,10 @@ def test_parse_returns_content_that_validates(server, thinking):
     assert Reading.model_validate_json(message.content) == message.parsed
 
 
-@pytest.mark.parametrize("choice, names", [("required", {"get_weather", "get_time"}),
+@pytest.mark.parametrize("choice, names", [("required", {"get_forecast", "get_time"}),
                                            ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})])
 def test_forced_tool_calls_validate_whole_and_streamed(server, choice, names):
-    tools = [WEATHER, CLOCK]
+    tools = [FORECAST, CLOCK]
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     kw = dict(tools=tools, tool_choice=choice, max_tokens=200, temperature=0)
     whole = chat(server.client(), user("Hello!"), **kw).choices[0]
