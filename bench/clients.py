@@ -24,9 +24,11 @@ multiplication calls its calculator tool). Checks:
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import importlib.util
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -36,6 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILTIN_MODEL = ROOT / "qwenrt" / "tiny" / "model"
+MARK = "qwenrt-clients: "  # the lines a client's process reports on
 CHECKS = ("chat", "stream", "tools", "structured", "overflow", "responses", "agent", "loglik")
 
 QUESTION, ANSWER = "What is 127 + 385?", "512"
@@ -57,11 +60,11 @@ def calculator(expression: str) -> str:
     Args:
         expression: two numbers joined by * or /, e.g. 1234 * 56
     """
-    a, op, b = expression.replace("×", "*").partition("*") if "*" in expression else expression.partition("/")
-    a, b = int(a.strip()), int(b.strip())
-    return str(a * b if op in ("*", "×") else a // b)
+    left, op, right = re.split(r"\s*([*/×])\s*", expression.strip())
+    return str(int(left) * int(right) if op in "*×" else int(left) // int(right))
 
 
+@functools.cache  # one class: checks compare the output's type with it
 def pydantic_sum():  # pydantic comes with every client here, not with this script
     from pydantic import BaseModel, ConfigDict
 
@@ -256,20 +259,26 @@ def agents_checks(run: Run) -> dict:
                         set_tracing_disabled)
 
     set_tracing_disabled(True)
-    client = openai.AsyncOpenAI(base_url=run.base, api_key="none", max_retries=0)
-    chat_model = OpenAIChatCompletionsModel(model=run.model, openai_client=client)
-    responses_model = OpenAIResponsesModel(model=run.model, openai_client=client)
     tool = function_tool(calculator)
+
+    def client():  # one per check: an async client's connections belong to the event loop that opened them
+        return openai.AsyncOpenAI(base_url=run.base, api_key="none", max_retries=0)
+
+    def chat_model():
+        return OpenAIChatCompletionsModel(model=run.model, openai_client=client())
+
+    def responses_model():
+        return OpenAIResponsesModel(model=run.model, openai_client=client())
 
     def agent_run(model, prompt, **kwargs):
         return Runner.run_sync(Agent(name="qwenrt", model=model, **kwargs), prompt, max_turns=4)
 
     def chat():
-        expect(ANSWER in agent_run(chat_model, QUESTION).final_output, "no answer")
+        expect(ANSWER in agent_run(chat_model(), QUESTION).final_output, "no answer")
 
     def stream():
         async def streamed():
-            result = Runner.run_streamed(Agent(name="qwenrt", model=chat_model), QUESTION, max_turns=2)
+            result = Runner.run_streamed(Agent(name="qwenrt", model=chat_model()), QUESTION, max_turns=2)
             async for _ in result.stream_events():
                 pass
             return result.final_output
@@ -277,25 +286,25 @@ def agents_checks(run: Run) -> dict:
         expect(ANSWER in asyncio.run(streamed()), "no answer")
 
     def tools():
-        result = agent_run(chat_model, TOOL_QUESTION, tools=[tool])
+        result = agent_run(chat_model(), TOOL_QUESTION, tools=[tool])
         expect(calculator("4821 * 37") in result.final_output, f"final output {result.final_output!r}")
 
     def structured():
-        expect(isinstance(agent_run(chat_model, QUESTION, output_type=pydantic_sum()).final_output, pydantic_sum()),
+        expect(isinstance(agent_run(chat_model(), QUESTION, output_type=pydantic_sum()).final_output, pydantic_sum()),
                "not the output type")
 
     def overflow():
         try:
-            agent_run(chat_model, overflow_text(run.overflow_words))
+            agent_run(chat_model(), overflow_text(run.overflow_words))
         except openai.BadRequestError as e:
             return http_400(e)
         raise AssertionError("no error")
 
     def responses():
-        expect(ANSWER in agent_run(responses_model, QUESTION).final_output, "no answer")
+        expect(ANSWER in agent_run(responses_model(), QUESTION).final_output, "no answer")
 
     def agent():
-        result = agent_run(responses_model, TOOL_QUESTION, tools=[tool], output_type=pydantic_sum())
+        result = agent_run(responses_model(), TOOL_QUESTION, tools=[tool], output_type=pydantic_sum())
         expect(isinstance(result.final_output, pydantic_sum()), "not the output type")
 
     return dict(chat=chat, stream=stream, tools=tools, structured=structured, overflow=overflow, responses=responses,
@@ -448,15 +457,43 @@ CLIENTS = {
 # ---- one client, in a process of its own ---------------------------------------------------------------------
 
 def reason(error: BaseException) -> str:
-    """The first line of what went wrong, short; an HTTP error's status and message where the client kept them."""
-    status, body = getattr(error, "status_code", None), getattr(error, "body", None)
-    if isinstance(body, dict) and isinstance(body.get("message"), str):
-        text = f"{status} {body['message']}" if status else body["message"]
+    """The first line of what went wrong, short: a check's verdict, or the server's status and message where the
+    client kept them (on the error or one it wraps), else the error's own."""
+    if not isinstance(error, AssertionError):  # a check's own verdict says more than the error it looked at
+        error = next((e for e in _chain(error) if _body(e)), error)
+    body = _body(error)
+    if body is not None:
+        status = getattr(error, "status_code", None) or getattr(getattr(error, "response", None), "status_code", "")
+        text = f"{status} {body['message']}"
     else:
         text = str(error) if isinstance(error, AssertionError) else f"{type(error).__name__}: {error}"
     line = next((s for s in text.splitlines() if s.strip()), type(error).__name__).strip()
     return line if len(line) <= 120 else line[:117] + "..."
 
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """The error and those it was raised from or while handling, outermost first."""
+    chain = [error]
+    while (inner := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 10:
+        chain.append(inner)
+    return chain
+
+
+def _body(error: BaseException) -> dict | None:
+    """The OpenAI-shaped error body an HTTP error carries: openai's `body`, or a requests/httpx `response`'s JSON."""
+    body = getattr(error, "body", None)
+    if body is None and hasattr(getattr(error, "response", None), "json"):
+        try:
+            body = error.response.json().get("error")
+        except Exception:  # noqa: BLE001 - not JSON: no body
+            body = None
+    return body if isinstance(body, dict) and isinstance(body.get("message"), str) else None
+
+
+def report(record: dict) -> None:
+    """One line to the parent; the mark keeps it apart from what clients print themselves (LiteLLM does)."""
+    print(MARK + json.dumps(record), flush=True)
 
 
 def _time_out(*_):
@@ -470,9 +507,9 @@ def run_client(name: str, args) -> None:
     try:
         checks = checks(Run(args))
     except ImportError as e:
-        print(json.dumps({"status": "not installed", "reason": reason(e)}), flush=True)
+        report({"status": "not installed", "reason": reason(e)})
         return
-    print(json.dumps({"version": importlib.metadata.version(distribution), "checks": list(checks)}), flush=True)
+    report({"version": importlib.metadata.version(distribution), "checks": list(checks)})
     signal.signal(signal.SIGALRM, _time_out)
     for check in CHECKS:
         if check not in checks:
@@ -485,7 +522,7 @@ def run_client(name: str, args) -> None:
             status, why = "fail", reason(e)
         finally:
             signal.alarm(0)
-        print(json.dumps({"check": check, "status": status, "reason": why}), flush=True)
+        report({"check": check, "status": status, "reason": why})
 
 
 def survey(name: str, args, log: Path) -> dict:
@@ -504,7 +541,9 @@ def survey(name: str, args, log: Path) -> dict:
             out, ended = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else e.stdout or "", "timed out"
     result, planned = {"version": ""}, []
     for line in out.splitlines():
-        record = json.loads(line)
+        if not line.startswith(MARK):
+            continue
+        record = json.loads(line[len(MARK):])
         if "version" in record:
             result["version"], planned = record["version"], record["checks"]
         elif "check" in record:
