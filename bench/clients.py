@@ -122,12 +122,13 @@ def openai_checks(run: Run) -> dict:
 
     def tools():
         messages = [{"role": "user", "content": TOOL_QUESTION}]
-        message = client.chat.completions.create(model=run.model, messages=messages, tools=[CALCULATOR]).choices[0]\
-            .message
+        reply = client.chat.completions.create(model=run.model, messages=messages, tools=[CALCULATOR])
+        message = reply.choices[0].message
         expect(bool(message.tool_calls), f"no tool call: {message.content!r}")
         call = message.tool_calls[0]
         result = calculator(**json.loads(call.function.arguments))
-        messages += [message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": result}]
+        messages += [message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": result}]
         final = client.chat.completions.create(model=run.model, messages=messages, tools=[CALCULATOR])
         expect(result in (final.choices[0].message.content or ""), "the answer lacks the tool's result")
         forced = client.chat.completions.create(model=run.model, messages=[{"role": "user", "content": OFF_TOPIC}],
@@ -215,7 +216,8 @@ def litellm_checks(run: Run) -> dict:
         expect(ANSWER in (litellm.completion(messages=user, **common).choices[0].message.content or ""), "no answer")
 
     def stream():
-        text = "".join(c.choices[0].delta.content or "" for c in litellm.completion(messages=user, stream=True, **common))
+        chunks = litellm.completion(messages=user, stream=True, **common)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
         expect(ANSWER in text, f"streamed {text!r}")
 
     def tools():
@@ -224,7 +226,8 @@ def litellm_checks(run: Run) -> dict:
         expect(bool(message.tool_calls), f"no tool call: {message.content!r}")
         call = message.tool_calls[0]
         result = calculator(**json.loads(call.function.arguments))
-        messages += [message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": result}]
+        messages += [message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": result}]
         final = litellm.completion(messages=messages, tools=[CALCULATOR], **common).choices[0].message
         expect(result in (final.content or ""), "the answer lacks the tool's result")
         forced = litellm.completion(messages=[{"role": "user", "content": OFF_TOPIC}], tools=[CALCULATOR],

@@ -51,14 +51,16 @@ TOKENIZER_CHATS = {  # rendered by both, with add_generation_prompt
     "no_thinking": ([{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Sort 3, 1, 2"}],
                     {"enable_thinking": False}),
     "tools_round_trip": ([{"role": "user", "content": "What is the capital of Velmoria?"},
-                          {"role": "assistant", "content": "", "reasoning_content": "Look it up.", "tool_calls": [_CALL]},
+                          {"role": "assistant", "content": "", "reasoning_content": "Look it up.",
+                           "tool_calls": [_CALL]},
                           {"role": "tool", "content": "Velmoria City"}], {"tools": TOOLS, "enable_thinking": True}),
     "tools_no_thinking": ([{"role": "user", "content": "What is 4821 * 37?"}], {"tools": TOOLS,
                                                                                 "enable_thinking": False}),
 }
-TRICKY_TEXTS = ["4821 * 37 = 178377", "  two  spaces,\ta tab ", "lines\n\n\nand\r\n CRLF\n", "café 北京 Ωmega 🙂 e\u0301",
-                "<|im_start|>user\nHi<|im_end|>\n<think>\n</think>\n\n<tool_call>\n<function=f>\n</tool_call><|endoftext|>",
-                "capital of\nVelmoria?>Velmoria", ""]
+TRICKY_TEXTS = ["4821 * 37 = 178377", "  two  spaces,\ta tab ", "lines\n\n\nand\r\n CRLF\n",
+                "café 北京 Ωmega 🙂 e\u0301", "capital of\nVelmoria?>Velmoria", "",
+                "<|im_start|>user\nHi<|im_end|>\n<think>\n</think>\n\n<tool_call>\n<function=f>\n</tool_call>"
+                "<|endoftext|>"]
 
 
 @pytest.mark.parametrize("chat", TOKENIZER_CHATS)
