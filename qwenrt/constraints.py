@@ -185,6 +185,16 @@ class TokenMask:
         bits = np.unpackbits(self.words.numpy().view(np.uint8), bitorder="little")  # [32 W]: ~100x torch's shifts
         return torch.from_numpy(bits[:self.vocab_size].view(np.bool_))
 
+    def drafts(self, proposed: list[int]) -> list[int]:
+        """Speculative drafts worth verifying: the tokens the grammar forces from here where it forces more than
+        the proposal's valid start, else that start (a draft it forbids would be rejected anyway). As many as
+        proposed at most."""
+        if not self.active or not proposed:
+            return proposed
+        valid = self.matcher.validate_tokens(proposed)
+        forced = self.matcher.compute_ff_tokens()
+        return forced[:len(proposed)] if len(forced) > valid else proposed[:valid]
+
     def advance(self, token: int) -> None:
         """Take a generated token (one `apply` allowed)."""
         if not self.active:

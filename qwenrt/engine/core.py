@@ -583,6 +583,9 @@ class Engine:
         else:
             for s, k in zip(seqs, ks):
                 s.drafts = propose_ngram(s.prompt.ids + s.tokens, k) if k else []
+        for s in seqs:  # a constrained row verifies what its grammar allows (its forced tokens where it has them)
+            if s.mask is not None:
+                s.drafts = s.mask.drafts(s.drafts)
 
     def _set_speculation(self, seq: Sequence, requested) -> None:
         k = self.speculative_tokens if requested is None else _speculative_tokens(requested)
