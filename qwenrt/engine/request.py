@@ -104,7 +104,8 @@ class DraftCounts:
 
 @dataclass
 class RequestOutput:
-    """What one engine step produced for one request. The last output of a request has finish_reason set."""
+    """What one engine step produced for one request. The last output of a request has finish_reason set; with
+    Request.prompt_logprobs its first carries the prompt's (all of them, computed chunk by chunk meanwhile)."""
 
     request_id: str
     text: str  # the text this step completed (held back while a character or a stop string is incomplete)
