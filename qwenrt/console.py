@@ -18,7 +18,7 @@ from qwenrt.hub import resolve_model_path
 from qwenrt.kernels import kernel_path
 from qwenrt.loader import load, resolve_device, resolve_dtype
 from qwenrt.parsing import parse_completion
-from qwenrt.sampling import SamplingParams
+from qwenrt.sampling import SamplingParams, check_generates
 from qwenrt.validation import check_max_context, check_text
 from qwenrt.vision.media import DEFAULT_POLICY, preflight_media
 
@@ -57,7 +57,7 @@ def check_options(source: str | None, sampling: dict, device: str, dtype: str, m
     """What can be refused before the weights load: sampling values, the device, the dtype, local media files, the
     context limit against the checkpoint's config. Returns the checkpoint directory (a hub id resolved; no source: the
     built-in model's)."""
-    SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
+    check_generates(SamplingParams(**{k: v for k, v in sampling.items() if v is not None}))
     resolve_device(device)
     resolve_dtype(dtype, None)
     for kind, item in media:  # ("image" | "video", source)

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
 
 from qwenrt.engine import Engine, Request, RequestOutput, RequestStream
-from qwenrt.engine.request import DraftCounts
+from qwenrt.engine.request import DraftCounts, TokenLogprob
 from qwenrt.errors import QwenrtError
 from qwenrt.model import Qwen35ForCausalLM
 from qwenrt.parsing import ToolCall, parse_completion
@@ -50,6 +50,9 @@ class Completion:
     generation_tps: float = 0.0
     cached_tokens: int = 0
     drafts: DraftCounts | None = None
+    # with prompt_logprobs=n: one per prompt token (the first None), and the prompt's ids they refer to
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_token_ids: list[int] | None = None
 
     @property
     def generation_tokens(self) -> int:
@@ -86,11 +89,13 @@ def _engine(model, tokenizer) -> Engine:
 
 
 def _submit(model, tokenizer, prompt, params, enable_thinking, tools, prefill_chunk, max_context,
-            on_prefill=None, speculative_tokens=None, tool_choice=None, parallel_tool_calls=True) -> RequestStream:
+            on_prefill=None, speculative_tokens=None, tool_choice=None, parallel_tool_calls=True,
+            prompt_logprobs=None) -> RequestStream:
     return _engine(model, tokenizer).submit(Request(prompt, params, enable_thinking, tools, tool_choice=tool_choice,
                                                     parallel_tool_calls=parallel_tool_calls, prefill_chunk=prefill_chunk,
                                                     max_context=max_context, on_prefill=on_prefill,
-                                                    speculative_tokens=speculative_tokens))
+                                                    speculative_tokens=speculative_tokens,
+                                                    prompt_logprobs=prompt_logprobs))
 
 
 def _rates(out: RequestOutput) -> tuple[float, float, float]:
@@ -138,8 +143,12 @@ def stream_generate(model, tokenizer, prompt, *, params: SamplingParams | None =
 def batch_generate(model, tokenizer, prompts: Sequence, *, params: SamplingParams | None = None,
                    enable_thinking: bool | None = None, tools=None, tool_choice=None, parallel_tool_calls: bool = True,
                    prefill_chunk: int | None = None, max_context: int | None = None,
-                   speculative_tokens: int | str | None = None, **sampling) -> list[Completion]:
-    """Generate for several prompts at once (decoded together by the engine); results in prompt order."""
+                   speculative_tokens: int | str | None = None, prompt_logprobs: int | None = None,
+                   **sampling) -> list[Completion]:
+    """Generate for several prompts at once (decoded together by the engine); results in prompt order.
+
+    prompt_logprobs=n: each Completion also carries every prompt token's log-probability given the tokens before it
+    (the first token has none) with the n most likely tokens there; max_tokens=0 then only scores the prompts."""
     check_prompt_list(prompts)
     params = _params(params, sampling)
     streams: list[RequestStream] = []
@@ -147,25 +156,29 @@ def batch_generate(model, tokenizer, prompts: Sequence, *, params: SamplingParam
         for prompt in prompts:
             streams.append(_submit(model, tokenizer, prompt, params, enable_thinking, tools, prefill_chunk,
                                    max_context, speculative_tokens=speculative_tokens, tool_choice=tool_choice,
-                                   parallel_tool_calls=parallel_tool_calls))
+                                   parallel_tool_calls=parallel_tool_calls, prompt_logprobs=prompt_logprobs))
         results = []
         for stream in streams:
-            sampled, text, last = [], [], None
+            sampled, text, first, last = [], [], None, None
             for last in stream:
                 sampled += _checked(last).token_ids
                 text.append(last.text)
+                if first is None:
+                    first = last
             # a stop token is sampled but not generated text: the generated tokens are the first ones
-            results.append(_completion(stream, "".join(text), sampled[:last.generation_tokens], last, tools))
+            results.append(_completion(stream, "".join(text), sampled[:last.generation_tokens], first, last, tools))
         return results
     finally:
         for stream in streams:  # after an error: nothing left running
             _engine(model, tokenizer).abort(stream.request_id)
 
 
-def _completion(stream: RequestStream, text: str, tokens: list[int], last: RequestOutput, tools) -> Completion:
+def _completion(stream: RequestStream, text: str, tokens: list[int], first: RequestOutput, last: RequestOutput,
+                tools) -> Completion:
     parsed = parse_completion(text, stream.thinking_started, tools)
     return Completion(text, tokens, last.finish_reason, stream.prompt_tokens, parsed.reasoning, parsed.content,
-                      parsed.tool_calls, *_rates(last), last.cached_tokens, last.drafts)
+                      parsed.tool_calls, *_rates(last), last.cached_tokens, last.drafts, first.prompt_logprobs,
+                      first.prompt_token_ids)
 
 
 def complete(model, tokenizer, prompt, **options) -> Completion:

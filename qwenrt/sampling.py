@@ -40,7 +40,8 @@ class SamplingParams:
 
     temperature 0 (or under GREEDY_BELOW) means greedy (argmax after penalties). top_k 0, top_p 1 and min_p 0 are off.
     repetition_penalty follows transformers (prompt + output, multiplicative); presence_penalty and
-    frequency_penalty follow OpenAI/vLLM (output only, additive). seed makes draws reproducible.
+    frequency_penalty follow OpenAI/vLLM (output only, additive). seed makes draws reproducible. max_tokens 0 generates
+    nothing: the engine takes it only from a request that scores its prompt (`Request.prompt_logprobs`).
 
     At most one output constraint (qwenrt/constraints.py): json_schema (a dict, JSON text or a pydantic model class;
     kept as JSON text), json_object (any JSON object), regex, or grammar (a Lark grammar in llguidance's
@@ -89,8 +90,9 @@ class SamplingParams:
                 raise QwenrtError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**64):
             raise QwenrtError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise QwenrtError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 0:
+            raise QwenrtError(f"max_tokens must be an integer >= 1 (0: only score the prompt, with prompt_logprobs), "
+                              f"got {self.max_tokens!r}")
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _stop_token_ids(self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
@@ -109,6 +111,12 @@ class SamplingParams:
         """True when sample() needs a TokenCounts history."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def check_generates(params: SamplingParams) -> None:
+    """Refuse max_tokens 0 where output is wanted (only a request that scores its prompt takes it)."""
+    if params.max_tokens == 0:
+        raise QwenrtError("max_tokens must be an integer >= 1, got 0 (0 only scores a prompt: with prompt_logprobs)")
 
 
 def _stop_strings(stop) -> tuple[str, ...]:

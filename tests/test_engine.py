@@ -215,6 +215,81 @@ def test_logprobs_are_the_models(chat_model):
         assert [t for t, _ in lp.top] == expected[i].topk(3).indices.tolist()
 
 
+def check_prompt_logprobs(model, ids: list[int], out, n: int) -> None:
+    """out (a request's first output) carries what one whole forward gives: entry t >= 1 is ids[t]'s log-probability
+    at position t - 1 and its n most likely tokens, fp32 within 1e-4 of the largest logit; entry 0 is None."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]))[0]  # [T, V]
+    ref, scale = logits.log_softmax(-1), logits.abs().max().item()
+    entries = out.prompt_logprobs
+    assert out.prompt_token_ids == ids and len(entries) == len(ids) and entries[0] is None
+    assert [e.token for e in entries[1:]] == ids[1:]
+    got = torch.tensor([e.logprob for e in entries[1:]])
+    assert (got - ref[torch.arange(len(ids) - 1), ids[1:]]).abs().max().item() <= 1e-4 * scale
+    for t, e in enumerate(entries[1:]):
+        top = ref[t].topk(n)
+        assert [token for token, _ in e.top] == top.indices.tolist()
+        assert max((abs(lp - v) for (_, lp), v in zip(e.top, top.values.tolist())), default=0) <= 1e-4 * scale
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    return qwenrt.load(dtype="float32")
+
+
+def test_prompt_logprobs_chunked_equal_one_forward(builtin):
+    """Any prefill chunking (1 token a step, odd sizes, past the LM head's 64-row blocks, whole) and speculation
+    with the MTP head give the whole forward's prompt logprobs; max_tokens 0 only scores the prompt."""
+    model, tok = builtin
+    ids = tok.encode("What is 127 + 385? Add the units first, then the tens, then the hundreds. " * 3)
+    assert len(ids) > 64
+    engine = Engine(model, tok)
+    for chunk in (1, 7, 50, None):
+        (out,) = engine.submit(Request(ids, SamplingParams(max_tokens=0), prompt_logprobs=3, prefill_chunk=chunk))
+        assert out.finish_reason == "length" and out.token_ids == [] and out.generation_tokens == 0
+        check_prompt_logprobs(model, ids, out, 3)
+    outs = list(engine.submit(Request(ids, SamplingParams(max_tokens=6), prompt_logprobs=0, prefill_chunk=9)))
+    check_prompt_logprobs(model, ids, outs[0], 0)
+    assert all(o.prompt_logprobs is None for o in outs[1:]) and tokens_of(outs) == alone(model, tok, greedy(ids, 6))
+
+
+def test_prompt_logprobs_do_not_restore_from_the_prefix_cache(chat_model):
+    """A prompt the cache holds whole is still computed whole for its logprobs; one that asks for them still leaves
+    its snapshots for later requests."""
+    model, tok, _ = chat_model
+    ids = tok.encode("The capital of France is Paris, and the capital of Italy is")
+    engine = Engine(model, tok)
+    list(engine.submit(greedy(ids, 3)))
+    outs = list(engine.submit(Request(ids, SamplingParams(max_tokens=3), prompt_logprobs=2)))
+    assert outs[0].cached_tokens == 0
+    check_prompt_logprobs(model, ids, outs[0], 2)
+    fresh = Engine(model, tok)
+    list(fresh.submit(Request(ids, SamplingParams(max_tokens=0), prompt_logprobs=0)))
+    assert list(fresh.submit(greedy(ids, 3)))[0].cached_tokens == len(ids)
+
+
+@pytest.mark.parametrize("options, fragment", [
+    (dict(prompt_logprobs=-1), "prompt_logprobs must be an integer in [0, 20], got -1"),
+    (dict(prompt_logprobs=21), "prompt_logprobs must be an integer in [0, 20], got 21"),
+    (dict(prompt_logprobs=True), "prompt_logprobs must be an integer in [0, 20], got True"),
+    (dict(prompt_logprobs=1.5), "prompt_logprobs must be an integer in [0, 20], got 1.5"),
+    (dict(params=SamplingParams(max_tokens=0)), "max_tokens must be an integer >= 1, got 0 (0 only scores a prompt"),
+])
+def test_bad_prompt_logprobs_are_refused_by_name(chat_model, options, fragment):
+    model, tok, _ = chat_model
+    with pytest.raises(QwenrtError) as e:
+        Engine(model, tok).add_request(Request("Hi", **options), lambda o: None)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_image_prompts_refuse_prompt_logprobs(vlm_chat):
+    model, tok, _, _ = vlm_chat
+    ask = [{"role": "user", "content": [{"type": "image", "image": picture(32, 32, 4)},
+                                        {"type": "text", "text": "What is it?"}]}]
+    with pytest.raises(QwenrtError, match="^prompt_logprobs is not supported with image or video prompts$"):
+        Engine(model, tok).add_request(Request(ask, prompt_logprobs=1), lambda o: None)
+
+
 def test_threads_share_one_engine(chat_model):
     """Several threads generating at once on one model: each gets what it gets alone."""
     model, tok, _ = chat_model

@@ -177,7 +177,7 @@ def test_empirical_frequencies_match_filtered_softmax(kwargs):
     (dict(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\], got 2.5"),
     (dict(frequency_penalty=-3), r"frequency_penalty must be in \[-2, 2\], got -3.0"),
     (dict(seed=-1), r"seed must be None or an integer"),
-    (dict(max_tokens=0), r"max_tokens must be an integer >= 1, got 0"),
+    (dict(max_tokens=-1), r"max_tokens must be an integer >= 1 \(0: only score the prompt, with prompt_logprobs\), got -1"),
     (dict(stop=["ok", ""]), r"stop must be non-empty strings"),
     (dict(stop_token_ids=[1, -2]), r"stop_token_ids must be integers >= 0"),
     (dict(stop_token_ids=[True]), r"stop_token_ids must be integers >= 0"),

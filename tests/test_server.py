@@ -22,6 +22,7 @@ import numpy as np
 import openai
 import pydantic
 import pytest
+import torch
 from PIL import Image
 
 import qwenrt
@@ -185,6 +186,43 @@ def test_completions_whole_streamed_and_token_ids(server, chat_model):
     batch = client.completions.create(prompt=[ids, tok.encode("Hello")], **kw)
     assert [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text == choice.text
     assert batch.choices[1].text == client.completions.create(prompt="Hello", **kw).choices[0].text
+
+
+def test_echo_scores_the_prompt_as_one_whole_forward(server, chat_model):
+    """lm-eval's log-likelihood request (echo, logprobs, max_tokens 0): the text is the prompt, its tokens carry the
+    logprobs of one whole forward (the first null); with max_tokens > 0 the completion's follow with text_offset
+    continuing; a stream sends the prompt in its first chunk."""
+    model, tok, _ = chat_model
+    client = server.client()
+    prompt = "Echo: the quick brown fox jumps over the lazy dog"
+    ids = tok.encode(prompt)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]))[0]  # [T, V]
+    ref, tolerance = logits.log_softmax(-1), 1e-4 * logits.abs().max().item()
+    scored = client.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    choice, lp = scored.choices[0], scored.choices[0].logprobs
+    assert choice.text == prompt and choice.finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert lp.tokens == [tok.decode([t]) for t in ids] and lp.text_offset == [len("".join(lp.tokens[:i]))
+                                                                             for i in range(len(ids))]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(ref[torch.arange(len(ids) - 1), ids[1:]].tolist(), abs=tolerance)
+    assert [list(top) for top in lp.top_logprobs[1:]] == [[tok.decode([int(row.argmax())])] for row in ref[:-1]]
+    by_ids = client.completions.create(model="tiny", prompt=ids, echo=True, logprobs=1, max_tokens=0).choices[0]
+    assert by_ids.text == tok.decode(ids) and by_ids.logprobs.token_logprobs == lp.token_logprobs
+    bare = client.completions.create(model="tiny", prompt=prompt, echo=True, max_tokens=0).choices[0]
+    assert bare.text == prompt and bare.logprobs is None
+    kw = dict(model="tiny", prompt=prompt, max_tokens=5, temperature=0, logprobs=1)
+    plain = client.completions.create(**kw).choices[0]
+    echoed = client.completions.create(echo=True, **kw).choices[0]
+    assert echoed.text == prompt + plain.text and echoed.logprobs.tokens == lp.tokens + plain.logprobs.tokens
+    assert echoed.logprobs.token_logprobs == pytest.approx(lp.token_logprobs + plain.logprobs.token_logprobs,
+                                                           abs=tolerance)
+    assert echoed.logprobs.text_offset == lp.text_offset + [len(prompt) + o for o in plain.logprobs.text_offset]
+    chunks = [c.choices[0] for c in client.completions.create(echo=True, stream=True, **kw)]
+    assert chunks[0].text.startswith(prompt) and chunks[0].logprobs.token_logprobs[0] is None
+    assert "".join(c.text for c in chunks) == echoed.text
+    for key in ("tokens", "text_offset"):
+        assert sum((getattr(c.logprobs, key) for c in chunks), []) == getattr(echoed.logprobs, key)
 
 
 def test_sampling_fields_reach_the_sampler(server):
@@ -567,7 +605,7 @@ def test_bad_input_is_a_400_in_openai_shape(server, body):
 @pytest.mark.parametrize("body", [b'{"prompt": ""}', b'{"prompt": [999999999]}', b'{"prompt": [-5, 3]}',
                                   b'{"prompt": []}', b'{"prompt": [true]}', b'{"prompt": [1.0, 2]}',
                                   b'{"prompt": [[1], [true]]}',
-                                  b'{"prompt": "x", "echo": true}', b'{"prompt": "x", "best_of": 3}',
+                                  b'{"prompt": "x", "best_of": 3}',
                                   b'{"prompt": [[1], "x"]}', b'{"prompt": "x", "logprobs": 50}'])
 def test_bad_completion_input_is_a_400(server, body):
     r = httpx.post(server.url + "/v1/completions", content=body, timeout=60,
@@ -584,6 +622,9 @@ def test_bad_completion_input_is_a_400(server, body):
      "repetition_penalty"),
     (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}', "messages[0].content[0].text"),
     (b'{"prompt": [true]}', "prompt"),
+    (b'{"prompt": "x", "max_tokens": 0}', "max_tokens"),  # only with echo
+    (b'{"prompt": "x", "echo": true, "max_tokens": -1}', "max_tokens"),
+    (b'{"prompt": "x", "echo": true, "logprobs": 21}', "logprobs"),
     (b'{"prompt": ' + json.dumps([1] * 5000).encode() + b'}', "prompt"),  # counted before each id is checked
     (b'{"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": 5}}'
      b']}, {"role": "user", "content": "hi"}]}', "messages[0].tool_calls[0].function.arguments"),

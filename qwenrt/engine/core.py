@@ -24,7 +24,7 @@ import torch
 
 from qwenrt.cache import deltanet_state_bytes, kv_bytes_per_token
 from qwenrt.constraints import GrammarCompiler, TokenMask, constraint_of
-from qwenrt.engine.prefix_cache import PrefixCache, prompt_key
+from qwenrt.engine.prefix_cache import Match, PrefixCache, prompt_key
 from qwenrt.engine.prefix_store import PrefixStore, model_identity
 from qwenrt.engine.request import (DraftCounts, Request, RequestOutput, Sequence, Status, TokenLogprob,
                                    forced_function)
@@ -35,7 +35,7 @@ from qwenrt.errors import QueueFullError, QwenrtError
 from qwenrt.model import Qwen35ForCausalLM
 from qwenrt.mtp import DEFAULT_DRAFT_VOCAB
 from qwenrt.prompt import prepare_prompt
-from qwenrt.sampling import TokenCounts, check_finite, sample
+from qwenrt.sampling import TokenCounts, check_finite, check_generates, sample
 from qwenrt.tool_grammar import tool_call_grammar
 from qwenrt.validation import check_flag, check_request
 
@@ -107,6 +107,12 @@ def _start_history(seq: Sequence, logits: torch.Tensor) -> None:
     """The penalties' token counts, made at a sequence's first sample (logits [T, V])."""
     if seq.params.uses_penalties and seq.history is None:
         seq.history = TokenCounts.from_prompts([seq.prompt.ids], logits.shape[-1], logits.device)
+
+
+def _check_logprobs(name: str, value) -> None:
+    if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and
+                                  0 <= value <= MAX_LOGPROBS):
+        raise QwenrtError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
 
 
 def _speculative_tokens(value) -> int | str:
@@ -269,12 +275,15 @@ class Engine:
             _positive("prefill_chunk", request.prefill_chunk)
         if request.enable_thinking is not None:
             check_flag(request.enable_thinking, "enable_thinking")
-        if request.logprobs is not None and not (isinstance(request.logprobs, int) and
-                                                 0 <= request.logprobs <= MAX_LOGPROBS):
-            raise QwenrtError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {request.logprobs!r}")
+        _check_logprobs("logprobs", request.logprobs)
+        _check_logprobs("prompt_logprobs", request.prompt_logprobs)
+        params = request.params
+        if request.prompt_logprobs is None:
+            check_generates(params)
         prompt = prepare_prompt(self.model, self.tokenizer, request.prompt, request.enable_thinking, request.tools,
                                 limit, request.media_policy)
-        params = request.params
+        if prompt.vision is not None and request.prompt_logprobs is not None:
+            raise QwenrtError("prompt_logprobs is not supported with image or video prompts")
         stop_ids = (set() if params.ignore_eos else self.eos_ids) | set(params.stop_token_ids)
         seq = Sequence(request, prompt, self.tokenizer, stop_ids, min(limit, len(prompt.ids) + params.max_tokens),
                        sink, self.model.device)
@@ -436,11 +445,12 @@ class Engine:
 
     def _start(self, seq: Sequence, outputs: list) -> None:
         """Give an admitted sequence its cache, restoring the longest cached prefix of its prompt; choose where its
-        prefill takes snapshots. A prompt cached whole (with its logits) samples its first token at once."""
+        prefill takes snapshots. A prompt cached whole (with its logits) samples its first token at once. A request
+        for prompt logprobs restores nothing (the cache has no logits of the positions it covers)."""
         seq.state = self.runner.allocate(seq)
         if self.prefix_cache is None:
             return
-        hit = self.prefix_cache.match(seq.key)
+        hit = self.prefix_cache.match(seq.key) if seq.request.prompt_logprobs is None else Match(0, None, 0)
         if hit.length:
             self.prefix_cache.restore(hit, seq.state)
             seq.computed = seq.cached = hit.length
@@ -611,7 +621,9 @@ class Engine:
         start = time.perf_counter()
         if seq.prefill_start_time is None:
             seq.prefill_start_time = start
-        logits = self.runner.prefill(seq, n)
+        logits, hidden = self.runner.prefill(seq, n)
+        if hidden is not None:
+            seq.prompt_logprobs += self._prompt_logprobs(seq, seq.computed - n, hidden)
         if n >= MIN_CHUNK // 2:  # short chunks say more about fixed costs than about speed
             rate = n / max(time.perf_counter() - start, 1e-6)
             self._prefill_rate = rate if self._prefill_rate is None else 0.7 * self._prefill_rate + 0.3 * rate
@@ -619,8 +631,29 @@ class Engine:
             seq.request.on_prefill(seq.computed, seq.prompt_len)
         if self.prefix_cache is not None and seq.computed in seq.snapshots:
             self.prefix_cache.insert(seq.key[:seq.computed], seq.state, logits)
-        if logits is not None:
+        if logits is None:
+            return
+        if seq.params.max_tokens:
             self._sample(seq, logits, outputs)
+        else:  # the prompt was only to be scored
+            seq.finish_reason = "length"
+            self._emit(seq, "", [], outputs)
+
+    def _prompt_logprobs(self, seq: Sequence, start: int, hidden: torch.Tensor) -> list[TokenLogprob]:
+        """The entries of the prompt tokens a chunk predicts: the chunk starts at prompt index `start`, hidden [n, D];
+        row i predicts the token at start + i + 1 (the prompt's last row predicts the first output token)."""
+        ids = seq.prompt.ids[start + 1:start + 1 + len(hidden)]  # [m <= n]: the tokens the rows predict
+        top_n, entries = seq.request.prompt_logprobs, []
+        for logits in self.runner.logits_rows(hidden[:len(ids)]):  # [r, V] each, in order
+            check_finite(logits)
+            logp = logits.log_softmax(-1)
+            targets = ids[len(entries):len(entries) + len(logp)]
+            chosen = logp.gather(1, torch.tensor(targets, device=logp.device)[:, None])[:, 0].tolist()  # [r]
+            top = logp.topk(top_n) if top_n else None
+            for r, token in enumerate(targets):
+                best = list(zip(top.indices[r].tolist(), top.values[r].tolist())) if top is not None else []
+                entries.append(TokenLogprob(token, chosen[r], best))
+        return entries
 
     def _sample(self, seq: Sequence, logits: torch.Tensor, outputs: list) -> None:
         """Sample seq's next token from logits [1, V], take it, and emit the output."""

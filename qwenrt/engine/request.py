@@ -40,6 +40,9 @@ class Request:
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
     logprobs: int | None = None  # None: no log-probabilities; n >= 0: the sampled token's and the n most likely
+    # None: none; n >= 0: each prompt token's (after the first) given those before it, and the n most likely there.
+    # Such a prompt is computed whole (no prefix-cache restore); with it, max_tokens 0 scores the prompt only
+    prompt_logprobs: int | None = None
     prefill_chunk: int | None = None  # at most this many prompt tokens per engine step (None: the engine's budget)
     max_context: int | None = None  # context limit for this request (None: the engine's; at most the engine's)
     media_policy: MediaPolicy = DEFAULT_POLICY  # how images/videos may be read (a server passes a strict one)
@@ -129,7 +132,8 @@ class DraftCounts:
 
 @dataclass
 class RequestOutput:
-    """What one engine step produced for one request. The last output of a request has finish_reason set."""
+    """What one engine step produced for one request. The last output of a request has finish_reason set; with
+    Request.prompt_logprobs its first carries the prompt's (all of them, computed chunk by chunk meanwhile)."""
 
     request_id: str
     text: str  # the text this step completed (held back while a character or a stop string is incomplete)
@@ -145,6 +149,10 @@ class RequestOutput:
     error: str | None = None  # finish_reason "error": what went wrong
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of computed
     drafts: DraftCounts | None = None  # speculative decoding so far (None: not speculating)
+    # with Request.prompt_logprobs, on the request's first output (its first token's, or the only one with max_tokens
+    # 0): one per prompt token, the first None (nothing comes before it), and the prompt's ids they refer to
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_token_ids: list[int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -194,6 +202,8 @@ class Sequence:
         self.mtp_count = 0
         self.mtp_entries = 0
         self.draft_counts: DraftCounts | None = None
+        # with prompt_logprobs: the entries of the prompt computed so far, handed out with the first output
+        self.prompt_logprobs: list[TokenLogprob | None] | None = [None] if request.prompt_logprobs is not None else None
         self.arrival_time = time.perf_counter()
         self.prefill_start_time: float | None = None
         self.first_token_time: float | None = None
@@ -242,6 +252,10 @@ class Sequence:
 
     def output(self, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None = None,
                error: str | None = None) -> RequestOutput:
-        return RequestOutput(self.request_id, text, token_ids, self.finish_reason, self.prompt_len, len(self.tokens),
-                             self.arrival_time, self.first_token_time, self.prefill_start_time, time.perf_counter(),
-                             logprobs, error, self.cached, self.draft_counts)
+        out = RequestOutput(self.request_id, text, token_ids, self.finish_reason, self.prompt_len, len(self.tokens),
+                            self.arrival_time, self.first_token_time, self.prefill_start_time, time.perf_counter(),
+                            logprobs, error, self.cached, self.draft_counts)
+        if self.prompt_logprobs is not None and not self.prefilling:  # once, complete
+            out.prompt_logprobs, out.prompt_token_ids = self.prompt_logprobs, self.prompt.ids
+            self.prompt_logprobs = None
+        return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from qwenrt.cache import HybridCache, SequenceState
@@ -14,6 +15,8 @@ from qwenrt.engine.request import Sequence
 from qwenrt.mtp import draft_head
 from qwenrt.multimodal import vision_embeddings
 from qwenrt.sampling import greedy
+
+LOGIT_ROWS = 64  # prompt positions whose logits are held at once (prompt logprobs)
 
 
 def decode_step(model, input_ids: torch.Tensor, cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,15 +75,17 @@ class ModelRunner:
         return self.model.new_sequence(capacity=capacity, limit=seq.limit)
 
     @torch.inference_mode()
-    def prefill(self, seq: Sequence, n: int) -> torch.Tensor | None:
-        """Run the next n prompt tokens of `seq` through its cache; logits [1, V] fp32 after its last prompt token,
-        None while more of the prompt remains."""
+    def prefill(self, seq: Sequence, n: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run the next n prompt tokens of `seq` through its cache -> (logits [1, V] fp32 after its last prompt token,
+        None while more of the prompt remains; where the request asked for prompt logprobs, the final-normed hidden
+        states [n, D] of every position of the chunk, for `logits_rows`, else None)."""
         model, prompt = self.model, seq.prompt
         start, end = seq.computed, seq.computed + n
         last = end == seq.prompt_len
         cache = HybridCache([seq.state])
         ids = torch.tensor([prompt.ids[start:end]], device=model.device)  # [1, n]
-        keep = 0 if seq.draft_state is not None else 1 if last else None  # the MTP head reads every position
+        every = seq.draft_state is not None or seq.request.prompt_logprobs is not None  # the MTP head reads them all
+        keep = 0 if every else 1 if last else None
         positions = embeds = None
         if prompt.vision is None:
             h = model.hidden_states(ids, cache, keep=keep)
@@ -100,7 +105,15 @@ class ModelRunner:
         if last:
             seq.vision_embeds = None
         seq.computed = end
-        return model.lm_head(h[:, -1]).float() if last else None
+        return (model.lm_head(h[:, -1]).float() if last else None,
+                h[0] if seq.request.prompt_logprobs is not None else None)
+
+    @torch.inference_mode()
+    def logits_rows(self, h: torch.Tensor) -> Iterator[torch.Tensor]:
+        """The LM head over hidden states h [n, D], LOGIT_ROWS rows at a time -> logits [<= LOGIT_ROWS, V] fp32 each:
+        a long chunk never holds its whole [n, V] (V floats a token, ~1 MB at a 248K vocabulary)."""
+        for i in range(0, len(h), LOGIT_ROWS):
+            yield self.model.lm_head(h[i:i + LOGIT_ROWS]).float()
 
     def _mtp_prefill(self, seq: Sequence, start: int, h: torch.Tensor, positions: torch.Tensor | None) -> None:
         """The MTP head over a prompt chunk's positions whose next token is in the prompt (h [1, n, D]); the

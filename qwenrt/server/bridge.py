@@ -91,25 +91,29 @@ class Finished:
     text: str
     last: RequestOutput
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    scored: RequestOutput | None = None  # the output that carried the prompt's logprobs (where asked for)
 
 
 async def collect(submission: Submission, receive) -> list[Finished]:
     """Every choice's whole output; cancelled if the client goes away first. An engine failure is a 500."""
     n = len(submission.handles)
     texts, last, logprobs = [[] for _ in range(n)], [None] * n, [LogprobCollector() for _ in range(n)]
+    scored = [None] * n
     watcher = asyncio.create_task(_abort_on_disconnect(receive, submission))
     try:
         async for i, out in submission.outputs():
             texts[i].append(out.text)
             logprobs[i].add(out)
             last[i] = out
+            if out.prompt_logprobs is not None:
+                scored[i] = out
     finally:
         watcher.cancel()
         submission.abort()
     for out in last:
         if out.finish_reason in ("error", "abort"):
             raise APIError(500 if out.finish_reason == "error" else 503, out.error or "the request was cancelled")
-    return [Finished("".join(t), o, lp.entries) for t, o, lp in zip(texts, last, logprobs)]
+    return [Finished("".join(t), o, lp.entries, s) for t, o, lp, s in zip(texts, last, logprobs, scored)]
 
 
 async def event_stream(events: AsyncIterator[str], submission: Submission, receive) -> AsyncIterator[str]:

@@ -24,8 +24,8 @@ def choice_params(body: SamplingFields, tokenizer, max_tokens: int | None, max_m
         raise APIError(400, "logit_bias is not supported", "logit_bias")
     options = {name: getattr(body, name) for name in _SAMPLING}
     options.update(top_k=max(body.top_k, 0) if body.top_k is not None else None,
-                   max_tokens=max_tokens or max_model_len, stop_token_ids=tuple(body.stop_token_ids or ()),
-                   ignore_eos=body.ignore_eos, **(constraint or {}))
+                   max_tokens=max_model_len if max_tokens is None else max_tokens,
+                   stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, **(constraint or {}))
     params = []
     for j in range(body.n):
         seed = (body.seed + j) % 2**64 if body.seed is not None else None

@@ -122,7 +122,8 @@ class CompletionRequest(SamplingFields):
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] | \
         Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | \
         Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the legacy endpoint's default, as OpenAI and vLLM have it
+    # the legacy endpoint's default, as OpenAI and vLLM have it; 0 only with echo (lm-eval's log-likelihoods)
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None

@@ -72,12 +72,26 @@ def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
                         for e in entries]}
 
 
-def completion_logprobs(tokenizer, entries: list[TokenLogprob], offset: int) -> dict:
-    """The legacy shape; `offset`: characters of this choice's text before these tokens."""
-    tokens = [tokenizer.decode([e.token]) for e in entries]
+def completion_logprobs(tokenizer, entries: list[TokenLogprob | None], offset: int,
+                        ids: list[int] | None = None) -> dict:
+    """The legacy shape; `offset`: characters of this choice's text before these tokens. An echoed prompt's entries
+    come with their token `ids`: its first entry is None (nothing predicts it) and its logprobs null."""
+    ids = [e.token for e in entries] if ids is None else ids
+    tokens = [tokenizer.decode([t]) for t in ids]
     offsets = []
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in entries],
+            "top_logprobs": [None if e is None else {tokenizer.decode([t]): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+def joined_logprobs(first: dict, then: dict) -> dict:
+    """Two legacy logprobs objects of consecutive text (an echoed prompt, its completion) as one."""
+    return {key: first[key] + then[key] for key in first}
+
+
+def next_offset(logprobs: dict, offset: int) -> int:
+    """The text_offset of the token after a legacy logprobs object (`offset` when it has none)."""
+    return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1]) if logprobs["tokens"] else offset
