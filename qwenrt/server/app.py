@@ -19,7 +19,8 @@ from qwenrt.server.completions import completions
 from qwenrt.server.errors import APIError
 from qwenrt.server.limits import Limits, RequestGate
 from qwenrt.server.metrics import ServerMetrics
-from qwenrt.server.protocol import ChatCompletionRequest, CompletionRequest
+from qwenrt.server.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from qwenrt.server.responses_api import responses
 from qwenrt.vision.media import MediaPolicy
 
 STOP_WAIT_S = 10
@@ -128,5 +129,9 @@ def create_app(config: ServerConfig, load: Callable[[], object],
     @app.post("/v1/completions")
     async def complete(body: CompletionRequest, request: Request, s: ServerState = Depends(ready)):
         return await completions(body, request, s)
+
+    @app.post("/v1/responses")
+    async def respond(body: ResponsesRequest, request: Request, s: ServerState = Depends(ready)):
+        return await responses(body, request, s)
 
     return app

@@ -88,16 +88,19 @@ class Finished:
     text: str
     last: RequestOutput
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # every sampled token, a stop token included
 
 
 async def collect(submission: Submission, receive) -> list[Finished]:
     """Every choice's whole output; cancelled if the client goes away first. An engine failure is a 500."""
     n = len(submission.handles)
     texts, last, logprobs = [[] for _ in range(n)], [None] * n, [LogprobCollector() for _ in range(n)]
+    token_ids = [[] for _ in range(n)]
     watcher = asyncio.create_task(_abort_on_disconnect(receive, submission))
     try:
         async for i, out in submission.outputs():
             texts[i].append(out.text)
+            token_ids[i] += out.token_ids
             logprobs[i].add(out)
             last[i] = out
     finally:
@@ -106,17 +109,20 @@ async def collect(submission: Submission, receive) -> list[Finished]:
     for out in last:
         if out.finish_reason in ("error", "abort"):
             raise APIError(500 if out.finish_reason == "error" else 503, out.error or "the request was cancelled")
-    return [Finished("".join(t), o, lp.entries) for t, o, lp in zip(texts, last, logprobs)]
+    return [Finished("".join(t), o, lp.entries, ids) for t, o, lp, ids in zip(texts, last, logprobs, token_ids)]
 
 
-async def event_stream(events: AsyncIterator[str], submission: Submission, receive) -> AsyncIterator[str]:
-    """A submission's server-sent events, then [DONE]. The requests are cancelled when the client goes away (or the
-    stream stops early); a failure of ours mid-stream becomes an error event rather than a cut connection."""
+async def event_stream(events: AsyncIterator[str], submission: Submission, receive, done: bool = True
+                       ) -> AsyncIterator[str]:
+    """A submission's server-sent events, then [DONE] (`done` False: none, as the Responses API ends). The requests
+    are cancelled when the client goes away (or the stream stops early); a failure of ours mid-stream becomes an
+    error event rather than a cut connection."""
     watcher = asyncio.create_task(_abort_on_disconnect(receive, submission))
     try:
         async for event in events:
             yield event
-        yield SSE_DONE
+        if done:
+            yield SSE_DONE
     except Exception as e:  # noqa: BLE001 (the status line is sent: an error event is all that is left)
         yield sse(error_body(500, f"internal error: {type(e).__name__}: {e}"))
     finally:
