@@ -290,44 +290,45 @@ _ID_PREFIXES = {"reasoning": "rs", "message": "msg", "function_call": "fc"}
 
 
 class _Output:
-    """Response.output built from the parser's deltas, items in the order they first appear, and the events (dicts
-    without sequence_number) that tell a streaming client. Reasoning closes when content starts, a message when a
-    call starts, a call when anything else comes; the rest close at the end."""
+    """Response.output built from the parser's deltas, and the events (dicts without sequence_number) that tell a
+    streaming client. One item is open at a time: text of another kind, or a new call, closes it and opens the
+    next (so reasoning, text and calls that alternate become items that alternate)."""
 
     def __init__(self):
         self.items: list[_Item] = []
-        self._reasoning: _Item | None = None
-        self._message: _Item | None = None
+        self._current: _Item | None = None
         self._calls: dict[int, _Item] = {}  # the parser's call index -> its item
 
     def feed(self, delta: MessageDelta) -> list[dict]:
+        """The delta's parts in the order they were written: the rest of a call under way, reasoning, text, new
+        calls."""
         events = []
-        if delta.reasoning:
-            events += self._close_calls()
-            self._reasoning = self._reasoning or self._open("reasoning", events)
-            events.append(self._grow(self._reasoning, delta.reasoning))
-        if delta.content:
-            events += self._close_calls() + self._close(self._reasoning, "completed")
-            self._message = self._message if self._message and self._message.status == "in_progress" else \
-                self._open("message", events)
-            events.append(self._grow(self._message, delta.content))
+        started = {call.index for call in delta.tool_calls if call.id is not None}
         for call in delta.tool_calls:
-            if call.id is not None:
-                events += self._close_calls() + self._close(self._message, "completed")
-                self._calls[call.index] = self._open("function_call", events, call_id=call.id, name=call.name)
-            if call.arguments:
-                events.append(self._grow(self._calls[call.index], call.arguments))
+            if call.index not in started and self._calls.get(call.index) is self._current:
+                self._append(call.arguments, events)
+        for kind, text in (("reasoning", delta.reasoning), ("message", delta.content)):
+            if text:
+                if self._current is None or self._current.kind != kind:
+                    self._start(kind, events)
+                self._append(text, events)
+        for call in delta.tool_calls:
+            if call.index in started:
+                if call.id is not None:
+                    self._calls[call.index] = self._start("function_call", events, call_id=call.id, name=call.name)
+                self._append(call.arguments, events)
         return events
 
     def finish(self, status: str) -> list[dict]:
-        """Close what is open: `status` completed, or incomplete when the output was cut off."""
-        return [event for item in self.items for event in self._close(item, status)]
+        """Close the open item: `status` completed, or incomplete when the output was cut off."""
+        return self._close(status)
 
     def output(self) -> list[dict]:
         return [item.render() for item in self.items]
 
-    def _open(self, kind: str, events: list[dict], **fields) -> _Item:
-        item = _Item(kind, len(self.items), _new_id(_ID_PREFIXES[kind]), **fields)
+    def _start(self, kind: str, events: list[dict], **fields) -> _Item:
+        events += self._close("completed")
+        item = self._current = _Item(kind, len(self.items), _new_id(_ID_PREFIXES[kind]), **fields)
         self.items.append(item)
         events.append({"type": "response.output_item.added", "output_index": item.index,
                        "item": item.render(started=True)})
@@ -335,25 +336,25 @@ class _Output:
             events.append({"type": "response.content_part.added", **item.where(), "part": item._part("")})
         return item
 
-    def _grow(self, item: _Item, delta: str) -> dict:
-        item.text += delta
-        event = {"type": f"{_DELTA_EVENTS[item.kind]}.delta", **item.where(), "delta": delta}
-        return event if item.kind != "message" else event | {"logprobs": []}
+    def _append(self, text: str, events: list[dict]) -> None:
+        if not text:
+            return
+        item = self._current
+        item.text += text
+        event = {"type": f"{_DELTA_EVENTS[item.kind]}.delta", **item.where(), "delta": text}
+        events.append(event if item.kind != "message" else event | {"logprobs": []})
 
-    def _close(self, item: _Item | None, status: str) -> list[dict]:
-        if item is None or item.status != "in_progress":
+    def _close(self, status: str) -> list[dict]:
+        item, self._current = self._current, None
+        if item is None:
             return []
         item.status = status
         done = {"type": f"{_DELTA_EVENTS[item.kind]}.done", **item.where()}
+        finished = {"type": "response.output_item.done", "output_index": item.index, "item": item.render()}
         if item.kind == "function_call":
-            return [done | {"arguments": item.text},
-                    {"type": "response.output_item.done", "output_index": item.index, "item": item.render()}]
+            return [done | {"arguments": item.text}, finished]
         done |= {"text": item.text} if item.kind == "reasoning" else {"text": item.text, "logprobs": []}
-        return [done, {"type": "response.content_part.done", **item.where(), "part": item._part(item.text)},
-                {"type": "response.output_item.done", "output_index": item.index, "item": item.render()}]
-
-    def _close_calls(self) -> list[dict]:
-        return [event for item in self._calls.values() for event in self._close(item, "completed")]
+        return [done, {"type": "response.content_part.done", **item.where(), "part": item._part(item.text)}, finished]
 
 
 def _reasoning_tokens(token_ids: list[int], generation_tokens: int, thinking_started: bool, think_end) -> int:
