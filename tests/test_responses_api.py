@@ -5,9 +5,7 @@ needs an output it can choose (several tool calls, an engine failure) or only ch
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
@@ -228,12 +226,14 @@ REFUSED = [
     ({"tools": WEATHER_TOOLS, "tool_choice": {"type": "file_search"}}, "tool_choice.type"),
     ({"input": []}, "input"),
     ({"input": [{"role": "user", "content": "a"}, {"type": "item_reference", "id": "x"}]}, "input[1].type"),
+    ({"input": [{"type": ["message"], "role": "user", "content": "a"}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": "a"}, {"type": "function_call", "name": "f", "arguments": "{}"}]},
      "input[1].call_id"),
     ({"input": [{"role": "user", "content": "a"}, {"type": "function_call", "call_id": "c", "name": "f",
                                                    "arguments": "{oops"}]}, "input[1].arguments"),
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"},
-                                             {"type": "input_image", "file_id": "file_1"}]}]}, "input[0].content[1].file_id"),
+                                             {"type": "input_image", "file_id": "file_1"}]}]},
+     "input[0].content[1].file_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_data": "x"}]}]}, "input[0].content[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input[0].content[0].text"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "file:///etc/passwd"}]}]},

@@ -139,7 +139,7 @@ class _Conversation:
     def item(self, raw: dict, i: int) -> None:
         path = f"input[{i}]"
         kind = raw.get("type", "message" if "role" in raw else None)
-        if kind not in _ITEM_TYPES:
+        if not isinstance(kind, str) or kind not in _ITEM_TYPES:
             raise APIError(400, f"{path}.type: unsupported input item type {kind!r} ({', '.join(_ITEM_TYPES)})",
                            f"{path}.type")
         item = _validated(_ITEM_TYPES[kind], raw, ("input", i))
@@ -263,7 +263,7 @@ class _Item:
     name: str | None = None
     status: str = "in_progress"
 
-    def _part(self, text: str) -> dict:
+    def part(self, text: str) -> dict:
         if self.kind == "reasoning":
             return {"type": "reasoning_text", "text": text}
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
@@ -273,7 +273,7 @@ class _Item:
         if self.kind == "function_call":
             return {"id": self.id, "type": "function_call", "call_id": self.call_id, "name": self.name,
                     "arguments": "" if started else self.text, "status": self.status}
-        content = [] if started else [self._part(self.text)]
+        content = [] if started else [self.part(self.text)]
         if self.kind == "reasoning":
             return {"id": self.id, "type": "reasoning", "summary": [], "content": content, "status": self.status}
         return {"id": self.id, "type": "message", "role": "assistant", "content": content, "status": self.status}
@@ -333,7 +333,7 @@ class _Output:
         events.append({"type": "response.output_item.added", "output_index": item.index,
                        "item": item.render(started=True)})
         if kind != "function_call":
-            events.append({"type": "response.content_part.added", **item.where(), "part": item._part("")})
+            events.append({"type": "response.content_part.added", **item.where(), "part": item.part("")})
         return item
 
     def _append(self, text: str, events: list[dict]) -> None:
@@ -354,7 +354,7 @@ class _Output:
         if item.kind == "function_call":
             return [done | {"arguments": item.text}, finished]
         done |= {"text": item.text} if item.kind == "reasoning" else {"text": item.text, "logprobs": []}
-        return [done, {"type": "response.content_part.done", **item.where(), "part": item._part(item.text)}, finished]
+        return [done, {"type": "response.content_part.done", **item.where(), "part": item.part(item.text)}, finished]
 
 
 def _reasoning_tokens(token_ids: list[int], generation_tokens: int, thinking_started: bool, think_end) -> int:
@@ -377,7 +377,7 @@ class _Reply:
         prompt, generated = self.handle.prompt_tokens, last.generation_tokens
         reasoning = _reasoning_tokens(token_ids, generated, self.handle.thinking_started, self.think_end)
         return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": last.cached_tokens},
-                "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": min(reasoning, generated)},
+                "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": reasoning},
                 "total_tokens": prompt + generated}
 
     def response(self, status: str, output: list[dict], usage: dict | None = None, error: str | None = None) -> dict:
@@ -395,8 +395,8 @@ class _Reply:
             "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": None, "reasoning": reasoning, "store": False, "background": False,
             "temperature": body.temperature, "top_p": body.top_p, "truncation": "disabled",
-            "text": body.text.model_dump(by_alias=True, exclude_none=True) if body.text is not None and
-            body.text.format is not None else {"format": {"type": "text"}},
+            "text": {"format": {"type": "text"}} | (body.text.model_dump(by_alias=True, exclude_none=True)
+                                                    if body.text is not None else {}),
             "tool_choice": choice or "auto", "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
             "usage": usage, "user": body.user, "metadata": body.metadata or {}}
 
