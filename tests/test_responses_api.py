@@ -8,6 +8,8 @@ import json
 
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from qwenrt.default_model import DEFAULT_MODEL
 from qwenrt.tiny.tasks import TOOLS, quality_tasks, run_tool
@@ -146,9 +148,20 @@ def without_ids(output) -> list[dict]:
     return [{k: v for k, v in item.model_dump().items() if k not in ("id", "call_id")} for item in output]
 
 
+def as_the_sdk_types_it(data: dict) -> dict:
+    """`data` validated strictly by the SDK's own type of it (a response or a stream event); usage's
+    cache_write_tokens, which qwenrt does not count, set to 0 first."""
+    usage = data.get("usage") or (data.get("response") or {}).get("usage")
+    if usage:
+        usage["input_tokens_details"].setdefault("cache_write_tokens", 0)
+    TypeAdapter(ResponseStreamEvent if "sequence_number" in data else Response).validate_python(data)
+    return data
+
+
 def test_tool_calls_whole_and_streamed(tokenizer):  # noqa: F811
     """Reasoning, text and two calls: one item each, in that order, the arguments typed by the tools' schemas; the
-    stream's items equal the whole response's; the wire carries `event:` lines and no [DONE]."""
+    stream's items equal the whole response's; the wire carries `event:` lines and no [DONE]; every body has the
+    shape of the SDK's type for it."""
     engine = ScriptedEngine(tokenizer, pieces_of(CALLS_TEXT))
     http, client = scripted_client(engine)
     kw = dict(model="tiny", input="Weather and time in Paris?", tools=WEATHER_TOOLS)
@@ -156,6 +169,7 @@ def test_tool_calls_whole_and_streamed(tokenizer):  # noqa: F811
         whole = client.responses.create(**kw)
         events = list(client.responses.create(stream=True, **kw))
         wire = http.post("/v1/responses", json=dict(kw, stream=True)).text
+        as_the_sdk_types_it(http.post("/v1/responses", json=kw).json())
     assert engine.requests[0].tools == [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
                                         for t in WEATHER_TOOLS]
     assert [item.type for item in whole.output] == ["reasoning", "message", "function_call", "function_call"]
@@ -166,7 +180,8 @@ def test_tool_calls_whole_and_streamed(tokenizer):  # noqa: F811
     added = [e.item.id for e in events if e.type == "response.output_item.added"]
     assert added == [item.id for item in events[-1].response.output]
     blocks = [block.split("\n") for block in wire.strip().split("\n\n")]
-    assert all(b[0] == f"event: {json.loads(b[1].removeprefix('data: '))['type']}" for b in blocks)
+    assert all(b[0] == f"event: {as_the_sdk_types_it(json.loads(b[1].removeprefix('data: ')))['type']}"
+               for b in blocks)
     assert blocks[-1][0] == "event: response.completed" and "[DONE]" not in wire
 
 
