@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from qwenrt.constraints import Constraint, constraint_of
 from qwenrt.errors import QwenrtError
 from qwenrt.kernels import cpu_kernels
 
@@ -39,6 +40,10 @@ class SamplingParams:
     temperature 0 (or under GREEDY_BELOW) means greedy (argmax after penalties). top_k 0, top_p 1 and min_p 0 are off.
     repetition_penalty follows transformers (prompt + output, multiplicative); presence_penalty and
     frequency_penalty follow OpenAI/vLLM (output only, additive). seed makes draws reproducible.
+
+    At most one output constraint (qwenrt/constraints.py): json_schema (a dict, JSON text or a pydantic model class;
+    kept as JSON text), json_object (any JSON object), regex, or grammar (a Lark grammar in llguidance's
+    dialect). With thinking on it applies after `</think>`.
     """
 
     temperature: float = 0.0
@@ -53,6 +58,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # keep generating past end-of-sequence tokens (stop_token_ids still stop)
+    json_schema: object = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    constraint: Constraint | None = field(init=False, repr=False, compare=False)  # made from the four above
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
@@ -84,6 +94,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", _stop_token_ids(self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             raise QwenrtError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        constraint = constraint_of(self.json_schema, self.json_object, self.regex, self.grammar)
+        object.__setattr__(self, "constraint", constraint)
+        if constraint is not None and constraint.kind == "json_schema":
+            object.__setattr__(self, "json_schema", constraint.source)
 
     @property
     def greedy(self) -> bool:
@@ -236,26 +250,30 @@ def check_finite(logits: torch.Tensor) -> None:
                           "overflow in this dtype (try dtype='float32')")
 
 
-def _checked_scores(logits: torch.Tensor, params: SamplingParams, history: TokenCounts | None) -> torch.Tensor:
-    """logits [B, V] in fp32, refused when not finite, with the penalties applied."""
+def _checked_scores(logits: torch.Tensor, params: SamplingParams, history: TokenCounts | None,
+                    allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, V] in fp32, refused when not finite, with the penalties applied and the tokens `allowed` ([V] or
+    [B, V] bool, an output constraint's) does not allow at -inf."""
     logits = logits.float()
     check_finite(logits)
     if params.uses_penalties:
         if history is None:
             raise QwenrtError("repetition/presence/frequency penalties need a TokenCounts history, got None")
         logits = apply_penalties(logits, params, history)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, _NEG_INF)
     return logits
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, history: TokenCounts | None = None,
-           generator: torch.Generator | None = None) -> torch.Tensor:
+           generator: torch.Generator | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Pick one token per row from logits [B, V]; returns [B] int64.
 
-    Penalties -> argmax when greedy, else temperature -> top-k -> top-p -> min-p -> a draw with
-    `generator`. `history` is required when params.uses_penalties; update it with the result.
-    NaN/Inf logits are refused with a QwenrtError rather than sampled.
+    Penalties -> the constraint's mask (`allowed`, [V] or [B, V] bool) -> argmax when greedy, else temperature ->
+    top-k -> top-p -> min-p -> a draw with `generator`. `history` is required when params.uses_penalties; update it
+    with the result. NaN/Inf logits are refused with a QwenrtError rather than sampled.
     """
-    logits = _checked_scores(logits, params, history)
+    logits = _checked_scores(logits, params, history, allowed)
     if params.greedy:
         return greedy(logits)
     scores, ids = _candidates(logits, params)
@@ -269,9 +287,10 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1) if kernels is None else kernels.argmax_rows(logits.contiguous())
 
 
-def probabilities(logits: torch.Tensor, params: SamplingParams, history: TokenCounts | None = None) -> torch.Tensor:
-    """The distribution `sample` draws from (temperature > 0), [B, V] fp32: penalties, then the filters."""
-    return filter_logits(_checked_scores(logits, params, history), params).softmax(-1)
+def probabilities(logits: torch.Tensor, params: SamplingParams, history: TokenCounts | None = None,
+                  allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """The distribution `sample` draws from (temperature > 0), [B, V] fp32: penalties, the mask, the filters."""
+    return filter_logits(_checked_scores(logits, params, history, allowed), params).softmax(-1)
 
 
 class StopStringMatcher:

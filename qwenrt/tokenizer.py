@@ -115,6 +115,10 @@ class Tokenizer:
         """Number of token ids the tokenizer knows, added tokens included (the model's embedding may be larger)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def backend_json(self) -> str:
+        """The tokenizer as tokenizers' JSON (added tokens included), for libraries that build their own tables."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         """Id of a vocabulary or added token string, or None."""
         return _library(f"{self._file}: cannot look up a token", self._tok.token_to_id, check_text(token, "token"))

@@ -8,6 +8,7 @@ request, so several threads may share one engine), or `start()` a loop thread (t
 
 from __future__ import annotations
 
+import json
 import queue
 import sys
 import threading
@@ -22,9 +23,11 @@ from pathlib import Path
 import torch
 
 from qwenrt.cache import deltanet_state_bytes, kv_bytes_per_token
+from qwenrt.constraints import GrammarCompiler, TokenMask, constraint_of
 from qwenrt.engine.prefix_cache import PrefixCache, prompt_key
 from qwenrt.engine.prefix_store import PrefixStore, model_identity
-from qwenrt.engine.request import DraftCounts, Request, RequestOutput, Sequence, Status, TokenLogprob
+from qwenrt.engine.request import (DraftCounts, Request, RequestOutput, Sequence, Status, TokenLogprob,
+                                   forced_function)
 from qwenrt.engine.runner import Cycle, ModelRunner, Verified
 from qwenrt.engine.scheduler import Scheduler, SchedulerConfig
 from qwenrt.engine.speculative import DraftPolicy, accept, propose_ngram
@@ -33,6 +36,7 @@ from qwenrt.model import Qwen35ForCausalLM
 from qwenrt.mtp import DEFAULT_DRAFT_VOCAB
 from qwenrt.prompt import prepare_prompt
 from qwenrt.sampling import TokenCounts, check_finite, sample
+from qwenrt.tool_grammar import tool_call_grammar
 from qwenrt.validation import check_flag, check_request
 
 DEFAULT_MAX_RUNNING = 8
@@ -203,6 +207,8 @@ class Engine:
         self.step_target = step_target
         self._prefill_rate: float | None = None  # prompt tokens per second, a moving average
         self._turn_token = tokenizer.token_to_id("<|im_start|>") if tokenizer is not None else None
+        self._grammars: GrammarCompiler | None = None  # made at the first constrained request
+        self._grammars_lock = threading.Lock()
         self.scheduler = Scheduler(SchedulerConfig(_positive("max_running", max_running),
                                                    _positive("max_batched_tokens", max_batched_tokens),
                                                    self.memory_budget), self.reservation)
@@ -273,6 +279,7 @@ class Engine:
         seq = Sequence(request, prompt, self.tokenizer, stop_ids, min(limit, len(prompt.ids) + params.max_tokens),
                        sink, self.model.device)
         seq.key = prompt_key(prompt, self.model.config)
+        seq.mask = self._token_mask(request, prompt.thinking_started)
         self._set_speculation(seq, request.speculative_tokens)
         need = self.reservation(seq)
         if need > self.memory_budget:
@@ -287,6 +294,41 @@ class Engine:
             self._inbox.append(seq)
         self._wake.set()
         return RequestHandle(request.request_id, len(prompt.ids), prompt.thinking_started)
+
+    def _compiler(self) -> GrammarCompiler:
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise QwenrtError("constrained output (a response format or a forced tool call) needs the "
+                                      "tokenizer: give the engine one")
+                self._grammars = GrammarCompiler(self.tokenizer, self.model.config.text.vocab_size)
+            return self._grammars
+
+    def _token_mask(self, request: Request, thinking_started: bool) -> TokenMask | None:
+        """The request's output constraint (its params' one, or the tool call its tool_choice forces), compiled in
+        the calling thread; with thinking on it starts after `</think>`."""
+        constraint, forced = request.params.constraint, forced_function(request)
+        if constraint is None and forced is None:
+            return None
+        if constraint is not None and forced is not None:
+            raise QwenrtError(f"tool_choice {request.tool_choice!r} forces a tool call; it cannot be combined with "
+                              f"an output constraint ({constraint.kind})")
+        compiler = self._compiler()
+        if forced is not None:
+            def token(text: str) -> str:
+                token_id = self.tokenizer.token_to_id(text)
+                return f"<[{token_id}]>" if token_id is not None and compiler.special_token(token_id) else \
+                    json.dumps(text)
+            lark = tool_call_grammar(request.tools, token, None if forced is True else forced,
+                                     request.parallel_tool_calls)
+            grammar, field = constraint_of(grammar=lark).grammar(), "tool_choice"
+        else:
+            try:
+                grammar, field = constraint.grammar(thinking_started), constraint.kind
+            except ValueError as e:
+                raise QwenrtError(f"{constraint.kind}: {e}", constraint.kind) from None
+        after = self.tokenizer.token_to_id("</think>") if thinking_started else None
+        return TokenMask(compiler.matcher(grammar, field), self.model.config.text.vocab_size, after)
 
     def submit(self, request: Request) -> RequestStream:
         """add_request with the outputs queued for iteration in the calling thread."""
@@ -464,7 +506,7 @@ class Engine:
         cache, and queue the new (hidden, next token) pairs for the MTP head."""
         first = seq.prompt_len + len(seq.tokens) - 1  # index of the verification's first input
         _start_history(seq, verified.logits)
-        emitted, kept = accept(verified.logits, drafts, seq.params, seq.history, seq.generator)
+        emitted, kept = accept(verified.logits, drafts, seq.params, seq.history, seq.generator, seq.mask)
         self._record_drafts(seq, len(drafts), kept)
         text, taken, logprobs = "", [], [] if seq.request.logprobs is not None else None
         for r, token in enumerate(emitted):
@@ -496,7 +538,7 @@ class Engine:
         greedily with nothing else to compute from its logits and drafts with the MTP head; None otherwise. The
         drafts' room assumes every input is kept."""
         if self.runner.mtp is None or any(not s.params.greedy or s.params.uses_penalties or not s.max_drafts
-                                          or s.request.logprobs is not None for s in seqs):
+                                          or s.request.logprobs is not None or s.mask is not None for s in seqs):
             return None
         return self.runner.cycle(seqs, drafts, self._drafts_to_make(seqs, choice, [1 + len(d) for d in drafts]))
 
@@ -581,10 +623,13 @@ class Engine:
         """Sample seq's next token from logits [1, V], take it, and emit the output."""
         params = seq.params
         _start_history(seq, logits)
-        token = sample(logits, params, seq.history, seq.generator)  # [1]
+        allowed = seq.mask.allowed() if seq.mask is not None else None
+        token = sample(logits, params, seq.history, seq.generator, allowed)  # [1]
         if seq.history is not None:
             seq.history.update(token)
         token = int(token)
+        if seq.mask is not None:
+            seq.mask.advance(token)
         logprobs = [self._logprob(seq, logits[0], token)] if seq.request.logprobs is not None else None
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
@@ -598,7 +643,7 @@ class Engine:
                 # the next turn of a conversation (or an agent's next call) continues from here
                 self.prefix_cache.insert((seq.key + seq.tokens)[:seq.state.length], seq.state)
             self.scheduler.finish(seq)
-            seq.state = seq.history = seq.vision_embeds = seq.draft_state = None
+            seq.state = seq.history = seq.vision_embeds = seq.draft_state = seq.mask = None
             seq.mtp_pending, seq.mtp_count = [], 0
             with self._lock:
                 self._sequences.pop(seq.request_id, None)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from qwenrt.cache import SequenceState
+from qwenrt.constraints import TokenMask
+from qwenrt.errors import QwenrtError
 from qwenrt.prompt import PreparedPrompt
 from qwenrt.sampling import SamplingParams, StopStringMatcher, TokenCounts
 from qwenrt.tokenizer import IncrementalDetokenizer
@@ -33,6 +35,10 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     enable_thinking: bool | None = None  # chat messages only: the template's thinking switch (None: its default)
     tools: list | None = None  # chat messages only: tool definitions for the template (and for typing tool calls)
+    # "auto" (None), "none", "required" (a call to one of the tools is forced), or {"type": "function", "function":
+    # {"name": NAME}} (a call to NAME is forced); parallel_tool_calls: a forced answer may hold several calls
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
     logprobs: int | None = None  # None: no log-probabilities; n >= 0: the sampled token's and the n most likely
     prefill_chunk: int | None = None  # at most this many prompt tokens per engine step (None: the engine's budget)
     max_context: int | None = None  # context limit for this request (None: the engine's; at most the engine's)
@@ -40,6 +46,28 @@ class Request:
     on_prefill: Callable[[int, int], None] | None = None  # (prompt tokens done, prompt tokens) after each chunk
     speculative_tokens: int | str | None = None  # drafts verified per step: 0 off, k, "auto"; None: the engine's
     request_id: str = field(default_factory=new_request_id)
+
+
+def forced_function(request: Request) -> bool | str | None:
+    """What the request's tool_choice forces: None (nothing), True (a call to any of its tools) or a function's
+    name."""
+    choice = request.tool_choice
+    if choice is None or choice in ("auto", "none"):
+        return None
+    if not isinstance(request.parallel_tool_calls, bool):
+        raise QwenrtError(f"parallel_tool_calls must be true or false, got {request.parallel_tool_calls!r}",
+                          "parallel_tool_calls")
+    if choice == "required":
+        name = True
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict) and \
+            isinstance(choice["function"].get("name"), str):
+        name = choice["function"]["name"]
+    else:
+        raise QwenrtError(f"tool_choice must be \"auto\", \"none\", \"required\" or {{\"type\": \"function\", "
+                          f"\"function\": {{\"name\": NAME}}}}, got {choice!r:.80}", "tool_choice")
+    if not request.tools:
+        raise QwenrtError(f"tool_choice {choice!r:.80} needs tools", "tool_choice")
+    return name
 
 
 @dataclass
@@ -151,6 +179,7 @@ class Sequence:
             seed = int(torch.randint(0, 2**62, (1,)))
         self.generator = torch.Generator(device=device).manual_seed(seed)  # one per request: draws independent of the batch
         self.history: TokenCounts | None = None  # penalties' token counts, made at the first sample
+        self.mask: TokenMask | None = None  # the output constraint, set by the engine
         self.vision_embeds: torch.Tensor | None = None  # [1, T, D] while an image/video prompt is being prefilled
         self.key: list[int] = prompt.ids  # the prompt as the prefix cache knows it (images by content)
         self.snapshots: list[int] = [self.prompt_len]  # prompt lengths where a prefix snapshot is taken, ascending

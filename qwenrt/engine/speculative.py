@@ -14,6 +14,7 @@ from collections import deque
 
 import torch
 
+from qwenrt.constraints import TokenMask
 from qwenrt.sampling import SamplingParams, TokenCounts, probabilities, sample
 
 
@@ -29,34 +30,42 @@ def propose_ngram(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) -> 
 
 
 def accept(logits: torch.Tensor, drafts: list[int], params: SamplingParams, history: TokenCounts | None,
-           generator: torch.Generator) -> tuple[list[int], int]:
+           generator: torch.Generator, mask: TokenMask | None = None) -> tuple[list[int], int]:
     """logits [T, V] at the verified positions (the last sampled token, then each draft: T = len(drafts) + 1).
 
     Returns (the tokens to emit: the accepted drafts then one drawn at the first rejection, or after all of them,
-    number of drafts accepted). `history` (penalties) takes each emitted token as it is decided.
+    number of drafts accepted). `history` (penalties) and `mask` (an output constraint: each position is judged
+    under the mask that follows the tokens before it, so a draft it forbids is rejected) take each emitted token
+    as it is decided.
     """
     out = []
     for j, draft in enumerate(drafts):
-        row = logits[j:j + 1]
+        row, allowed = logits[j:j + 1], mask.allowed() if mask is not None else None
         if params.greedy:
-            token = int(sample(row, params, history, generator))
+            token = int(sample(row, params, history, generator, allowed))
             keep = token == draft
         else:
-            p = probabilities(row, params, history)[0]  # [V]
+            p = probabilities(row, params, history, allowed)[0]  # [V]
             keep = bool(torch.rand((), generator=generator, device=p.device) < p[draft])
             if not keep:  # the residual of a point proposal: p without the draft
                 p[draft] = 0.0
                 token = int(torch.multinomial(p / p.sum(), 1, generator=generator))
         emitted = draft if keep else token
         out.append(emitted)
-        if history is not None:
-            history.update(torch.tensor([emitted], device=logits.device))
+        _take(emitted, history, mask, logits.device)
         if not keep:
             return out, j
-    token = int(sample(logits[len(drafts):], params, history, generator))  # every draft kept: one more
-    if history is not None:
-        history.update(torch.tensor([token], device=logits.device))
+    allowed = mask.allowed() if mask is not None else None
+    token = int(sample(logits[len(drafts):], params, history, generator, allowed))  # every draft kept: one more
+    _take(token, history, mask, logits.device)
     return out + [token], len(drafts)
+
+
+def _take(token: int, history: TokenCounts | None, mask: TokenMask | None, device: torch.device) -> None:
+    if history is not None:
+        history.update(torch.tensor([token], device=device))
+    if mask is not None:
+        mask.advance(token)
 
 
 class DraftPolicy:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import traceback
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 from starlette.concurrency import run_in_threadpool
@@ -16,6 +16,7 @@ from qwenrt.engine import Request, RequestHandle, RequestOutput, TokenLogprob
 from qwenrt.server.errors import APIError, error_body, from_engine
 from qwenrt.server.metrics import RequestTimer
 from qwenrt.server.responses import SSE_DONE, LogprobCollector, sse
+from qwenrt.server.structured import ENGINE_FIELDS
 
 
 class Submission:
@@ -64,13 +65,14 @@ class Submission:
             self.engine.abort(request_id)
 
 
-async def submit(engine, metrics, requests: list[Request]) -> Submission:
-    """Add requests to the engine; raises APIError (400 bad request, 429 queue full)."""
+async def submit(engine, metrics, requests: list[Request], fields: Mapping[str, str] = ENGINE_FIELDS) -> Submission:
+    """Add requests to the engine; raises APIError (400 bad request naming the field, as `fields` maps the engine's
+    names to the request's; 429 queue full)."""
     submission = Submission(engine, metrics)
     try:
         await run_in_threadpool(submission._add, requests)
     except Exception as e:
-        raise from_engine(e) from None
+        raise from_engine(e, fields) from None
     return submission
 
 

@@ -14,9 +14,10 @@ from qwenrt.server.bridge import Submission, collect, event_stream, submit
 from qwenrt.server.errors import APIError, error_body
 from qwenrt.server.media import check_media
 from qwenrt.server.params import check_context, choice_params
-from qwenrt.server.protocol import ChatCompletionRequest
+from qwenrt.server.protocol import ChatCompletionRequest, NamedToolChoice
 from qwenrt.server.responses import LogprobCollector, chat_logprobs, new_id, now, sse, usage
 from qwenrt.server.stream_parser import MessageDelta, MessageStream
+from qwenrt.server.structured import constraint_options
 
 
 def _messages(body: ChatCompletionRequest, state) -> list[dict]:
@@ -56,9 +57,6 @@ def _tools(body: ChatCompletionRequest) -> tuple[list[dict] | None, bool]:
     """(tool definitions for the template, whether to parse tool calls out of the output)."""
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     choice = body.tool_choice
-    if choice is not None and choice != "none" and choice != "auto":
-        raise APIError(400, "tool_choice: only 'auto' and 'none' are supported (forcing a call needs constrained "
-                            "decoding, which qwenrt does not have)", "tool_choice")
     if choice is not None and tools is None and choice != "none":
         raise APIError(400, "tool_choice needs tools", "tool_choice")
     return tools, tools is not None and choice != "none"
@@ -112,17 +110,18 @@ async def submit_chat(body: ChatCompletionRequest, state) -> tuple[str, Submissi
     tools, parse_tools = _tools(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise APIError(400, "response_format: only {'type': 'text'} is supported (structured output needs "
-                            "constrained decoding)", "response_format")
+    constraint = constraint_options(body.response_format)
     max_tokens = body.max_completion_tokens or body.max_tokens
     field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     thinking = body.chat_template_kwargs.enable_thinking if body.chat_template_kwargs else None
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     request_id = new_id("chatcmpl")
+    tool_choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
     requests = [Request(messages, params, enable_thinking=thinking, tools=tools, logprobs=logprobs,
+                        tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls is not False,
                         request_id=f"{request_id}-{j}", media_policy=state.media_policy)
-                for j, params in enumerate(choice_params(body, state.tokenizer, max_tokens, state.max_model_len))]
+                for j, params in enumerate(choice_params(body, state.tokenizer, max_tokens, state.max_model_len,
+                                                         constraint))]
     submission = await submit(state.engine, state.metrics, requests)
     try:
         check_context(submission.handles, max_tokens, state.max_model_len, field)

@@ -12,6 +12,7 @@ from qwenrt.server.errors import APIError, error_body
 from qwenrt.server.params import check_context, choice_params
 from qwenrt.server.protocol import CompletionRequest
 from qwenrt.server.responses import LogprobCollector, completion_logprobs, new_id, now, sse, usage
+from qwenrt.server.structured import constraint_options
 
 
 def _prompts(body: CompletionRequest, max_model_len: int) -> list:
@@ -33,7 +34,8 @@ async def completions(body: CompletionRequest, http: HTTPRequest, state):
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of must equal n (qwenrt does not rank extra samples)", "best_of")
     prompts = _prompts(body, state.max_model_len)
-    params = choice_params(body, state.tokenizer, body.max_tokens, state.max_model_len)
+    params = choice_params(body, state.tokenizer, body.max_tokens, state.max_model_len,
+                           constraint_options(body.response_format))
     request_id = new_id("cmpl")
     requests = [Request(prompt, p, logprobs=body.logprobs, request_id=f"{request_id}-{k}-{j}")
                 for k, prompt in enumerate(prompts) for j, p in enumerate(params)]

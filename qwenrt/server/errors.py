@@ -3,6 +3,9 @@ as vLLM sends it), with the status that says whose fault it is. Bad input is nev
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -36,12 +39,13 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
     return JSONResponse(error_body(status, message, param), status_code=status)
 
 
-def from_engine(e: Exception) -> APIError:
-    """An engine refusal as an API error: a full queue is 429, any other QwenrtError is the request's fault."""
+def from_engine(e: Exception, fields: Mapping[str, str] = MappingProxyType({})) -> APIError:
+    """An engine refusal as an API error: a full queue is 429, any other QwenrtError is the request's fault (its
+    param: the field the engine names, as `fields` maps it to the request's)."""
     if isinstance(e, QueueFullError):
         return APIError(429, str(e))
     if isinstance(e, QwenrtError):
-        return APIError(400, str(e))
+        return APIError(400, str(e), fields.get(e.field, e.field))
     return APIError(500, f"internal error: {type(e).__name__}: {e}")
 
 

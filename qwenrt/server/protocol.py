@@ -123,6 +123,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    response_format: dict[str, Any] | None = None  # vLLM takes it on completions too
 
 
 # ---- POST /v1/responses -----------------------------------------------------------------------------------------

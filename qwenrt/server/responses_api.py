@@ -218,8 +218,6 @@ def _response_format(body: ResponsesRequest) -> dict | None:
     fmt = body.text.format if body.text is not None else None
     if fmt is None or fmt.type != "json_schema":
         return None if fmt is None else {"type": fmt.type}
-    if fmt.json_schema is None:
-        raise APIError(400, "text.format.schema: a json_schema format needs its schema", "text.format.schema")
     schema = {"name": fmt.name, "schema": fmt.json_schema, "description": fmt.description, "strict": fmt.strict}
     return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if v is not None}}
 
