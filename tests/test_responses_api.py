@@ -135,6 +135,26 @@ def test_max_output_tokens_leaves_it_incomplete(builtin):
     assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 5
 
 
+def test_text_format_and_a_named_tool_choice_take_the_chat_path(builtin):
+    """text.format json_schema constrains the message as chat's response_format does; a named tool_choice forces
+    that call where the model would answer itself; a schema the engine cannot compile is named text.format. (Thinking
+    off: fewer tokens; the first use of each grammar compiles it.)"""
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["512", "513"]}},
+              "required": ["answer"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "name": "sum", "schema": schema, "strict": True}
+    off = {"effort": "none"}
+    whole = respond(builtin, input=QUESTION, text={"format": fmt}, reasoning=off, max_output_tokens=100)
+    assert whole.status == "completed" and json.loads(whole.output_text)["answer"] in ("512", "513")
+    assert whole.text.format.type == "json_schema" and whole.text.format.schema_ == schema
+    forced = respond(builtin, input=QUESTION, tools=CALCULATOR, reasoning=off, tool_choice={"type": "function",
+                                                                                           "name": "get_capital"})
+    assert [item.type for item in forced.output] == ["function_call"] and forced.output[0].name == "get_capital"
+    assert list(json.loads(forced.output[0].arguments)) == ["country"]
+    with pytest.raises(openai.BadRequestError) as e:
+        respond(builtin, input=QUESTION, text={"format": dict(fmt, schema={"type": "frob"})})
+    assert e.value.body["param"] == "text.format"
+
+
 # ---- over a scripted engine -------------------------------------------------------------------------------------
 
 WEATHER_TOOLS = [
@@ -255,8 +275,7 @@ REFUSED = [
      "input[0].content[0].image_url"),
     ({"input": [{"role": "robot", "content": "a"}]}, "input[0].role"),
     ({"max_output_tokens": 5000}, "max_output_tokens"),
-    # refused by the chat route until constrained decoding lands there; named as the Responses field
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": "{}"}}}, "text.format.schema"),
 ]
 
 
