@@ -391,7 +391,9 @@ def openai_error(response) -> str | None:
     except (ValueError, KeyError, TypeError):
         return None
     fields = isinstance(error, dict) and {"message", "type", "param"} <= error.keys()
-    return str(error["message"]) if fields and error.get("code") == response.status_code else None
+    # code: the status, or OpenAI's string where clients act on one (context_length_exceeded, model_not_found)
+    code = fields and (error.get("code") == response.status_code or isinstance(error.get("code"), str))
+    return str(error["message"]) if code else None
 
 
 def http_verdict(response, accept) -> tuple[str, str]:

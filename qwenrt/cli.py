@@ -19,9 +19,10 @@ def _inspect(args) -> None:
 
 
 def _sampling(args) -> dict:
-    from qwenrt.console import SAMPLING_FIELDS
+    from qwenrt.console import SAMPLING_FIELDS, constraint_files
 
-    return {name: getattr(args, name) for name in SAMPLING_FIELDS}
+    return {**{name: getattr(args, name) for name in SAMPLING_FIELDS},
+            **constraint_files(args.json_schema, args.grammar)}
 
 
 def _engine_options(args) -> dict:
@@ -113,6 +114,10 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
     s.add_argument("--frequency-penalty", dest="frequency_penalty", type=float)
     s.add_argument("--seed", type=int)
     s.add_argument("--stop", action="append", help="stop string (repeatable)")
+    c = p.add_argument_group("output constraint (at most one; after the thinking block when thinking)")
+    c.add_argument("--json-schema", metavar="FILE", help="answer with JSON that follows this JSON Schema file")
+    c.add_argument("--regex", metavar="PATTERN", help="answer with text that matches this regular expression")
+    c.add_argument("--grammar", metavar="FILE", help="answer in this Lark grammar (llguidance's dialect)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 from tqdm import tqdm
 
+from qwenrt.constraints import MAX_SOURCE_CHARS
 from qwenrt.default_model import resolve_model
 from qwenrt.errors import QwenrtError
+from qwenrt.files import read_json, read_text
 from qwenrt.generate import GenerationResponse, stream_generate
 from qwenrt.config import load_config
 from qwenrt.hub import resolve_model_path
@@ -20,7 +23,18 @@ from qwenrt.validation import check_max_context, check_text
 from qwenrt.vision.media import DEFAULT_POLICY, preflight_media
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "seed", "stop")
+                   "frequency_penalty", "seed", "stop", "regex")
+
+
+def constraint_files(json_schema: str | None, grammar: str | None) -> dict:
+    """--json-schema FILE and --grammar FILE as the sampling options they give (read and checked here, before the
+    weights load)."""
+    options = {}
+    if json_schema is not None:
+        options["json_schema"] = read_json(Path(json_schema), MAX_SOURCE_CHARS, "JSON Schema file")
+    if grammar is not None:
+        options["grammar"] = read_text(Path(grammar), MAX_SOURCE_CHARS, "grammar file")
+    return options
 
 
 def load_for_cli(source: str | None, path, dtype: str, device: str, check_finite: bool = True,

@@ -112,10 +112,12 @@ def constraint_of(json_schema=None, json_object: bool = False, regex: str | None
     return Constraint(kind, source)
 
 
-def _first_line(message: str) -> str:
-    """llguidance's message without its position in the grammar's JSON ("at 2(7): ")."""
-    line = next((line.strip() for line in message.splitlines() if line.strip()), "invalid")
-    return re.sub(r"^at \d+\(\d+\): ", "", line)
+def _one_line(message: str) -> str:
+    """llguidance's message on one line (a regex error spans several), without its position in the grammar's JSON
+    ("at 2(7): ")."""
+    line = " ".join(message.split()) or "invalid"
+    line = re.sub(r"^at \d+\(\d+\): ", "", line)
+    return line if len(line) <= 300 else line[:297] + "..."
 
 
 class GrammarCompiler:
@@ -143,7 +145,7 @@ class GrammarCompiler:
                 return compiled.deep_copy()
         compiled = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self._limits)
         if compiled.is_error():
-            raise QwenrtError(f"{field}: {_first_line(compiled.get_error())}", field)
+            raise QwenrtError(f"{field}: {_one_line(compiled.get_error())}", field)
         try:  # a grammar that compiles may still match nothing (a schema that only refers to itself)
             first = TokenMask(compiled.deep_copy(), self.vocab_size).allowed()
         except QwenrtError as e:
@@ -179,7 +181,7 @@ class TokenMask:
             return None
         self.matcher.unsafe_compute_mask_ptr(self.words.data_ptr(), self.words.numel() * 4)
         if self.matcher.is_error():
-            raise QwenrtError(f"the output constraint failed: {_first_line(self.matcher.get_error())}")
+            raise QwenrtError(f"the output constraint failed: {_one_line(self.matcher.get_error())}")
         bits = (self.words[0, :, None] >> _BITS) & 1  # [W, 32]
         return bits.view(-1)[:self.vocab_size].bool()
 
@@ -190,4 +192,4 @@ class TokenMask:
                 self.after = None
             return
         if not self.matcher.consume_token(token):
-            raise QwenrtError(f"the output constraint failed: {_first_line(self.matcher.get_error())}")
+            raise QwenrtError(f"the output constraint failed: {_one_line(self.matcher.get_error())}")

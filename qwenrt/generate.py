@@ -86,8 +86,9 @@ def _engine(model, tokenizer) -> Engine:
 
 
 def _submit(model, tokenizer, prompt, params, enable_thinking, tools, prefill_chunk, max_context,
-            on_prefill=None, speculative_tokens=None) -> RequestStream:
-    return _engine(model, tokenizer).submit(Request(prompt, params, enable_thinking, tools, prefill_chunk=prefill_chunk,
+            on_prefill=None, speculative_tokens=None, tool_choice=None, parallel_tool_calls=True) -> RequestStream:
+    return _engine(model, tokenizer).submit(Request(prompt, params, enable_thinking, tools, tool_choice=tool_choice,
+                                                    parallel_tool_calls=parallel_tool_calls, prefill_chunk=prefill_chunk,
                                                     max_context=max_context, on_prefill=on_prefill,
                                                     speculative_tokens=speculative_tokens))
 
@@ -110,13 +111,15 @@ def _checked(out: RequestOutput) -> RequestOutput:
 
 
 def stream_generate(model, tokenizer, prompt, *, params: SamplingParams | None = None,
-                    enable_thinking: bool | None = None, tools=None, prefill_chunk: int | None = None,
-                    max_context: int | None = None, on_prefill=None, speculative_tokens: int | str | None = None,
-                    **sampling) -> Iterator[GenerationResponse]:
+                    enable_thinking: bool | None = None, tools=None, tool_choice=None, parallel_tool_calls: bool = True,
+                    prefill_chunk: int | None = None, max_context: int | None = None, on_prefill=None,
+                    speculative_tokens: int | str | None = None, **sampling) -> Iterator[GenerationResponse]:
     """Generate for one prompt, yielding text deltas as they complete. The last response has finish_reason set.
 
     sampling: SamplingParams fields (max_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
-    presence_penalty, frequency_penalty, seed, stop, stop_token_ids, ignore_eos). on_prefill(done, total) is
+    presence_penalty, frequency_penalty, seed, stop, stop_token_ids, ignore_eos; an output constraint: json_schema,
+    json_object, regex or grammar). tool_choice: "auto" (default), "none", "required" (the answer is a call to one
+    of `tools`) or {"type": "function", "function": {"name": NAME}} (a call to NAME). on_prefill(done, total) is
     called after each prompt chunk. speculative_tokens: drafts verified per step (0 off, k, "auto"; default the
     engine's: "auto", which speculates with the model's MTP head where that pays). With speculation one response
     may complete several tokens (`token` is the last). Leaving the loop early cancels.
@@ -124,7 +127,7 @@ def stream_generate(model, tokenizer, prompt, *, params: SamplingParams | None =
     if on_prefill is not None and not callable(on_prefill):
         raise QwenrtError(f"on_prefill must be a function (done, total), got {type(on_prefill).__name__}")
     stream = _submit(model, tokenizer, prompt, _params(params, sampling), enable_thinking, tools, prefill_chunk,
-                     max_context, on_prefill, speculative_tokens)
+                     max_context, on_prefill, speculative_tokens, tool_choice, parallel_tool_calls)
     for out in stream:
         if not _checked(out).token_ids:  # nothing sampled (cancelled)
             continue
@@ -133,9 +136,9 @@ def stream_generate(model, tokenizer, prompt, *, params: SamplingParams | None =
 
 
 def batch_generate(model, tokenizer, prompts: Sequence, *, params: SamplingParams | None = None,
-                   enable_thinking: bool | None = None, tools=None, prefill_chunk: int | None = None,
-                   max_context: int | None = None, speculative_tokens: int | str | None = None,
-                   **sampling) -> list[Completion]:
+                   enable_thinking: bool | None = None, tools=None, tool_choice=None, parallel_tool_calls: bool = True,
+                   prefill_chunk: int | None = None, max_context: int | None = None,
+                   speculative_tokens: int | str | None = None, **sampling) -> list[Completion]:
     """Generate for several prompts at once (decoded together by the engine); results in prompt order."""
     check_prompt_list(prompts)
     params = _params(params, sampling)
@@ -143,7 +146,8 @@ def batch_generate(model, tokenizer, prompts: Sequence, *, params: SamplingParam
     try:
         for prompt in prompts:
             streams.append(_submit(model, tokenizer, prompt, params, enable_thinking, tools, prefill_chunk,
-                                   max_context, speculative_tokens=speculative_tokens))
+                                   max_context, speculative_tokens=speculative_tokens, tool_choice=tool_choice,
+                                   parallel_tool_calls=parallel_tool_calls))
         results = []
         for stream in streams:
             sampled, text, last = [], [], None

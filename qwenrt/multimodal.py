@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from qwenrt.checkpoint import open_checkpoint
-from qwenrt.errors import QwenrtError
+from qwenrt.errors import ContextLengthError, QwenrtError
 from qwenrt.loader import check_tensors
 from qwenrt.vision.media import DEFAULT_POLICY, MediaPolicy
 
@@ -114,8 +114,8 @@ def prepare_vision_prompt(model, tokenizer, text: str, images: list, videos: lis
                              video_timestamps=video_batch.timestamps if video_batch else None, merge_size=merge)
     ids = tokenizer.encode(expanded)
     if len(ids) >= max_context:
-        raise QwenrtError(f"prompt has {len(ids)} tokens with its images/video expanded; the context limit is "
-                          f"{max_context} (use smaller or fewer images)")
+        raise ContextLengthError(f"prompt has {len(ids)} tokens with its images/video expanded; the context limit "
+                                 f"is {max_context} (use smaller or fewer images)", len(ids), max_context)
     positions, deltas = rope_index(torch.tensor([ids]), image_batch.grid_thw if image_batch else None,
                                    video_batch.grid_thw if video_batch else None,
                                    image_token_id=config.image_token_id, video_token_id=config.video_token_id,

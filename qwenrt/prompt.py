@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qwenrt.errors import QwenrtError
+from qwenrt.errors import ContextLengthError, QwenrtError
 from qwenrt.multimodal import VisionPrompt, collect_media, prepare_vision_prompt
 from qwenrt.vision.media import DEFAULT_POLICY, MediaPolicy
 
@@ -20,7 +20,8 @@ class PreparedPrompt:
 
 
 def prepare_prompt(model, tokenizer, prompt, enable_thinking: bool | None = None, tools=None,
-                   max_context: int | None = None, policy: MediaPolicy = DEFAULT_POLICY) -> PreparedPrompt:
+                   max_context: int | None = None, policy: MediaPolicy = DEFAULT_POLICY,
+                   add_generation_prompt: bool = True) -> PreparedPrompt:
     """A string (raw text), chat messages (rendered with the chat template; image/video parts allowed, read under
     `policy`) or token ids. Checks the prompt against the context limit and the vocabulary before any model work.
     """
@@ -33,7 +34,7 @@ def prepare_prompt(model, tokenizer, prompt, enable_thinking: bool | None = None
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
         if tokenizer is None:
             raise QwenrtError("chat messages need a tokenizer; this checkpoint has none")
-        text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
+        text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=add_generation_prompt,
                                              enable_thinking=enable_thinking, tools=tools)
         ids = _encode(tokenizer, text, limit)  # with images, a bound first: expanding them only adds tokens
         images, videos = collect_media(prompt)
@@ -47,7 +48,8 @@ def prepare_prompt(model, tokenizer, prompt, enable_thinking: bool | None = None
     if not ids:
         raise QwenrtError("the prompt is empty")
     if len(ids) >= limit:
-        raise QwenrtError(f"prompt has {len(ids)} tokens; the context limit is {limit} (leave room for the answer)")
+        raise ContextLengthError(f"prompt has {len(ids)} tokens; the context limit is {limit} (leave room for the "
+                                 "answer)", len(ids), limit)
     vocab = model.config.text.vocab_size
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
@@ -62,6 +64,6 @@ def _encode(tokenizer, text: str, limit: int) -> list[int]:
     """The ids of `text`, refused once they are known not to fit `limit` (tokenizing stops there)."""
     ids = tokenizer.encode_within(text, limit - 1)
     if ids is None:
-        raise QwenrtError(f"prompt has more than {limit - 1} tokens; the context limit is {limit} (leave room for "
-                          "the answer)")
+        raise ContextLengthError(f"prompt has more than {limit - 1} tokens; the context limit is {limit} (leave room "
+                                 "for the answer)", limit, limit, counted=False)
     return ids

@@ -4,7 +4,8 @@ function forces well-formed calls: the Qwen3-Coder XML format qwenrt/parsing.py 
     <tool_call>\\n<function=NAME>\\n<parameter=ARG>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>
 
 naming an offered function, with its required parameters, and values its JSON Schema types accept: a string
-parameter's value is raw text (as the chat template writes it), any other's is JSON matching the parameter's schema.
+parameter's value is raw text (as the chat template writes it; its enum and maxLength hold), any other's is JSON
+matching the parameter's schema.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from qwenrt.parsing import _schema_kinds
 
 # a string value ends at the first "</parameter>\n" (lazy: the shortest text that does); the parser drops the
 # newline the template puts before the tag
-_RAW_VALUE = r"/(?s:.*)<\/parameter>\n/"
+_RAW_VALUE = r"/(?s:.{LENGTH})\n?<\/parameter>\n/"
 
 
 def _literal(text: str) -> str:
@@ -33,7 +34,10 @@ def _value_rule(rule: str, schema: Any, defs: dict) -> str:
         enum = schema.get("enum") if isinstance(schema, Mapping) else None
         if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum) and kinds <= {"string"}:
             return f"{rule}: ({' | '.join(_literal(v) for v in enum)}) \"\\n</parameter>\\n\""
-        return f"{rule}[lazy]: {_RAW_VALUE}"
+        longest = schema.get("maxLength") if isinstance(schema, Mapping) else None
+        length = f"{{0,{longest}}}" if isinstance(longest, int) and not isinstance(longest, bool) and longest >= 0 \
+            else "*"
+        return f"{rule}[lazy]: {_RAW_VALUE.replace('{LENGTH}', length)}"
     embedded = {**defs, **schema, "x-guidance": json_options()}
     return f"{rule}: %json {json.dumps(embedded, ensure_ascii=False)} \"\\n</parameter>\\n\""
 
@@ -71,7 +75,7 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], token: Callable[[str],
     calls = "call (SEP call)*" if parallel else "call"
     return "\n".join([
         f"start: LEAD? {calls}",
-        "LEAD: /[ \\t\\r\\n]{1,8}/",
+        "LEAD: /\\n{1,2}/",
         "SEP: /\\n{1,2}/",
         f"call: {open_} \"\\n\" ({' | '.join(f'fn{i}' for i in range(len(functions)))}) {close}",
         *rules])

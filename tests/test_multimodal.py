@@ -7,6 +7,7 @@ from PIL import Image
 
 import qwenrt
 from qwenrt import QwenrtError
+from qwenrt.errors import ContextLengthError
 from qwenrt.prompt import prepare_prompt
 from qwenrt.multimodal import vision_embeddings
 from tests.numerics import rel_err
@@ -96,8 +97,9 @@ def test_bad_vision_inputs(vlm_chat, tmp_path, chat_model):
     for messages, fragment in cases:
         with pytest.raises(QwenrtError, match=fragment):
             qwenrt.generate(model, tok, messages, max_tokens=1)
-    with pytest.raises(QwenrtError, match="with its images/video expanded; the context limit is 20"):
+    with pytest.raises(ContextLengthError, match="with its images/video expanded; the context limit is 20") as e:
         qwenrt.generate(model, tok, CASES["two images"], max_tokens=1, max_context=20)
+    assert (e.value.limit, e.value.counted) == (20, True) and e.value.prompt_tokens > 20  # the server's 400 says so
     text_model, text_tok, _ = chat_model
     with pytest.raises(QwenrtError, match="no vision tower"):
         qwenrt.generate(text_model, text_tok, CASES["one image"], max_tokens=1)

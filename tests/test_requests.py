@@ -14,6 +14,7 @@ import torch
 
 from qwenrt.cli import main
 from qwenrt.convert import quantize_checkpoint
+from qwenrt.errors import ContextLengthError
 from qwenrt import tokenizer as tokenizer_module
 from qwenrt.parsing import parse_completion
 from qwenrt.prompt import prepare_prompt
@@ -185,6 +186,19 @@ def test_a_prompt_that_cannot_fit_whatever_it_holds_is_refused_untokenized(chat_
     one_line_error(lambda: prepare_prompt(model, tok, "x" * (64 * 256 + 1), max_context=65), "context limit is 65")
     assert spy.handed == []
     assert prepare_prompt(model, tok, " " * 4000, max_context=65).ids == tok.encode(" " * 4000)  # 32 tokens: fits
+
+
+def test_a_prompt_over_the_context_says_by_how_much(chat_model):
+    """ContextLengthError carries the numbers the server's 400 (context_length_exceeded) words: the length when it
+    was counted, else the count at which tokenizing stopped."""
+    model, tok, _ = chat_model
+    ids = tok.encode("word " * 50)
+    with pytest.raises(ContextLengthError) as e:
+        prepare_prompt(model, tok, ids, max_context=len(ids))
+    assert (e.value.prompt_tokens, e.value.limit, e.value.counted) == (len(ids), len(ids), True)
+    with pytest.raises(ContextLengthError) as e:
+        prepare_prompt(model, tok, "word " * 50, max_context=10)
+    assert (e.value.prompt_tokens, e.value.limit, e.value.counted) == (10, 10, False)
 
 
 def with_generation_config(source, tmp_path, **fields):

@@ -14,10 +14,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Literal
 
 import httpx
+import jsonschema
 import numpy as np
 import openai
+import pydantic
 import pytest
 from PIL import Image
 
@@ -28,6 +31,7 @@ from tests import checkpoints
 from tests.server_process import ROOT, ServerProcess
 
 KEY = "sk-test"
+ORIGIN = "http://localhost:3000"
 JSON_HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 
 
@@ -44,8 +48,9 @@ class Server(ServerProcess):
 
 @pytest.fixture(scope="session")
 def server(chat_ckpt, tmp_path_factory):
-    """The chat checkpoint (real vocabulary and template), default limits, no local media."""
-    s = Server(tmp_path_factory.mktemp("server"), chat_ckpt[0], "--max-model-len", "1024")
+    """The chat checkpoint (real vocabulary and template), default limits, no local media, CORS for one origin."""
+    s = Server(tmp_path_factory.mktemp("server"), chat_ckpt[0], "--max-model-len", "1024", "--allowed-origins",
+               ORIGIN)
     yield s
     s.stop()
 
@@ -219,6 +224,137 @@ def test_tools_reach_the_template_and_stream_like_whole(server):
     assert len(streamed["calls"]) == len(message.tool_calls)
 
 
+# ---- around the core: models by id, tokenize, reasoning under both names and its effort, CORS, request ids --
+
+def post(server, path: str, body: dict, headers: dict = JSON_HEADERS) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=60)
+
+
+def test_a_model_by_id(server):
+    client = server.client()
+    assert client.models.retrieve("tiny").model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    assert (e.value.body["param"], e.value.code) == ("model", "model_not_found")
+
+
+def test_tokenize_is_the_prompt_the_endpoints_use(server, chat_model):
+    """vLLM's /tokenize: chat messages give exactly the ids /v1/chat/completions prompts with (thinking on or off,
+    tools); /detokenize gives the rendered text back; a raw prompt is what /v1/completions counts."""
+    _, tok, _ = chat_model
+    client = server.client()
+    messages = [{"role": "system", "content": "Be brief."}, *user("Weather in Paris?")]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    for thinking, tools_ in ((None, None), (False, None), (True, tools)):
+        kwargs = {"chat_template_kwargs": {"enable_thinking": thinking}} if thinking is not None else {}
+        got = post(server, "/tokenize", {"model": "tiny", "messages": messages, "tools": tools_, **kwargs}).json()
+        used = chat(client, messages, max_tokens=1, tools=tools_ or openai.omit, extra_body=kwargs).usage
+        text = tok.apply_chat_template(messages, enable_thinking=thinking, tools=tools_)
+        assert got == {"count": used.prompt_tokens, "max_model_len": 1024, "tokens": tok.encode(text),
+                       "token_strs": None}
+        assert post(server, "/detokenize", {"model": "tiny", "tokens": got["tokens"]}).json() == {"prompt": text}
+    bare = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()
+    assert bare["tokens"] == tok.encode(tok.apply_chat_template(messages, add_generation_prompt=False))
+    raw = post(server, "/tokenize", {"prompt": "The quick brown fox", "return_token_strs": True}).json()
+    assert raw["tokens"] == tok.encode("The quick brown fox") and raw["count"] == client.completions.create(
+        model="tiny", prompt="The quick brown fox", max_tokens=1).usage.prompt_tokens
+    assert raw["token_strs"] == [tok.id_to_token(t) for t in raw["tokens"]] and raw["token_strs"][1] == "Ġquick"
+
+
+@pytest.mark.parametrize("path, body, param, code", [
+    ("/tokenize", {"prompt": "word " * 1100}, "prompt", "context_length_exceeded"),
+    ("/tokenize", {"messages": user("word " * 1100)}, "messages", "context_length_exceeded"),
+    ("/detokenize", {"tokens": [7] * 1025}, "tokens", "context_length_exceeded"),
+    ("/detokenize", {"tokens": [10 ** 9]}, "tokens", 400),
+    ("/detokenize", {"tokens": [-1]}, "tokens[0]", 400),
+    ("/tokenize", {"prompt": "x", "messages": user("x")}, "prompt", 400),
+    ("/tokenize", {}, "prompt", 400),
+    ("/tokenize", {"prompt": ""}, "prompt", 400),
+    ("/tokenize", {"prompt": "x", "model": "gpt-4"}, "model", "model_not_found"),
+])
+def test_tokenize_refusals_name_their_field(server, path, body, param, code):
+    r = post(server, path, body)
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == (param, code) and r.status_code == (404 if param == "model" else 400)
+
+
+def test_tokenize_needs_the_api_key(server):
+    assert post(server, "/tokenize", {"prompt": "x"}, {}).status_code == 401
+    assert post(server, "/detokenize", {"tokens": [1]}, {}).status_code == 401
+
+
+def test_reasoning_under_both_names(server):
+    """vLLM sends the reasoning as reasoning_content and as reasoning (what newer clients read), whole and streamed;
+    the checkpoint thinks by default."""
+    kw = dict(max_tokens=8, temperature=0)
+    message = chat(server.client(), user("Name a colour."), **kw).choices[0].message
+    assert message.reasoning_content and message.model_extra["reasoning"] == message.reasoning_content
+    deltas = [c.choices[0].delta for c in chat(server.client(), user("Name a colour."), stream=True, **kw)]
+    reasoning = [d.model_extra.get("reasoning") for d in deltas if d.model_extra.get("reasoning_content")]
+    assert reasoning == [d.reasoning_content for d in deltas if d.model_extra.get("reasoning_content")]
+    assert "".join(reasoning) == message.reasoning_content
+
+
+def test_reasoning_effort_switches_thinking(server):
+    """none and minimal turn thinking off, the others on: the same answer as chat_template_kwargs.enable_thinking
+    (given both, they must agree)."""
+    client = server.client()
+    kw = dict(max_tokens=6, temperature=0)
+    for effort, thinking in (("none", False), ("minimal", False), ("high", True)):
+        got = chat(client, user("Name a colour."), reasoning_effort=effort, **kw)
+        want = chat(client, user("Name a colour."), extra_body={"chat_template_kwargs": {"enable_thinking": thinking}},
+                    **kw)
+        assert (got.choices[0].message, got.usage.prompt_tokens) == (want.choices[0].message, want.usage.prompt_tokens)
+        assert (got.choices[0].message.reasoning_content is None) == (not thinking)
+        both = chat(client, user("Name a colour."), reasoning_effort=effort,
+                    extra_body={"chat_template_kwargs": {"enable_thinking": thinking}}, **kw)
+        assert both.choices[0].message == want.choices[0].message
+
+
+PREFLIGHT = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os, x-stainless-retry-count, "
+                                               "openai-organization"}
+
+
+def test_cors_for_the_allowed_origins(server):
+    """--allowed-origins: a browser's preflight (no API key on it) is answered before the key check, for the headers
+    the OpenAI JS SDK sends; the answers then carry the origin (errors too, so the page can read them)."""
+    preflight = httpx.options(server.url + "/v1/chat/completions", headers=PREFLIGHT)
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == ORIGIN
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    assert preflight.headers["access-control-allow-headers"] == PREFLIGHT["Access-Control-Request-Headers"]
+    answer = post(server, "/v1/chat/completions", {"messages": user("Hi"), "max_tokens": 1},
+                  {**JSON_HEADERS, "Origin": ORIGIN})
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == ORIGIN
+    assert answer.headers["access-control-expose-headers"] == "x-request-id"
+    refused = post(server, "/v1/chat/completions", {"messages": user("Hi")}, {"Origin": ORIGIN})
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == ORIGIN
+    other = httpx.options(server.url + "/v1/chat/completions", headers={**PREFLIGHT, "Origin": "http://evil.test"})
+    assert "access-control-allow-origin" not in other.headers
+
+
+def test_request_ids_are_echoed_or_made(server):
+    """x-request-id: the client's comes back on every answer (errors and streams too), or a fresh one; one that is
+    not a short line of printable ASCII is refused."""
+    ok = {"messages": user("Hi"), "max_tokens": 1}
+    for path, body, headers, status in (
+            ("/v1/chat/completions", ok, JSON_HEADERS, 200),
+            ("/v1/chat/completions", {**ok, "stream": True}, JSON_HEADERS, 200),
+            ("/v1/chat/completions", {**ok, "model": "gpt-4"}, JSON_HEADERS, 404),
+            ("/v1/chat/completions", {"messages": []}, JSON_HEADERS, 400),
+            ("/v1/chat/completions", ok, {}, 401),
+            ("/tokenize", {"prompt": "Hi"}, JSON_HEADERS, 200)):
+        r = post(server, path, body, {**headers, "x-request-id": "trace 42/a"})
+        assert (r.status_code, r.headers["x-request-id"]) == (status, "trace 42/a"), r.text
+    made = [server.client().chat.completions.with_raw_response.create(model="tiny", **ok) for _ in range(2)]
+    ids = [m.headers["x-request-id"] for m in made]
+    assert all(re.fullmatch("[0-9a-f]{32}", i) for i in ids) and ids[0] != ids[1] and made[0].request_id == ids[0]
+    for bad in ("x" * 257, "caf\u00e9"):
+        r = post(server, "/v1/chat/completions", ok, [*JSON_HEADERS.items(), ("x-request-id", bad.encode())])
+        assert r.status_code == 400 and r.json()["error"]["param"] == "x-request-id"
+        assert re.fullmatch("[0-9a-f]{32}", r.headers["x-request-id"])
+
+
 # ---- concurrency and cancellation ---------------------------------------------------------------------------
 
 PROMPTS = ["Hi", "Name three primes.", "Write a haiku about rain.", "What is 2+2?", "Translate 'cat' to French.",
@@ -338,11 +474,32 @@ def test_error_statuses(server):
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, user("Hi"), temperature=-1)
     assert e.value.body["param"] == "temperature"
-    with pytest.raises(openai.BadRequestError, match="context limit"):
-        chat(client, user("word " * 1100))
-    with pytest.raises(openai.BadRequestError, match="maximum context length") as e:
-        chat(client, user("Hi"), max_tokens=1024)
-    assert e.value.body["param"] == "max_tokens"
+
+
+def overflow(create, **request) -> dict:
+    """The error body of a request over the context, as the official client raises it."""
+    with pytest.raises(openai.BadRequestError) as e:
+        create(model="tiny", **request)
+    assert e.value.code == "context_length_exceeded", e.value.body
+    assert e.value.body["message"].startswith("This model's maximum context length is 1024 tokens. However, ")
+    return e.value.body
+
+
+def test_every_context_overflow_is_context_length_exceeded(server):
+    """LangChain acts on the code, LiteLLM on the first sentence (vLLM's and OpenAI's wording), so their trimming
+    and fallbacks fire: a long chat, a long text or token-id prompt, and a prompt that only max_tokens pushes over."""
+    chat_, complete = server.client().chat.completions.create, server.client().completions.create
+    body = overflow(chat_, messages=user("word " * 1100))
+    assert body["param"] == "messages" and "your messages resulted in more than 1023 tokens" in body["message"]
+    body = overflow(chat_, messages=user("Hi"), max_tokens=1020)
+    assert body["param"] == "messages" and "in the completion: max_tokens)" in body["message"]
+    body = overflow(chat_, messages=user("Hi"), max_completion_tokens=1020)
+    assert body["param"] == "messages" and "max_completion_tokens" in body["message"]
+    for prompt in ("word " * 1100, [7] * 1024, [7] * 1010):  # the last fits without the default max_tokens 16
+        body = overflow(complete, prompt=prompt)
+        assert body["param"] == "prompt"
+    assert "you requested 1026 tokens (1010 in the prompt, 16 in the completion: max_tokens)" in body["message"]
+    assert "resulted in 1024 tokens (at most 1023: " in overflow(complete, prompt=[7] * 1024)["message"]
 
 
 MALFORMED = [
@@ -361,7 +518,7 @@ MALFORMED = [
     b'{"messages": [{"role": "user", "content": "hi"}], "seed": -1}',
     b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}',
     b'{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}',
-    b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}}',
     b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 1}}',
     b'{"messages": [{"role": "user", "content": "hi"}], "stream": "maybe"}',
     b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"function": '
@@ -430,6 +587,21 @@ def test_bad_completion_input_is_a_400(server, body):
     (b'{"prompt": ' + json.dumps([1] * 5000).encode() + b'}', "prompt"),  # counted before each id is checked
     (b'{"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": 5}}'
      b']}, {"role": "user", "content": "hi"}]}', "messages[0].tool_calls[0].function.arguments"),
+    # refused by the engine, named by the field that holds what it refused
+    (b'{"prompt": [999999999]}', "prompt"),
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f", '
+     b'"parameters": {"description": "\\ud800"}}}]}', "tools"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "extreme"}', "reasoning_effort"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "none", "chat_template_kwargs": '
+     b'{"enable_thinking": true}}', "reasoning_effort"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "function_call": "auto"}', "function_call"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}], "tools": [{"type": '
+     b'"function", "function": {"name": "f"}}]}', "functions"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}], "function_call": "none", '
+     b'"tool_choice": "none"}', "function_call"),
+    (b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "function_call": {"name": "f", '
+     b'"arguments": "{oops"}}]}', "messages[1].function_call.arguments"),
 ])
 def test_a_refusal_names_its_field(server, body, param):
     path = "/v1/completions" if body.startswith(b'{"prompt"') else "/v1/chat/completions"
@@ -599,13 +771,13 @@ class ScriptedEngine:
         pass
 
 
-def scripted_client(engine_or_load):
+def scripted_client(engine_or_load, names=("tiny",), **config):
     from fastapi.testclient import TestClient
 
     from qwenrt.server.app import ServerConfig, create_app
 
     load = engine_or_load if callable(engine_or_load) else lambda: engine_or_load
-    app = create_app(ServerConfig("scripted", ["tiny"]), load)
+    app = create_app(ServerConfig("scripted", list(names), **config), load)
     http = TestClient(app)
     return http, openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
 
@@ -731,3 +903,134 @@ def test_several_choices_whole_and_streamed(tokenizer):
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
         assert text == "Answer."
     assert whole.usage.completion_tokens == 3 * len(engine.pieces) and whole.usage.prompt_tokens == 5
+
+
+def test_a_model_by_a_name_with_slashes(tokenizer):
+    http, client = scripted_client(ScriptedEngine(tokenizer, ["hi"]), names=("Qwen/Qwen3.5-0.8B", "tiny"))
+    with http:
+        assert client.models.retrieve("Qwen/Qwen3.5-0.8B").id == "Qwen/Qwen3.5-0.8B"  # sent as Qwen%2FQwen3.5-0.8B
+        assert http.get("/v1/models/Qwen/Qwen3.5-0.8B").json()["id"] == "Qwen/Qwen3.5-0.8B"
+        missing = http.get("/v1/models/Qwen/other")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_without_allowed_origins_there_is_no_cors(tokenizer):
+    """As before the flag: the API-key gate answers a preflight to /v1 (401), with no CORS headers; with the flag
+    the same preflight is answered first."""
+    for origins, status in ((None, 401), ([ORIGIN], 200)):
+        http, _ = scripted_client(ScriptedEngine(tokenizer, ["hi"]), api_key=KEY, allowed_origins=origins)
+        with http:
+            preflight = http.options("/v1/chat/completions", headers=PREFLIGHT)
+        assert preflight.status_code == status
+        assert ("access-control-allow-origin" in preflight.headers) == (origins is not None)
+
+
+LEGACY_FUNCTIONS = [tool["function"] for tool in WEATHER]
+
+
+def test_legacy_functions_are_tools(tokenizer):
+    """functions / function_call are tools / tool_choice by their old names; the call comes back as the legacy
+    function_call (the first one: the legacy API has one a turn), whole and streamed."""
+    engine = ScriptedEngine(tokenizer, pieces_of(CALLS_TEXT))
+    http, client = scripted_client(engine)
+    with http:
+        kw = dict(model="tiny", messages=user("Weather in Paris?"), functions=LEGACY_FUNCTIONS)
+        whole = client.chat.completions.create(function_call="auto", **kw).choices[0]
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        left = client.chat.completions.create(function_call="none", **kw).choices[0]
+    assert engine.requests[0].tools == WEATHER
+    assert whole.finish_reason == "function_call" and whole.message.tool_calls is None
+    assert whole.message.function_call.name == "get_weather"
+    assert json.loads(whole.message.function_call.arguments) == {"city": "Paris", "days": 3, "hourly": True}
+    calls = [c.choices[0].delta.function_call for c in chunks if c.choices and c.choices[0].delta.function_call]
+    assert calls[0].name == "get_weather" and all(c.name is None for c in calls[1:])
+    assert "".join(c.arguments for c in calls) == whole.message.function_call.arguments
+    assert chunks[-1].choices[0].finish_reason == "function_call"
+    assert left.finish_reason == "stop" and left.message.function_call is None and "<tool_call>" in left.message.content
+
+
+def test_legacy_function_turns_render_as_tool_turns(tokenizer):
+    engine = ScriptedEngine(tokenizer, ["ok"])
+    http, client = scripted_client(engine)
+    call = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    legacy = [*user("Weather?"), {"role": "assistant", "content": None, "function_call": call},
+              {"role": "function", "name": "get_weather", "content": "sunny"}]
+    current = [*user("Weather?"), {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": call}]}, {"role": "tool", "tool_call_id": "call_1",
+                                                                   "content": "sunny"}]
+    with http:
+        for messages in (legacy, current):
+            client.chat.completions.create(model="tiny", messages=messages, functions=LEGACY_FUNCTIONS)
+    rendered = [tokenizer.apply_chat_template(r.prompt, tools=r.tools) for r in engine.requests]
+    assert rendered[0] == rendered[1] and "<tool_response>\nsunny\n</tool_response>" in rendered[0]
+
+
+# ---- structured output and forced tool calls ----------------------------------------------------------------
+
+class Reading(pydantic.BaseModel):
+    """Bounded everywhere, so that this checkpoint's random choices end within max_tokens."""
+
+    station: str = pydantic.Field(max_length=10)
+    level: int = pydantic.Field(ge=0, le=500)
+    unit: Literal["cm", "m"]
+    ok: bool
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                     "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "days"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_parse_returns_content_that_validates(server, thinking):
+    completion = server.client().chat.completions.parse(
+        model="tiny", messages=user("Give me a reading"), response_format=Reading, max_tokens=300, temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": thinking}})
+    message = completion.choices[0].message
+    assert isinstance(message.parsed, Reading)
+    assert Reading.model_validate_json(message.content) == message.parsed
+
+
+@pytest.mark.parametrize("choice, names", [("required", {"get_weather", "get_time"}),
+                                           ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})])
+def test_forced_tool_calls_validate_whole_and_streamed(server, choice, names):
+    tools = [WEATHER, CLOCK]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    kw = dict(tools=tools, tool_choice=choice, max_tokens=200, temperature=0)
+    whole = chat(server.client(), user("Hello!"), **kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.tool_calls
+    for call in whole.message.tool_calls:
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    streamed = collect_stream(chat(server.client(), user("Hello!"), stream=True, **kw))
+    assert [(c["name"], c["arguments"]) for c in streamed["calls"].values()] == \
+        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
+def test_completions_take_a_response_format(server):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    out = server.client().completions.create(model="tiny", prompt="JSON:", max_tokens=30, temperature=0,
+                                             extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                                 "name": "n", "schema": schema}}})
+    jsonschema.validate(json.loads(out.choices[0].text), schema)
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+     "response_format", "Invalid type"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+     "response_format.json_schema.schema", "JSON Schema"),
+    ({"tools": [CLOCK], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+    ({"tools": [CLOCK], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "cannot be combined"),
+])
+def test_bad_constraints_are_400s_naming_the_field(server, extra, param, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server.client(), user("hi"), max_tokens=5, extra_body=extra)
+    assert e.value.body["param"] == param and words in e.value.body["message"]

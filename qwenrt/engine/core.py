@@ -312,7 +312,7 @@ class Engine:
             return None
         if constraint is not None and forced is not None:
             raise QwenrtError(f"tool_choice {request.tool_choice!r} forces a tool call; it cannot be combined with "
-                              f"an output constraint ({constraint.kind})")
+                              f"an output constraint ({constraint.kind})", "tool_choice")
         compiler = self._compiler()
         if forced is not None:
             def token(text: str) -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
+from starlette.middleware.cors import CORSMiddleware
 
 from qwenrt.server import errors
 from qwenrt.server.chat import chat_completions
@@ -19,8 +20,11 @@ from qwenrt.server.completions import completions
 from qwenrt.server.errors import APIError
 from qwenrt.server.limits import Limits, RequestGate
 from qwenrt.server.metrics import ServerMetrics
-from qwenrt.server.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from qwenrt.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest,
+                                    TokenizeRequest)
+from qwenrt.server.request_id import RequestId
 from qwenrt.server.responses_api import responses
+from qwenrt.server.tokenize import detokenize, tokenize
 from qwenrt.vision.media import MediaPolicy
 
 STOP_WAIT_S = 10
@@ -34,6 +38,8 @@ class ServerConfig:
     # the one policy every request's images and videos are read under: strict (no private addresses), local
     # files only under its file_root (--allowed-local-media-path)
     media_policy: MediaPolicy = field(default_factory=MediaPolicy.strict)
+    # browser origins answered with CORS headers ("*": any); None: no CORS, as a server without the flag
+    allowed_origins: list[str] | None = None
 
 
 @dataclass
@@ -62,15 +68,21 @@ class ServerState:
         if name is None:
             return names[0]
         if name not in names:
-            raise APIError(404, f"The model `{name}` does not exist (this server has: {', '.join(names)})", "model")
+            raise APIError(404, f"The model `{name}` does not exist (this server has: {', '.join(names)})", "model",
+                           "model_not_found")
         return name
+
+    def model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "qwenrt", "root": self.config.model,
+                "parent": None, "max_model_len": self.max_model_len}
 
 
 def create_app(config: ServerConfig, load: Callable[[], object],
                on_load_failed: Callable[[str], None] | None = None, limits: Limits = Limits()) -> FastAPI:
     """`load()` returns a started engine (with its tokenizer); it runs in a thread once the app starts. If it raises,
     the error is kept (and /health stays 503) and `on_load_failed(message)` is called. The API key and the request
-    body's `limits` are checked before anything reads the body (RequestGate)."""
+    body's `limits` are checked before anything reads the body (RequestGate); a CORS preflight is answered before
+    that (browsers send no API key on one); every response carries an x-request-id."""
     state = ServerState(config)
     state.metrics = ServerMetrics(state)
 
@@ -98,7 +110,12 @@ def create_app(config: ServerConfig, load: Callable[[], object],
     app = FastAPI(title="qwenrt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.qwenrt = state
     errors.install(app)
+    # the last added runs first: RequestId, then CORS, then the gate
     app.add_middleware(RequestGate, limits=limits, api_key=config.api_key)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["*"], expose_headers=["x-request-id"])  # * : the SDKs' x-stainless-*
+    app.add_middleware(RequestId)
 
     def ready() -> ServerState:
         if state.engine is None:
@@ -118,9 +135,11 @@ def create_app(config: ServerConfig, load: Callable[[], object],
 
     @app.get("/v1/models")
     async def models(s: ServerState = Depends(ready)):
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": s.created, "owned_by": "qwenrt", "root": s.config.model,
-             "parent": None, "max_model_len": s.max_model_len} for name in s.config.served_model_names]}
+        return {"object": "list", "data": [s.model_card(name) for name in s.config.served_model_names]}
+
+    @app.get("/v1/models/{name:path}")  # names may hold slashes: Qwen/Qwen3.5-0.8B
+    async def model(name: str, s: ServerState = Depends(ready)):
+        return s.model_card(s.check_model(name))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request, s: ServerState = Depends(ready)):
@@ -129,6 +148,14 @@ def create_app(config: ServerConfig, load: Callable[[], object],
     @app.post("/v1/completions")
     async def complete(body: CompletionRequest, request: Request, s: ServerState = Depends(ready)):
         return await completions(body, request, s)
+
+    @app.post("/tokenize")
+    async def tokenize_(body: TokenizeRequest, s: ServerState = Depends(ready)):
+        return await tokenize(body, s)
+
+    @app.post("/detokenize")
+    async def detokenize_(body: DetokenizeRequest, s: ServerState = Depends(ready)):
+        return await detokenize(body, s)
 
     @app.post("/v1/responses")
     async def respond(body: ResponsesRequest, request: Request, s: ServerState = Depends(ready)):

@@ -65,14 +65,15 @@ class Submission:
             self.engine.abort(request_id)
 
 
-async def submit(engine, metrics, requests: list[Request], fields: Mapping[str, str] = ENGINE_FIELDS) -> Submission:
-    """Add requests to the engine; raises APIError (400 bad request naming the field, as `fields` maps the engine's
+async def submit(engine, metrics, requests: list[Request], prompt_field: str | None = None,
+                 max_tokens_field: str = "max_tokens", fields: Mapping[str, str] = ENGINE_FIELDS) -> Submission:
+    """Add requests to the engine; raises APIError (400 bad request naming the field: `fields` maps the engine's
     names to the request's; 429 queue full)."""
     submission = Submission(engine, metrics)
     try:
         await run_in_threadpool(submission._add, requests)
     except Exception as e:
-        raise from_engine(e, fields) from None
+        raise from_engine(e, prompt_field, max_tokens_field, fields) from None
     return submission
 
 

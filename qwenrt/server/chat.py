@@ -14,35 +14,52 @@ from qwenrt.server.bridge import Submission, collect, event_stream, submit
 from qwenrt.server.errors import APIError, error_body
 from qwenrt.server.media import check_media
 from qwenrt.server.params import check_context, choice_params
-from qwenrt.server.protocol import ChatCompletionRequest, NamedToolChoice
+from qwenrt.server.protocol import ChatCompletionRequest, ChatMessage, NamedFunction, NamedToolChoice, Tool
 from qwenrt.server.responses import LogprobCollector, chat_logprobs, new_id, now, sse, usage
 from qwenrt.server.stream_parser import MessageDelta, MessageStream
 from qwenrt.server.structured import constraint_options
 
 
-def _messages(body: ChatCompletionRequest, state) -> list[dict]:
+def chat_messages(messages: list[ChatMessage], state) -> list[dict]:
     """Plain message dicts for the chat template: `developer` is a system turn, history tool-call arguments
-    (a JSON string in the OpenAI API) become the mapping the template renders."""
-    messages = []
-    for m, message in enumerate(body.messages):
-        message = message.model_dump(exclude_none=True)
+    (a JSON string in the OpenAI API) become the mapping the template renders, legacy `function` turns and
+    `function_call`s become tool turns and tool calls."""
+    plain = []
+    for m, message in enumerate(messages):
+        message = _legacy_turn(message.model_dump(exclude_none=True), m)
         _check_text_parts(message.get("content"), m)
         if message["role"] == "developer":
             message["role"] = "system"
         for c, call in enumerate(message.get("tool_calls") or ()):
             function = call["function"]
-            arguments = function.get("arguments")
-            if isinstance(arguments, str):
+            if isinstance(function.get("arguments"), str):
                 param = f"messages[{m}].tool_calls[{c}].function.arguments"
-                try:
-                    arguments = json.loads(arguments) if arguments.strip() else {}
-                except (json.JSONDecodeError, RecursionError):  # RecursionError: nested past Python's limit
-                    raise APIError(400, f"{param}: not valid JSON", param) from None
-                if not isinstance(arguments, dict):
-                    raise APIError(400, f"{param}: must be a JSON object", param)
-                call["function"] = {**function, "arguments": arguments}
-        messages.append(message)
-    return check_media(messages, state.media_policy)
+                call["function"] = {**function, "arguments": _arguments(function["arguments"], param)}
+        plain.append(message)
+    return check_media(plain, state.media_policy)
+
+
+def _legacy_turn(message: dict, m: int) -> dict:
+    """A legacy `function` turn as a tool turn, an assistant's `function_call` as its last tool call."""
+    if message["role"] == "function":
+        message["role"] = "tool"
+    call = message.pop("function_call", None)
+    if call is not None:
+        if isinstance(call.get("arguments"), str):
+            call["arguments"] = _arguments(call["arguments"], f"messages[{m}].function_call.arguments")
+        message["tool_calls"] = [*message.get("tool_calls", ()), {"type": "function", "function": call}]
+    return message
+
+
+def _arguments(arguments: str, param: str) -> dict:
+    """A history tool call's arguments (a JSON string in the OpenAI API) as the mapping the template renders."""
+    try:
+        arguments = json.loads(arguments) if arguments.strip() else {}
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested past Python's limit
+        raise APIError(400, f"{param}: not valid JSON", param) from None
+    if not isinstance(arguments, dict):
+        raise APIError(400, f"{param}: must be a JSON object", param)
+    return arguments
 
 
 def _check_text_parts(content, m: int) -> None:
@@ -62,6 +79,36 @@ def _tools(body: ChatCompletionRequest) -> tuple[list[dict] | None, bool]:
     return tools, tools is not None and choice != "none"
 
 
+def _legacy_functions(body: ChatCompletionRequest) -> ChatCompletionRequest:
+    """`functions` / `function_call` (the API's legacy form) as the `tools` / `tool_choice` they stand for."""
+    if body.functions is None:
+        if body.function_call is not None:
+            raise APIError(400, "function_call needs functions", "function_call")
+        return body
+    if body.tools is not None:
+        raise APIError(400, "functions is the legacy form of tools: give one of them", "functions")
+    if body.function_call is not None and body.tool_choice is not None:
+        raise APIError(400, "function_call is the legacy form of tool_choice: give one of them", "function_call")
+    choice = body.function_call
+    if isinstance(choice, NamedFunction):
+        choice = NamedToolChoice(function=choice)
+    return body.model_copy(update={"tools": [Tool(function=f) for f in body.functions],
+                                   "tool_choice": choice if choice is not None else body.tool_choice})
+
+
+def _thinking(body: ChatCompletionRequest) -> bool | None:
+    """Whether the template opens a thinking block: chat_template_kwargs.enable_thinking, or reasoning_effort ("none"
+    and "minimal" switch it off, the others on); given both, they must agree. None: the template's default."""
+    explicit = body.chat_template_kwargs.enable_thinking if body.chat_template_kwargs else None
+    if body.reasoning_effort is None:
+        return explicit
+    wanted = body.reasoning_effort not in ("none", "minimal")
+    if explicit is not None and explicit != wanted:
+        raise APIError(400, f"reasoning_effort {body.reasoning_effort!r} turns thinking {'on' if wanted else 'off'}, "
+                            f"but chat_template_kwargs.enable_thinking is {str(explicit).lower()}", "reasoning_effort")
+    return wanted
+
+
 def _assistant_message(text: str, thinking_started: bool, tools: list[dict] | None) -> tuple[dict, int]:
     """The whole answer as a message; tools None: no tool-call parsing. Returns it and its number of calls."""
     if tools is None:
@@ -71,22 +118,37 @@ def _assistant_message(text: str, thinking_started: bool, tools: list[dict] | No
         reasoning, content = parsed.reasoning, parsed.content
         calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
                  for c in parsed.tool_calls]
+    # vLLM sends the reasoning under both names: older clients read reasoning_content, newer ones reasoning
     message = {"role": "assistant", "content": content if content or not calls else None,
-               "reasoning_content": reasoning, "tool_calls": calls}
+               "reasoning_content": reasoning, "reasoning": reasoning, "tool_calls": calls}
     return message, len(calls)
 
 
-def _finish_reason(engine_reason: str, tool_calls: int) -> str:
-    return "tool_calls" if engine_reason == "stop" and tool_calls else engine_reason
+def _as_legacy(message: dict) -> dict:
+    """A message answering `functions`: its first call as `function_call` (the legacy API has one call a turn)."""
+    calls = message.pop("tool_calls")
+    if calls:
+        message["function_call"] = calls[0]["function"]
+    return message
 
 
-def _delta_dict(delta: MessageDelta) -> dict:
+def _finish_reason(engine_reason: str, tool_calls: int, legacy: bool) -> str:
+    if engine_reason == "stop" and tool_calls:
+        return "function_call" if legacy else "tool_calls"
+    return engine_reason
+
+
+def _delta_dict(delta: MessageDelta, legacy: bool) -> dict:
     out = {}
     if delta.reasoning:
-        out["reasoning_content"] = delta.reasoning
+        out["reasoning_content"] = out["reasoning"] = delta.reasoning
     if delta.content:
         out["content"] = delta.content
-    if delta.tool_calls:
+    first = next((t for t in delta.tool_calls if t.index == 0), None)
+    if legacy and first is not None:  # the legacy API has one call a turn: the first
+        out["function_call"] = {"arguments": first.arguments} if first.id is None else \
+            {"name": first.name, "arguments": first.arguments}
+    elif delta.tool_calls and not legacy:
         out["tool_calls"] = [
             {"index": t.index, "function": {"arguments": t.arguments}} if t.id is None else
             {"index": t.index, "id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
@@ -106,14 +168,15 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest, state
 async def submit_chat(body: ChatCompletionRequest, state) -> tuple[str, Submission, list[dict] | None, bool]:
     """The request's engine requests, added: (request id, submission, tool definitions, whether to parse tool calls).
     Raises APIError naming the chat field at fault (the Responses route renames it)."""
-    messages = _messages(body, state)
+    messages = chat_messages(body.messages, state)
+    body = _legacy_functions(body)
     tools, parse_tools = _tools(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     constraint = constraint_options(body.response_format)
     max_tokens = body.max_completion_tokens or body.max_tokens
     field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    thinking = body.chat_template_kwargs.enable_thinking if body.chat_template_kwargs else None
+    thinking = _thinking(body)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     request_id = new_id("chatcmpl")
     tool_choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
@@ -122,9 +185,9 @@ async def submit_chat(body: ChatCompletionRequest, state) -> tuple[str, Submissi
                         request_id=f"{request_id}-{j}", media_policy=state.media_policy)
                 for j, params in enumerate(choice_params(body, state.tokenizer, max_tokens, state.max_model_len,
                                                          constraint))]
-    submission = await submit(state.engine, state.metrics, requests)
+    submission = await submit(state.engine, state.metrics, requests, "messages", field)
     try:
-        check_context(submission.handles, max_tokens, state.max_model_len, field)
+        check_context(submission.handles, max_tokens, state.max_model_len, "messages", field)
     except APIError:
         submission.abort()
         raise
@@ -138,6 +201,7 @@ class _Reply:
                  tools, parse_tools: bool):
         self.id, self.model, self.body, self.submission = request_id, model, body, submission
         self.tokenizer, self.tools, self.parse_tools = tokenizer, tools, parse_tools
+        self.legacy = body.functions is not None  # calls go out as the legacy function_call
         self.created = now()
         self.prompt_tokens = submission.handles[0].prompt_tokens
 
@@ -151,9 +215,9 @@ class _Reply:
         for i, done in enumerate(finished):
             message, calls = _assistant_message(done.text, self.submission.handles[i].thinking_started,
                                                 self.tools if self.parse_tools else None)
-            choices.append({"index": i, "message": message,
+            choices.append({"index": i, "message": _as_legacy(message) if self.legacy else message,
                             "logprobs": chat_logprobs(self.tokenizer, done.logprobs) if self.body.logprobs else None,
-                            "finish_reason": _finish_reason(done.last.finish_reason, calls)})
+                            "finish_reason": _finish_reason(done.last.finish_reason, calls, self.legacy)})
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": self._usage([d.last for d in finished])}
 
@@ -182,8 +246,8 @@ class _Reply:
             entries = logprobs[i].add(out) if self.body.logprobs else []
             if not (delta or entries or out.finished):
                 continue
-            finish = _finish_reason(out.finish_reason, parsers[i].tool_calls) if out.finished else None
-            yield self._chunk([{"index": i, "delta": _delta_dict(delta),
+            finish = _finish_reason(out.finish_reason, parsers[i].tool_calls, self.legacy) if out.finished else None
+            yield self._chunk([{"index": i, "delta": _delta_dict(delta, self.legacy),
                                 "logprobs": chat_logprobs(self.tokenizer, entries) if entries else None,
                                 "finish_reason": finish}])
         if self.body.stream_options and self.body.stream_options.include_usage:

@@ -8,7 +8,7 @@ from fastapi.responses import StreamingResponse
 
 from qwenrt.engine import Request, RequestOutput
 from qwenrt.server.bridge import Submission, collect, event_stream, submit
-from qwenrt.server.errors import APIError, error_body
+from qwenrt.server.errors import APIError, context_length_error, error_body
 from qwenrt.server.params import check_context, choice_params
 from qwenrt.server.protocol import CompletionRequest
 from qwenrt.server.responses import LogprobCollector, completion_logprobs, new_id, now, sse, usage
@@ -21,8 +21,7 @@ def _prompts(body: CompletionRequest, max_model_len: int) -> list:
     prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else list(prompt)
     for ids in prompts:
         if not isinstance(ids, str) and len(ids) >= max_model_len:
-            raise APIError(400, f"prompt has {len(ids)} tokens; the context limit is {max_model_len} (leave room for "
-                                "the answer)", "prompt")
+            raise context_length_error(max_model_len, len(ids), "prompt")
     return prompts
 
 
@@ -39,9 +38,9 @@ async def completions(body: CompletionRequest, http: HTTPRequest, state):
     request_id = new_id("cmpl")
     requests = [Request(prompt, p, logprobs=body.logprobs, request_id=f"{request_id}-{k}-{j}")
                 for k, prompt in enumerate(prompts) for j, p in enumerate(params)]
-    submission = await submit(state.engine, state.metrics, requests)
+    submission = await submit(state.engine, state.metrics, requests, "prompt")
     try:
-        check_context(submission.handles, body.max_tokens, state.max_model_len, "max_tokens")
+        check_context(submission.handles, body.max_tokens, state.max_model_len, "prompt", "max_tokens")
     except APIError:
         submission.abort()
         raise

@@ -1,5 +1,6 @@
 """Every failure in OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}` (code: the HTTP status,
-as vLLM sends it), with the status that says whose fault it is. Bad input is never a 500."""
+as vLLM sends it, or OpenAI's string where clients act on one: "context_length_exceeded"), with the status that
+says whose fault it is. Bad input is never a 500."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from qwenrt.errors import QueueFullError, QwenrtError
+from qwenrt.errors import ContextLengthError, QueueFullError, QwenrtError
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
@@ -20,33 +21,63 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.code = status, message, param, code
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict:
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     """The body of an error; text echoed from a request (a lone surrogate UTF-8 cannot hold) is escaped."""
     return {"error": {"message": _encodable(message), "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": _encodable(param), "code": status}}
+                      "param": _encodable(param), "code": status if code is None else code}}
 
 
 def _encodable(text: str | None) -> str | None:
     return text if text is None else text.encode("utf-8", "backslashreplace").decode()
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
-def from_engine(e: Exception, fields: Mapping[str, str] = MappingProxyType({})) -> APIError:
-    """An engine refusal as an API error: a full queue is 429, any other QwenrtError is the request's fault (its
-    param: the field the engine names, as `fields` maps it to the request's)."""
+def context_length_error(limit: int, prompt_tokens: int, field: str, counted: bool = True,
+                         max_tokens: int | None = None, max_tokens_field: str = "max_tokens") -> APIError:
+    """A request over the context, worded as OpenAI and vLLM word it: LangChain acts on the code, LiteLLM on the
+    message's first sentence. `field` holds the prompt (messages, prompt); with `max_tokens`, the prompt fits alone."""
+    head = f"This model's maximum context length is {limit} tokens. However, "
+    if max_tokens is None:
+        count = f"{prompt_tokens} tokens (at most {limit - 1}: the answer needs one)" if counted else \
+            f"more than {prompt_tokens - 1} tokens"
+        detail = f"your {field} resulted in {count}. Please reduce the length of the {field}."
+    else:
+        detail = (f"you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {field}, {max_tokens} "
+                  f"in the completion: {max_tokens_field}). Please reduce the length of the {field} or "
+                  f"{max_tokens_field}.")
+    return APIError(400, head + detail, field, "context_length_exceeded")
+
+
+def from_engine(e: Exception, prompt_field: str | None = None, max_tokens_field: str = "max_tokens",
+                fields: Mapping[str, str] = MappingProxyType({})) -> APIError:
+    """An engine refusal as an API error: a full queue is 429, any other QwenrtError is the request's fault, named
+    by the field it names (as `fields` maps the engine's names to the request's), else by the field that holds what
+    was refused (`prompt_field`: the prompt's, which most engine checks are about)."""
     if isinstance(e, QueueFullError):
         return APIError(429, str(e))
+    if isinstance(e, ContextLengthError) and prompt_field is not None:
+        return context_length_error(e.limit, e.prompt_tokens, prompt_field, e.counted)
     if isinstance(e, QwenrtError):
-        return APIError(400, str(e), fields.get(e.field, e.field))
+        param = fields.get(e.field, e.field) if e.field else _engine_param(str(e), prompt_field, max_tokens_field)
+        return APIError(400, str(e), param)
     return APIError(500, f"internal error: {type(e).__name__}: {e}")
+
+
+def _engine_param(message: str, prompt_field: str | None, max_tokens_field: str) -> str | None:
+    """The field an engine refusal is about, from its wording (qwenrt.validation's tool checks, the cache check)."""
+    if message.startswith("tool"):
+        return "tools"
+    if message.startswith("the request needs"):  # its cache for prompt + max_tokens is over the budget
+        return max_tokens_field
+    return prompt_field
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list"}
@@ -87,7 +118,7 @@ def install(app) -> None:
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError):
-        return error_response(e.status, e.message, e.param)
+        return error_response(e.status, e.message, e.param, e.code)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError):
@@ -100,8 +131,12 @@ def install(app) -> None:
     @app.exception_handler(QwenrtError)
     async def engine_error(_: Request, e: QwenrtError):
         error = from_engine(e)
-        return error_response(error.status, error.message)
+        return error_response(error.status, error.message, error.param, error.code)
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, e: Exception):  # a bug of ours, still in the shape clients parse
-        return error_response(500, f"internal error: {type(e).__name__}: {e}")
+    async def unexpected(request: Request, e: Exception):  # a bug of ours, still in the shape clients parse
+        response = error_response(500, f"internal error: {type(e).__name__}: {e}")
+        request_id = getattr(request.state, "request_id", None)  # Starlette answers this one outside the middleware
+        if request_id is not None:
+            response.headers["x-request-id"] = request_id
+        return response

@@ -18,6 +18,7 @@ DEFAULT_MAX_REQUEST_BYTES = 32 << 20
 DEFAULT_HEADER_TIMEOUT = 10.0
 DEFAULT_MAX_CONNECTIONS = 1024
 MIN_BODY_RATE = 64 << 10  # bytes a second a body must keep up, past its first `header_timeout` seconds
+KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")  # what --api-key guards (/health and /metrics stay open)
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,8 @@ def default_max_connections() -> int:
 
 
 class RequestGate:
-    """ASGI middleware in front of the app: a request to /v1 without the API key is refused on its headers (its body
-    never read); a body is read whole, up to `max_request_bytes` (413 past it, announced or not) and at
+    """ASGI middleware in front of the app: a request to KEYED_PATHS without the API key is refused on its headers
+    (its body never read); a body is read whole, up to `max_request_bytes` (413 past it, announced or not) and at
     `MIN_BODY_RATE` after a grace period (408), then handed to the app."""
 
     def __init__(self, app, limits: Limits, api_key: str | None):
@@ -68,7 +69,7 @@ class RequestGate:
 
     def _check_headers(self, scope) -> None:
         headers = dict(scope["headers"])
-        if self.expected is not None and scope["path"].startswith("/v1") and \
+        if self.expected is not None and scope["path"].startswith(KEYED_PATHS) and \
                 not secrets.compare_digest(headers.get(b"authorization", b""), self.expected):
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')")
         length = headers.get(b"content-length", b"0")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -74,7 +75,7 @@ def serve(args) -> None:
     model = str(args.model) if args.model is not None else DEFAULT_MODEL
     config = ServerConfig(model, args.served_model_name or [model],
                           args.api_key or os.environ.get("QWENRT_API_KEY") or None,
-                          MediaPolicy.strict(file_root=allowed))
+                          MediaPolicy.strict(file_root=allowed), args.allowed_origins)
     server = None
 
     def stop(_: str) -> None:
@@ -111,6 +112,17 @@ def _positive(kind):
     return parse
 
 
+_ORIGIN = re.compile(r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?")
+
+
+def _origin(text: str) -> str:
+    """An argparse type: `*` or an origin as a browser sends it, scheme://host[:port] (one with a path never
+    matches)."""
+    if text != "*" and not _ORIGIN.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"not an origin: {text!r} (scheme://host[:port], no path; or *)")
+    return text
+
+
 def add_parser(verbs) -> None:
     p = verbs.add_parser("serve", help="OpenAI-compatible HTTP server (needs the `serve` extra)")
     p.add_argument("model", nargs="?", help="checkpoint directory or hub repo id (default: the built-in model "
@@ -138,6 +150,9 @@ def add_parser(verbs) -> None:
     add_speculative_option(p)
     p.add_argument("--allowed-local-media-path", help="let requests read local image/video files under this "
                                                       "directory (file:// URLs or paths)")
+    p.add_argument("--allowed-origins", nargs="+", type=_origin, metavar="ORIGIN",
+                   help="answer browsers from these origins (CORS), e.g. http://localhost:3000, or * for any "
+                        "(default: none, no CORS headers)")
     p.add_argument("--max-request-bytes",
                    help="largest request body, e.g. 64MiB: larger ones get 413 before they are read (default 32MiB: room "
                         "for a full context of text, or ~24 MB of images as base64)")

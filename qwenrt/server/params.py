@@ -7,7 +7,7 @@ from qwenrt.console import sampling_params
 from qwenrt.engine import RequestHandle
 from qwenrt.errors import QwenrtError
 from qwenrt.sampling import SamplingParams
-from qwenrt.server.errors import APIError
+from qwenrt.server.errors import APIError, context_length_error
 from qwenrt.server.protocol import SamplingFields
 from qwenrt.server.structured import ENGINE_FIELDS
 
@@ -38,10 +38,10 @@ def choice_params(body: SamplingFields, tokenizer, max_tokens: int | None, max_m
     return params
 
 
-def check_context(handles: list[RequestHandle], max_tokens: int | None, max_model_len: int, field: str) -> None:
+def check_context(handles: list[RequestHandle], max_tokens: int | None, max_model_len: int, prompt_field: str,
+                  max_tokens_field: str) -> None:
     """A prompt plus the max_tokens the client asked for must fit the context (vLLM's rule)."""
     for handle in handles:
         if max_tokens is not None and handle.prompt_tokens + max_tokens > max_model_len:
-            raise APIError(400, f"{field} is too large: {max_tokens}. This model's maximum context length is "
-                                f"{max_model_len} tokens and your request has {handle.prompt_tokens} input tokens "
-                                f"({max_tokens} > {max_model_len} - {handle.prompt_tokens})", field)
+            raise context_length_error(max_model_len, handle.prompt_tokens, prompt_field, max_tokens=max_tokens,
+                                       max_tokens_field=max_tokens_field)

@@ -90,9 +90,10 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: legacy tool
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[ToolCall] | None = None
+    function_call: FunctionCall | None = None  # the legacy form of one tool call
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
@@ -107,8 +108,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    functions: Annotated[list[FunctionDefinition], Field(max_length=MAX_TOOLS)] | None = None  # legacy tools
+    function_call: Literal["none", "auto"] | NamedFunction | None = None  # legacy tool_choice
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: dict[str, Any] | None = None
@@ -124,6 +128,24 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
     response_format: dict[str, Any] | None = None  # vLLM takes it on completions too
+
+
+class TokenizeRequest(_Body):
+    """vLLM's POST /tokenize: a raw `prompt`, or chat `messages` rendered as /v1/chat/completions renders them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # accepted; qwenrt's prompts never get special tokens added
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 # ---- POST /v1/responses -----------------------------------------------------------------------------------------
