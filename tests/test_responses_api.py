@@ -274,7 +274,6 @@ REFUSED = [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "file:///etc/passwd"}]}]},
      "input[0].content[0].image_url"),
     ({"input": [{"role": "robot", "content": "a"}]}, "input[0].role"),
-    ({"max_output_tokens": 5000}, "max_output_tokens"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": "{}"}}}, "text.format.schema"),
 ]
 
@@ -288,7 +287,20 @@ def test_refusals_name_the_field(tokenizer, fields, param):  # noqa: F811
             client.responses.create(**{"model": "tiny", "input": "Hi", **fields})
     assert e.value.status_code == 400 and e.value.body["param"] == param
     assert e.value.body["message"].startswith(param) or param in e.value.body["message"]
-    assert engine.requests == [] or param == "max_output_tokens"  # the context check needs the prompt's length
+    assert engine.requests == []
+
+
+def test_context_overflow_is_named_in_responses_terms(tokenizer):  # noqa: F811
+    """The chat route's context error, as clients recognise it, naming input and max_output_tokens."""
+    http, client = scripted_client(ScriptedEngine(tokenizer, ["ok"]))
+    with http:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model="tiny", input="Hi", max_output_tokens=5000)
+    error = e.value.body
+    assert (error["param"], error["code"]) == ("input", "context_length_exceeded")
+    assert error["message"].startswith("This model's maximum context length is 4096 tokens. However, you requested "
+                                       "5005 tokens (5 in the input, 5000 in the completion: max_output_tokens).")
+    assert "messages" not in error["message"] and "max_completion_tokens" not in error["message"]
 
 
 def test_engine_failure_is_a_500_or_response_failed(tokenizer):  # noqa: F811

@@ -99,10 +99,12 @@ class _Origins:
     calls: dict[tuple[int, int], str] = field(default_factory=dict)  # (message, call) -> the function_call item
 
     def rename(self, e: APIError) -> APIError:
-        """`e` with its param (and the message's mention of it) in the Responses request's terms."""
+        """`e` with its param, and the chat fields its message names, in the Responses request's terms."""
         if e.param is not None:
             ours = self._param(e.param)
             e.message, e.param = e.message.replace(e.param, ours), ours
+        for chat, ours in _CHAT_FIELDS:
+            e.message = re.sub(rf"\b{re.escape(chat)}\b", ours, e.message)
         return e
 
     def _param(self, param: str) -> str:
