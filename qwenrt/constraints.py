@@ -19,6 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import llguidance
+import numpy as np
 import torch
 
 from qwenrt.errors import QwenrtError
@@ -32,7 +33,6 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 # limits on what one grammar may cost (llguidance's defaults, its grammar size lowered): a request that exceeds them
 # is refused at compile time or ends with an error, never stalls the engine
 LIMITS = dict(max_grammar_size=200_000, step_lexer_fuel=200_000, step_max_items=50_000, max_lexer_states=100_000)
-_BITS = torch.arange(32, dtype=torch.int32)  # [32]
 
 
 @dataclass(frozen=True)
@@ -182,8 +182,8 @@ class TokenMask:
         self.matcher.unsafe_compute_mask_ptr(self.words.data_ptr(), self.words.numel() * 4)
         if self.matcher.is_error():
             raise QwenrtError(f"the output constraint failed: {_one_line(self.matcher.get_error())}")
-        bits = (self.words[0, :, None] >> _BITS) & 1  # [W, 32]
-        return bits.view(-1)[:self.vocab_size].bool()
+        bits = np.unpackbits(self.words.numpy().view(np.uint8), bitorder="little")  # [32 W]: ~100x torch's shifts
+        return torch.from_numpy(bits[:self.vocab_size].view(np.bool_))
 
     def advance(self, token: int) -> None:
         """Take a generated token (one `apply` allowed)."""

@@ -5,6 +5,7 @@ here, not figures."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -77,3 +78,19 @@ def test_hostile_review_runs_a_quick_class(tmp_path):
     line = next(line for line in done.stdout.splitlines() if line.startswith("| checkpoints |"))
     cases, *outcomes = map(int, line.strip("| ").split(" | ")[1:])
     assert cases == len(rows) == sum(outcomes), line
+
+
+def test_clients_reports_libraries_that_are_not_installed(tmp_path):
+    """bench/clients.py with every client library failing to import (a package that raises ImportError stands in
+    for each): a table of "not installed" rows, not a traceback; no server is contacted."""
+    modules = ["openai", "langchain_openai", "litellm", "agents", "pydantic_ai", "instructor", "smolagents", "lm_eval"]
+    for module in modules:
+        (tmp_path / module).mkdir()
+        (tmp_path / module / "__init__.py").write_text(f"raise ImportError('no {module} here')\n")
+    done = subprocess.run([sys.executable, "bench/clients.py", "--base-url", "http://127.0.0.1:9", "--model", "m",
+                           "--overflow-words", "10"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.strip("| ").split(" | ") for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert rows[0][:3] == ["client", "version", "chat"] and len(rows) == 1 + 8, done.stdout
+    assert all(row[2:] == ["not installed"] * 8 for row in rows[1:]), done.stdout

@@ -1,8 +1,11 @@
 """`qwenrt run` and `qwenrt chat` end to end, in subprocesses."""
 
+import json
 import os
 import subprocess
 import sys
+
+import jsonschema
 
 import qwenrt
 from qwenrt.kernels import kernel_path
@@ -55,6 +58,23 @@ def test_run_errors_are_one_line(chat_ckpt, tmp_path):
         assert run.returncode == 1, (args, run.stderr)
         assert "Traceback" not in run.stderr and message in run.stderr, run.stderr
         assert run.stderr.strip().splitlines()[-1].startswith("qwenrt: error:")
+
+
+def test_run_answers_in_a_json_schema_file(tmp_path):
+    schema = {"type": "object", "properties": {"sum": {"type": "integer", "minimum": 0, "maximum": 2000}},
+              "required": ["sum"], "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    run = qwenrt_cli("run", "What is 345 + 278?", "--json-schema", tmp_path / "schema.json", "--no-thinking")
+    assert run.returncode == 0, run.stderr
+    jsonschema.validate(json.loads(run.stdout), schema)
+    (tmp_path / "bad.json").write_text('{"type": "strin"}')
+    for args, message in [(("--json-schema", tmp_path / "missing.json"), "JSON Schema file not found"),
+                          (("--json-schema", tmp_path / "bad.json"), "json_schema: failed to compile JSON schema"),
+                          (("--regex", "(unclosed"), "regex: invalid regex"),
+                          (("--regex", "a", "--json-schema", tmp_path / "schema.json"), "at most one")]:
+        run = qwenrt_cli("run", "hi", *args)
+        assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+        assert run.stderr.strip().splitlines()[-1].startswith("qwenrt: error:") and message in run.stderr, run.stderr
 
 
 def test_chat_session(chat_ckpt):

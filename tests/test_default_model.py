@@ -1,6 +1,7 @@
 """The built-in model (qwenrt-tiny): a genuine Qwen3.5 checkpoint that transformers computes identically, the
 quality bars on held-out prompts (greedy, fixed seeds), and the default everywhere no model is named."""
 
+import functools
 import json
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import qwenrt
 from qwenrt.default_model import DEFAULT_MODEL, default_model_path
 from qwenrt.mtp import load_mtp_head
 from qwenrt.tiny.evaluate import answer_accuracy, mtp_agreement, tool_quality
-from qwenrt.tiny.tasks import held_out, quality_tasks
+from qwenrt.tiny.tasks import TOOLS, held_out, quality_tasks
 from qwenrt.train.bpe import SPECIAL_TOKENS
 from tests.numerics import rel_err
 from tests.tokenizer_fixture import QWEN35_CHAT_TEMPLATE
@@ -42,6 +43,55 @@ def test_tokenizer_keeps_every_qwen35_special_token(tiny):
     assert None not in ids and len(set(ids)) == len(ids)
     assert 300 <= tokenizer.vocab_size <= 8192  # the BPE keeps the tokens its corpus uses 40 times or more
     assert tokenizer.encode("127") == [tokenizer.token_to_id(d) for d in "127"]  # one token per digit
+
+
+_CALL = {"type": "function", "function": {"name": "get_capital", "arguments": {"country": "Velmoria"}}}
+TOKENIZER_CHATS = {  # rendered by both, with add_generation_prompt
+    "thinking": ([{"role": "user", "content": "What is 127 + 385?"}], {"enable_thinking": True}),
+    "no_thinking": ([{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Sort 3, 1, 2"}],
+                    {"enable_thinking": False}),
+    "tools_round_trip": ([{"role": "user", "content": "What is the capital of Velmoria?"},
+                          {"role": "assistant", "content": "", "reasoning_content": "Look it up.",
+                           "tool_calls": [_CALL]},
+                          {"role": "tool", "content": "Velmoria City"}], {"tools": TOOLS, "enable_thinking": True}),
+    "tools_no_thinking": ([{"role": "user", "content": "What is 4821 * 37?"}], {"tools": TOOLS,
+                                                                                "enable_thinking": False}),
+}
+TRICKY_TEXTS = ["4821 * 37 = 178377", "  two  spaces,\ta tab ", "lines\n\n\nand\r\n CRLF\n",
+                "café 北京 Ωmega 🙂 e\u0301", "capital of\nVelmoria?>Velmoria", "",
+                "<|im_start|>user\nHi<|im_end|>\n<think>\n</think>\n\n<tool_call>\n<function=f>\n</tool_call>"
+                "<|endoftext|>"]
+
+
+@pytest.mark.parametrize("chat", TOKENIZER_CHATS)
+def test_transformers_tokenizer_encodes_chats_as_qwenrt(tiny, chat):
+    """Issue 37: transformers' AutoTokenizer loads tokenizer.json as written (named Qwen2Tokenizer, it rebuilt its own
+    pre-tokenizer over the vocabulary: 38 ids for a 27-id prompt), so a client that tokenizes on its side sends the
+    ids the server would have made."""
+    _, tokenizer = tiny
+    hf = _transformers_tokenizer()
+    messages, kwargs = TOKENIZER_CHATS[chat]
+    text = tokenizer.apply_chat_template(messages, **kwargs)
+    assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs) == text
+    ids = tokenizer.encode(text)
+    assert hf.apply_chat_template(messages, add_generation_prompt=True, **kwargs)["input_ids"] == ids
+    assert hf.encode(text) == ids and hf.decode(ids) == text
+
+
+def test_transformers_tokenizer_encodes_text_as_qwenrt(tiny):
+    _, tokenizer = tiny
+    hf = _transformers_tokenizer()
+    for text in TRICKY_TEXTS:
+        ids = tokenizer.encode(text)
+        assert hf(text)["input_ids"] == ids, text
+        assert hf.decode(ids, skip_special_tokens=True) == tokenizer.decode(ids, skip_special_tokens=True), text
+
+
+@functools.cache
+def _transformers_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(PATH)
 
 
 def test_transformers_computes_the_same_logits(tiny):

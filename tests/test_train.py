@@ -22,7 +22,7 @@ from qwenrt.errors import QwenrtError
 from qwenrt.mtp import load_mtp_head, mtp_hidden
 from qwenrt.ops.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from qwenrt.tiny.recipe import Recipe, build
-from qwenrt.tiny.tasks import conversations
+from qwenrt.tiny.tasks import TOOLS, conversations
 from qwenrt.tokenizer import Tokenizer
 from qwenrt.train import TrainConfig, train
 from qwenrt.train.bpe import SPECIAL_TOKENS, build_tokenizer, train_bpe
@@ -82,6 +82,19 @@ def test_quick_checkpoint_is_a_qwen35_checkpoint(quick):
     mtp = load_mtp_head(model)
     ids = torch.tensor([tokenizer.encode("What is 12 + 30?")])
     assert mtp_hidden(model, mtp, ids).shape == (1, ids.shape[1] - 1, model.config.text.hidden_size)
+
+
+def test_transformers_tokenizer_encodes_the_trained_tokenizer_as_written(quick):
+    """The trainer's tokenizer_config names a class that makes transformers' AutoTokenizer use tokenizer.json as is
+    (a Qwen tokenizer class rebuilds the Qwen3.5 pre-tokenizer over this vocabulary, not capitals-apart)."""
+    from transformers import AutoTokenizer
+
+    out, _ = quick
+    tokenizer, hf = Tokenizer(out), AutoTokenizer.from_pretrained(out)
+    messages = [{"role": "user", "content": "What is the capital of Velmoria? And 4821 * 37?"}]
+    text = tokenizer.apply_chat_template(messages, tools=TOOLS, enable_thinking=False)
+    assert hf.apply_chat_template(messages, tools=TOOLS, enable_thinking=False, add_generation_prompt=True,
+                                  tokenize=True)["input_ids"] == tokenizer.encode(text)
 
 
 def test_capitals_apart_gives_a_name_the_same_tokens_wherever_it_stands(quick, tmp_path):

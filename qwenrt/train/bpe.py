@@ -122,10 +122,12 @@ def write_tokenizer(directory: Path, tok: BackendTokenizer) -> None:
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     decoder = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
                         "special": t not in NOT_SPECIAL} for t, i in ids.items()}
+    # tokenizer.json as written: a Qwen tokenizer class makes transformers rebuild its own pre-tokenizer over this
+    # vocabulary (other ids); PreTrainedTokenizerFast is TokenizersBackend in transformers 5 and known to 4
     config = {"add_prefix_space": False, "added_tokens_decoder": decoder, "bos_token": None,
               "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "errors": "replace",
               "model_max_length": 262144, "pad_token": "<|endoftext|>", "split_special_tokens": False,
-              "tokenizer_class": "Qwen2Tokenizer", "unk_token": None}
+              "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": None}
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     (directory / "chat_template.jinja").write_text(chat_template(), encoding="utf-8")
     generation = {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
