@@ -20,8 +20,10 @@ from qwenrt.server.completions import completions
 from qwenrt.server.errors import APIError
 from qwenrt.server.limits import Limits, RequestGate
 from qwenrt.server.metrics import ServerMetrics
-from qwenrt.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from qwenrt.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest,
+                                    TokenizeRequest)
 from qwenrt.server.request_id import RequestId
+from qwenrt.server.responses_api import responses
 from qwenrt.server.tokenize import detokenize, tokenize
 from qwenrt.vision.media import MediaPolicy
 
@@ -154,5 +156,9 @@ def create_app(config: ServerConfig, load: Callable[[], object],
     @app.post("/detokenize")
     async def detokenize_(body: DetokenizeRequest, s: ServerState = Depends(ready)):
         return await detokenize(body, s)
+
+    @app.post("/v1/responses")
+    async def respond(body: ResponsesRequest, request: Request, s: ServerState = Depends(ready)):
+        return await responses(body, request, s)
 
     return app

@@ -91,6 +91,7 @@ class Finished:
     text: str
     last: RequestOutput
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # every sampled token, a stop token included
     scored: RequestOutput | None = None  # the output that carried the prompt's logprobs (where asked for)
 
 
@@ -99,10 +100,12 @@ async def collect(submission: Submission, receive) -> list[Finished]:
     n = len(submission.handles)
     texts, last, logprobs = [[] for _ in range(n)], [None] * n, [LogprobCollector() for _ in range(n)]
     scored = [None] * n
+    token_ids = [[] for _ in range(n)]
     watcher = asyncio.create_task(_abort_on_disconnect(receive, submission))
     try:
         async for i, out in submission.outputs():
             texts[i].append(out.text)
+            token_ids[i] += out.token_ids
             logprobs[i].add(out)
             last[i] = out
             if out.prompt_logprobs is not None:
@@ -113,17 +116,21 @@ async def collect(submission: Submission, receive) -> list[Finished]:
     for out in last:
         if out.finish_reason in ("error", "abort"):
             raise APIError(500 if out.finish_reason == "error" else 503, out.error or "the request was cancelled")
-    return [Finished("".join(t), o, lp.entries, s) for t, o, lp, s in zip(texts, last, logprobs, scored)]
+    return [Finished("".join(t), o, lp.entries, ids, s)
+            for t, o, lp, ids, s in zip(texts, last, logprobs, token_ids, scored)]
 
 
-async def event_stream(events: AsyncIterator[str], submission: Submission, receive) -> AsyncIterator[str]:
-    """A submission's server-sent events, then [DONE]. The requests are cancelled when the client goes away (or the
-    stream stops early); a failure of ours mid-stream becomes an error event rather than a cut connection."""
+async def event_stream(events: AsyncIterator[str], submission: Submission, receive, done: bool = True
+                       ) -> AsyncIterator[str]:
+    """A submission's server-sent events, then [DONE] (`done` False: none, as the Responses API ends). The requests
+    are cancelled when the client goes away (or the stream stops early); a failure of ours mid-stream becomes an
+    error event rather than a cut connection."""
     watcher = asyncio.create_task(_abort_on_disconnect(receive, submission))
     try:
         async for event in events:
             yield event
-        yield SSE_DONE
+        if done:
+            yield SSE_DONE
     except Exception as e:  # noqa: BLE001 (the status line is sent: an error event is all that is left)
         yield sse(error_body(500, f"internal error: {type(e).__name__}: {e}"))
     finally:

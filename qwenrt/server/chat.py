@@ -158,6 +158,16 @@ def _delta_dict(delta: MessageDelta, legacy: bool) -> dict:
 
 async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest, state):
     name = state.check_model(body.model)
+    request_id, submission, tools, parse_tools = await submit_chat(body, state)
+    reply = _Reply(request_id, name, body, submission, state.tokenizer, tools, parse_tools)
+    if body.stream:
+        return StreamingResponse(event_stream(reply.events(), submission, http.receive), media_type="text/event-stream")
+    return await reply.collect(http.receive)
+
+
+async def submit_chat(body: ChatCompletionRequest, state) -> tuple[str, Submission, list[dict] | None, bool]:
+    """The request's engine requests, added: (request id, submission, tool definitions, whether to parse tool calls).
+    Raises APIError naming the chat field at fault (the Responses route renames it)."""
     messages = chat_messages(body.messages, state)
     body = _legacy_functions(body)
     tools, parse_tools = _tools(body)
@@ -181,10 +191,7 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest, state
     except APIError:
         submission.abort()
         raise
-    reply = _Reply(request_id, name, body, submission, state.tokenizer, tools, parse_tools)
-    if body.stream:
-        return StreamingResponse(event_stream(reply.events(), submission, http.receive), media_type="text/event-stream")
-    return await reply.collect(http.receive)
+    return request_id, submission, tools, parse_tools
 
 
 class _Reply:

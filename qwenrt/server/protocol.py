@@ -147,3 +147,95 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[TokenId]
+
+
+# ---- POST /v1/responses -----------------------------------------------------------------------------------------
+
+class ResponseTool(_Body):
+    """A Responses tool, flat (no `function` wrapper); types other than `function` are refused by name."""
+
+    type: str
+    name: Annotated[str, Field(min_length=1)] | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseNamedToolChoice(_Body):
+    type: str
+    name: str | None = None
+
+
+class ReasoningConfig(_Body):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # accepted; no summaries are written
+
+
+class TextFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")  # `schema` would shadow pydantic's method
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(_Body):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ResponsesRequest(_Body):
+    """Input items stay plain objects here: responses_api checks each by its type, naming `input[i]`'s field."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: Annotated[list[ResponseTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponseNamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    reasoning: ReasoningConfig | None = None
+    text: TextConfig | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    store: bool | None = None  # accepted; nothing is stored
+    stream: bool = False
+    include: list[str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    # refused when given: qwenrt keeps no responses, runs nothing in the background, has no prompt store
+    previous_response_id: str | None = None
+    background: bool | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+
+
+class InputMessage(_Body):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class FunctionCallInput(_Body):
+    type: Literal["function_call"]
+    call_id: Annotated[str, Field(min_length=1)]
+    name: Annotated[str, Field(min_length=1)]
+    arguments: str
+
+
+class FunctionCallOutputInput(_Body):
+    type: Literal["function_call_output"]
+    call_id: Annotated[str, Field(min_length=1)]
+    output: str | list[dict[str, Any]]
+
+
+class ReasoningText(_Body):
+    text: str
+
+
+class ReasoningInput(_Body):
+    type: Literal["reasoning"]
+    summary: list[ReasoningText] = []
+    content: list[ReasoningText] | None = None
