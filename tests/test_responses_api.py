@@ -236,6 +236,18 @@ def test_input_items_become_the_chat_turns(tokenizer):  # noqa: F811
     assert "<tool_response>\nsunny\n</tool_response>\n<tool_response>\nnoon\n</tool_response>" in rendered
 
 
+def test_instructions_and_leading_developer_items_are_one_system_turn(tokenizer):  # noqa: F811
+    """As Codex CLI sends them: the template takes a system message only at the start."""
+    engine = ScriptedEngine(tokenizer, ["ok"])
+    http, client = scripted_client(engine)
+    with http:
+        client.responses.create(model="tiny", instructions="Be brief.", input=[
+            {"role": "developer", "content": [{"type": "input_text", "text": "Sandbox: read-only."}]},
+            {"role": "system", "content": "Cwd: /repo"}, {"role": "user", "content": "hi"}])
+    assert engine.requests[0].prompt == [{"role": "system", "content": "Be brief.\n\nSandbox: read-only.\n\nCwd: /repo"},
+                                         {"role": "user", "content": "hi"}]
+
+
 def test_reasoning_effort_and_sampling_reach_the_engine(tokenizer):  # noqa: F811
     engine = ScriptedEngine(tokenizer, ["ok"])
     http, client = scripted_client(engine)

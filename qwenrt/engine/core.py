@@ -304,7 +304,9 @@ class Engine:
         self._wake.set()
         return RequestHandle(request.request_id, len(prompt.ids), prompt.thinking_started)
 
-    def _compiler(self) -> GrammarCompiler:
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The compiler of this engine's output constraints, made at the first use (its token tables take ~3 s at a
+        248K vocabulary: a server makes it at start)."""
         with self._grammars_lock:
             if self._grammars is None:
                 if self.tokenizer is None:
@@ -322,7 +324,7 @@ class Engine:
         if constraint is not None and forced is not None:
             raise QwenrtError(f"tool_choice {request.tool_choice!r} forces a tool call; it cannot be combined with "
                               f"an output constraint ({constraint.kind})", "tool_choice")
-        compiler = self._compiler()
+        compiler = self.grammar_compiler()
         if forced is not None:
             def token(text: str) -> str:
                 token_id = self.tokenizer.token_to_id(text)

@@ -44,6 +44,7 @@ def load_engine(args):
         raise QwenrtError(f"a request at the full context ({engine.max_model_len} tokens) needs {_size(full)} of "
                           f"cache, over the cache budget of {_size(engine.memory_budget)}: pass --max-model-len "
                           f"{fits} or less, or a larger --kv-cache-memory-bytes")
+    engine.grammar_compiler()  # the first structured-output request does not wait for its token tables
     engine.start()
     running = engine.scheduler.config.max_running
     at_once = min(running, engine.memory_budget // full)

@@ -67,6 +67,14 @@ def _validated(model: type[BaseModel], item: dict, path: tuple):
         raise RequestValidationError([{**err, "loc": ("body", *path, *err["loc"])} for err in e.errors()]) from None
 
 
+_SYSTEM = ("system", "developer")
+
+
+def _text(content: str | list[dict]) -> str:
+    """A system message's content as one text (a system turn holds text only)."""
+    return content if isinstance(content, str) else "".join(p.get("text") or "" for p in content)
+
+
 def _parts(content: str | list[dict], path: str) -> str | list[dict]:
     """Responses content parts as chat parts, one for one (so a chat error's part index names the same part)."""
     if isinstance(content, str):
@@ -159,6 +167,12 @@ class _Conversation:
 
     def _message(self, item: InputMessage, path: str) -> None:
         content = _parts(item.content, f"{path}.content")
+        if item.role in _SYSTEM and self.messages and all(m["role"] in _SYSTEM for m in self.messages):
+            # instructions and the system/developer items after them (Codex CLI sends both): one system turn, the
+            # only place the chat template takes one
+            first = self.messages[0]
+            first["content"] = _text(first["content"]) + "\n\n" + _text(content)
+            return
         turn = self._turn()
         if item.role == "assistant" and turn is not None and not turn["content"] and "tool_calls" not in turn:
             turn["content"] = content  # the answer after a reasoning item
