@@ -92,8 +92,9 @@ def _submit(model, tokenizer, prompt, params, enable_thinking, tools, prefill_ch
             on_prefill=None, speculative_tokens=None, tool_choice=None, parallel_tool_calls=True,
             prompt_logprobs=None) -> RequestStream:
     return _engine(model, tokenizer).submit(Request(prompt, params, enable_thinking, tools, tool_choice=tool_choice,
-                                                    parallel_tool_calls=parallel_tool_calls, prefill_chunk=prefill_chunk,
-                                                    max_context=max_context, on_prefill=on_prefill,
+                                                    parallel_tool_calls=parallel_tool_calls,
+                                                    prefill_chunk=prefill_chunk, max_context=max_context,
+                                                    on_prefill=on_prefill,
                                                     speculative_tokens=speculative_tokens,
                                                     prompt_logprobs=prompt_logprobs))
 

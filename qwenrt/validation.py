@@ -114,15 +114,15 @@ def check_tools(tools: Any) -> None:
     if tools is None:
         return
     if not isinstance(tools, (list, tuple)):
-        raise QwenrtError(f"tools must be a list of tool dicts, got {type(tools).__name__}")
+        raise QwenrtError(f"tools must be a list of tool dicts, got {type(tools).__name__}", "tools")
     for i, tool in enumerate(tools):
         fn = tool.get("function", tool) if isinstance(tool, Mapping) else None
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise QwenrtError(f"tool {i} must be a dict with a function name, got {tool!r:.60}")
+            raise QwenrtError(f"tool {i} must be a dict with a function name, got {tool!r:.60}", "tools")
         params = fn.get("parameters")
         if params is not None and not isinstance(params, Mapping):
             raise QwenrtError(f"tool {fn['name']!r}: 'parameters' must be a JSON-schema object, got "
-                              f"{type(params).__name__}")
+                              f"{type(params).__name__}", "tools")
         _check_strings(tool, f"tool {i}")
 
 

@@ -293,7 +293,8 @@ class Engine:
         need = self.reservation(seq)
         if need > self.memory_budget:
             raise QwenrtError(f"the request needs {_size(need)} of cache for {seq.limit} tokens (prompt + max_tokens);"
-                              f" the engine's cache budget is {_size(self.memory_budget)}: lower max_tokens")
+                              f" the engine's cache budget is {_size(self.memory_budget)}: lower max_tokens",
+                              "max_tokens")
         with self._lock:
             if request.request_id in self._sequences:
                 raise QwenrtError(f"a request with id {request.request_id!r} is already running")

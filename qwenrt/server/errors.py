@@ -66,18 +66,16 @@ def from_engine(e: Exception, prompt_field: str | None = None, max_tokens_field:
     if isinstance(e, ContextLengthError) and prompt_field is not None:
         return context_length_error(e.limit, e.prompt_tokens, prompt_field, e.counted)
     if isinstance(e, QwenrtError):
-        param = fields.get(e.field, e.field) if e.field else _engine_param(str(e), prompt_field, max_tokens_field)
+        named = {"max_tokens": max_tokens_field, **fields}
+        param = named.get(e.field, e.field) if e.field else _engine_param(str(e), prompt_field)
         return APIError(400, str(e), param)
     return APIError(500, f"internal error: {type(e).__name__}: {e}")
 
 
-def _engine_param(message: str, prompt_field: str | None, max_tokens_field: str) -> str | None:
-    """The field an engine refusal is about, from its wording (qwenrt.validation's tool checks, the cache check)."""
-    if message.startswith("tool"):
-        return "tools"
-    if message.startswith("the request needs"):  # its cache for prompt + max_tokens is over the budget
-        return max_tokens_field
-    return prompt_field
+def _engine_param(message: str, prompt_field: str | None) -> str | None:
+    """The field an engine refusal that names none is about, from its wording (qwenrt.validation's checks of each
+    tool's strings); else the prompt's."""
+    return "tools" if message.startswith("tool") else prompt_field
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list"}
