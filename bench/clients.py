@@ -49,8 +49,8 @@ CALCULATOR = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {
         "expression": {"type": "string", "description": "two numbers joined by * or /, e.g. 1234 * 56"}},
         "required": ["expression"]}}}
-SUM_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"},
-                                               "total": {"type": "integer"}},
+_BOUNDED = {"type": "integer", "minimum": 0, "maximum": 10**6}  # the built-in model writes a free number's digits on
+SUM_SCHEMA = {"type": "object", "properties": {"a": _BOUNDED, "b": _BOUNDED, "total": _BOUNDED},
               "required": ["a", "b", "total"], "additionalProperties": False}
 
 
@@ -66,14 +66,14 @@ def calculator(expression: str) -> str:
 
 @functools.cache  # one class: checks compare the output's type with it
 def pydantic_sum():  # pydantic comes with every client here, not with this script
-    from pydantic import BaseModel, ConfigDict
+    from pydantic import BaseModel, ConfigDict, Field
 
     class Sum(BaseModel):
-        """Two whole numbers and their sum."""
+        """Two whole numbers and their sum (bounded, as SUM_SCHEMA)."""
         model_config = ConfigDict(extra="forbid")
-        a: int
-        b: int
-        total: int
+        a: int = Field(ge=0, le=10**6)
+        b: int = Field(ge=0, le=10**6)
+        total: int = Field(ge=0, le=10**6)
 
     return Sum
 

@@ -77,6 +77,7 @@ def _schema_text(schema) -> str:
     if not isinstance(schema, dict):
         raise QwenrtError(f"json_schema must be a JSON Schema object (a dict, JSON text or a pydantic model), "
                           f"got {type(schema).__name__}", "json_schema")
+    _check_size(schema)
     try:
         text = json.dumps(schema, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as e:
@@ -85,6 +86,22 @@ def _schema_text(schema) -> str:
         raise QwenrtError(f"json_schema has {len(text)} characters; at most {MAX_SOURCE_CHARS} are taken",
                           "json_schema")
     return text
+
+
+def _check_size(schema: dict) -> None:
+    """Refuse a schema whose JSON text would pass MAX_SOURCE_CHARS before writing it: a dict that holds the same
+    list eight times at each of 40 levels is a few objects in memory and 8^40 in JSON."""
+    size, stack = 0, [schema]
+    while stack:
+        value = stack.pop()
+        size += len(value) + 2 if isinstance(value, str) else 4
+        if size > MAX_SOURCE_CHARS:
+            raise QwenrtError(f"json_schema is over {MAX_SOURCE_CHARS} characters as JSON", "json_schema")
+        if isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
 
 
 def constraint_of(json_schema=None, json_object: bool = False, regex: str | None = None,
@@ -115,7 +132,9 @@ def constraint_of(json_schema=None, json_object: bool = False, regex: str | None
 def _one_line(message: str) -> str:
     """llguidance's message on one line (a regex error spans several), without its position in the grammar's JSON
     ("at 2(7): ")."""
-    line = " ".join(message.split()) or "invalid"
+    lines = [line for line in message.splitlines()  # without the grammar excerpts and carets it points with
+             if not re.match(r"\s*\d+ \|", line) and line.strip(" ^")]
+    line = " ".join(" ".join(lines).split()) or "invalid"
     line = re.sub(r"^at \d+\(\d+\): ", "", line)
     return line if len(line) <= 300 else line[:297] + "..."
 

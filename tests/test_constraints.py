@@ -176,14 +176,20 @@ def test_bad_constraints_are_one_line_errors_within_a_bound(engine, constraint, 
     assert not engine.has_work
 
 
-def test_a_recursion_bomb_compiles_within_the_limits(engine):
-    """Deep but legal: 40 nested anyOf levels of 8 alternatives each, refused or compiled quickly, never a stall."""
-    schema: dict = {"type": "integer"}
+def test_schema_bombs_are_refused_or_compiled_within_a_bound(engine):
+    """A Python schema that repeats one list 8 times at each of 40 levels (8^40 as JSON) is refused before it is
+    written; 40 $defs each referring to the next 8 times (a JSON text of a few KB that expands exponentially if
+    inlined) compiles or is refused quickly, never a stall."""
+    shared: dict = {"type": "integer"}
     for _ in range(40):
-        schema = {"anyOf": [schema] * 8}
+        shared = {"anyOf": [shared] * 8}
     start = time.monotonic()
+    with pytest.raises(QwenrtError, match="characters as JSON"):
+        SamplingParams(json_schema=shared)
+    defs = {f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}] * 8} for i in range(40)}
+    defs["d40"] = {"type": "integer"}
     try:
-        engine.add_request(Request("x", SamplingParams(max_tokens=4, json_schema=schema),
+        engine.add_request(Request("x", SamplingParams(max_tokens=4, json_schema={"$defs": defs, "$ref": "#/$defs/d0"}),
                                    request_id="bomb"), lambda out: None)
         engine.abort("bomb")
     except QwenrtError as e:
