@@ -151,9 +151,12 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
 
-    def special_token(self, token_id: int) -> bool:
-        """Whether llguidance sees this token as special (a grammar names it `<[id]>`, not by its text)."""
-        return self.tokenizer.is_special_token(token_id)
+    def token_rule(self, text: str, token_id: int | None) -> str:
+        """How a Lark grammar names the tokenizer's token `text` (id `token_id`, None when it has none): a special
+        token by its id, `<[id]>`, since llguidance matches those by id rather than by text; any other by its text."""
+        if token_id is not None and self.tokenizer.is_special_token(token_id):
+            return f"<[{token_id}]>"
+        return json.dumps(text, ensure_ascii=False)
 
     def matcher(self, grammar: str, field: str) -> llguidance.LLMatcher:
         """A fresh matcher for llguidance grammar text; a grammar it refuses is a QwenrtError naming `field`."""
@@ -187,7 +190,7 @@ class TokenMask:
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, after: int | None = None):
         self.matcher, self.after = matcher, after
-        self.words = torch.empty(1, (vocab_size + 31) // 32, dtype=torch.int32)  # [1, W]
+        self.words = np.empty((vocab_size + 31) // 32, dtype=np.uint32)  # [W], llguidance's mask
         self.vocab_size = vocab_size
 
     @property
@@ -198,10 +201,10 @@ class TokenMask:
         """[V] bool: the tokens the constraint allows now; None while it has not started."""
         if not self.active:
             return None
-        self.matcher.unsafe_compute_mask_ptr(self.words.data_ptr(), self.words.numel() * 4)
+        self.matcher.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
         if self.matcher.is_error():
             raise QwenrtError(f"the output constraint failed: {_one_line(self.matcher.get_error())}")
-        bits = np.unpackbits(self.words.numpy().view(np.uint8), bitorder="little")  # [32 W]: ~100x torch's shifts
+        bits = np.unpackbits(self.words.view(np.uint8), bitorder="little")  # [32 W]: ~100x torch's shifts
         return torch.from_numpy(bits[:self.vocab_size].view(np.bool_))
 
     def drafts(self, proposed: list[int]) -> list[int]:

@@ -220,7 +220,7 @@ def _kind(type_name: str) -> str:
     return "null" if t == "null" else "unknown"
 
 
-def _schema_kinds(schema: Any) -> set[str]:
+def schema_kinds(schema: Any) -> set[str]:
     """Kinds a parameter schema allows: `type` (str or list) and `anyOf`/`oneOf` members."""
     if not isinstance(schema, Mapping):
         return set()
@@ -246,7 +246,7 @@ def _json(value: str) -> Any:
 
 def _convert(value: str, schema: Any) -> Any:
     """Argument text -> value for its declared type; the raw string when it does not fit."""
-    kinds = _schema_kinds(schema)
+    kinds = schema_kinds(schema)
     lowered = value.strip().lower()
     if kinds <= {"unknown"}:
         try:

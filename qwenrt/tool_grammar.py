@@ -16,11 +16,14 @@ from typing import Any
 
 from qwenrt.constraints import json_options
 from qwenrt.errors import QwenrtError
-from qwenrt.parsing import _schema_kinds
+from qwenrt.parsing import schema_kinds
 
 # a string value ends at the first "</parameter>\n" (lazy: the shortest text that does); the parser drops the
 # newline the template puts before the tag
 _RAW_VALUE = r"/(?s:.{LENGTH})\n?<\/parameter>\n/"
+
+
+NL = "\n"
 
 
 def _literal(text: str) -> str:
@@ -29,7 +32,7 @@ def _literal(text: str) -> str:
 
 def _value_rule(rule: str, schema: Any, defs: dict) -> str:
     """The rule for one parameter's value and its closing tag."""
-    kinds = _schema_kinds(schema)
+    kinds = schema_kinds(schema)
     if not isinstance(schema, Mapping) or "string" in kinds or kinds <= {"unknown"}:
         enum = schema.get("enum") if isinstance(schema, Mapping) else None
         if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum) and kinds <= {"string"}:
@@ -54,9 +57,9 @@ def _function_rules(index: int, function: Mapping[str, Any]) -> list[str]:
     for j, param in enumerate(ordered):
         rule = f"v{index}_{j}"
         rules.append(_value_rule(rule, properties[param], defs))
-        part = f"{_literal(f'<parameter={param}>' + chr(10))} {rule}"
+        part = f"{_literal(f'<parameter={param}>' + NL)} {rule}"
         body.append(part if param in required else f"({part})?")
-    rules.append(f"fn{index}: {_literal(f'<function={name}>' + chr(10))} {' '.join(body)} \"</function>\\n\"")
+    rules.append(f"fn{index}: {_literal(f'<function={name}>' + NL)} {' '.join(body)} \"</function>\\n\"")
     return rules
 
 

@@ -8,7 +8,6 @@ request, so several threads may share one engine), or `start()` a loop thread (t
 
 from __future__ import annotations
 
-import json
 import queue
 import sys
 import threading
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 from qwenrt.cache import deltanet_state_bytes, kv_bytes_per_token
-from qwenrt.constraints import GrammarCompiler, TokenMask, constraint_of
+from qwenrt.constraints import Constraint, GrammarCompiler, TokenMask
 from qwenrt.engine.prefix_cache import Match, PrefixCache, prompt_key
 from qwenrt.engine.prefix_store import PrefixStore, model_identity
 from qwenrt.engine.request import (DraftCounts, Request, RequestOutput, Sequence, Status, TokenLogprob,
@@ -328,12 +327,10 @@ class Engine:
         compiler = self.grammar_compiler()
         if forced is not None:
             def token(text: str) -> str:
-                token_id = self.tokenizer.token_to_id(text)
-                return f"<[{token_id}]>" if token_id is not None and compiler.special_token(token_id) else \
-                    json.dumps(text)
+                return compiler.token_rule(text, self.tokenizer.token_to_id(text))
             lark = tool_call_grammar(request.tools, token, None if forced is True else forced,
                                      request.parallel_tool_calls)
-            grammar, field = constraint_of(grammar=lark).grammar(), "tool_choice"
+            grammar, field = Constraint("grammar", lark).grammar(), "tool_choice"
         else:
             try:
                 grammar, field = constraint.grammar(thinking_started), constraint.kind
