@@ -379,6 +379,41 @@ def test_argmax_rows_picks_what_torch_argmax_picks():
 
 
 @needs_kernels
+def test_argmax_allowed_rows_picks_what_a_masked_torch_argmax_picks():
+    """An output constraint's pick from its packed mask (bit i of word i // 32 for token i) against torch.where(mask,
+    row, -inf).argmax(): sparse and dense masks, one allowed token in the tail or one lane, ties split by the mask,
+    nothing allowed, a NaN or infinity inside and outside the mask, vocabularies of every length modulo a vector."""
+    g = torch.Generator().manual_seed(1)
+
+    def packed(mask: torch.Tensor) -> torch.Tensor:  # [V] bool -> [ceil(V / 32)] int32
+        bits = torch.zeros((mask.numel() + 31) // 32 * 32, dtype=torch.int64)
+        bits[:mask.numel()] = mask.long()
+        words = (bits.view(-1, 32) << torch.arange(32)).sum(1)  # [W], < 2^32
+        return torch.where(words >= 2 ** 31, words - 2 ** 32, words).int()
+
+    cases = []
+    for V in (1, 5, 16, 33, 100, 1031, 5003, 248_320):
+        row = torch.randn(V, generator=g)
+        for p in (0.001, 0.3, 0.97, 1.0):
+            cases.append((row, torch.rand(V, generator=g) < p))
+        cases += [(row, torch.arange(V) == V - 1), (row, torch.arange(V) == V // 3), (row, torch.zeros(V, dtype=bool))]
+    ties = torch.randint(-2, 3, (4099,), generator=g).float()  # many ties: the mask decides which comes first
+    cases += [(ties, torch.rand(4099, generator=g) < p) for p in (0.05, 0.5)]
+    x = torch.randn(5003, generator=g)
+    for special in (float("nan"), float("inf"), -float("inf")):
+        for place in (0, 20, 5002):
+            y = x.clone()
+            y[place] = special
+            allow = torch.rand(5003, generator=g) < 0.5
+            cases += [(y, allow | (torch.arange(5003) == place)), (y, allow & (torch.arange(5003) != place))]
+    for row, mask in cases:
+        expected = int(torch.where(mask, row, -torch.inf).argmax())
+        assert cpu_kernels().argmax_allowed_rows(row[None], packed(mask)).tolist() == [expected], (row.numel(), mask.sum())
+    batch, mask = torch.randn(4, 1031, generator=g), torch.rand(1031, generator=g) < 0.2
+    assert torch.equal(cpu_kernels().argmax_allowed_rows(batch, packed(mask)), torch.where(mask, batch, -torch.inf).argmax(-1))
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_residual_norm_matches_torch_ops(dtype):
     g = torch.Generator().manual_seed(9)

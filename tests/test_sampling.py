@@ -1,6 +1,7 @@
 """Sampling: filtered distributions and penalties against transformers' processors, draws, stops."""
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from transformers.generation.logits_process import (
@@ -12,6 +13,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from qwenrt.constraints import AllowedTokens
 from qwenrt.errors import QwenrtError
 from qwenrt.sampling import (
     SamplingParams,
@@ -122,6 +124,28 @@ def test_greedy_is_argmax_after_penalties():
     picked = sample(logits, params, history)
     assert torch.equal(picked, apply_penalties(logits, params, history).argmax(-1))
     assert not torch.equal(picked, logits.argmax(-1))
+
+
+def test_sampling_under_a_mask_draws_only_allowed_tokens():
+    """Greedy (the native pick from the packed bits, tested against torch in test_kernels.py) and sampled rows, with
+    penalties, under a mask: every pick is an allowed token, greedy the masked scores' first largest."""
+    torch.manual_seed(5)
+    vocab = 77  # not a multiple of 32
+    logits = torch.randn(1, vocab)
+    logits[0, [10, 40, 70]] = 9.0  # a three-way tie for the best
+    history = TokenCounts.from_prompts([torch.tensor([10, 3])], vocab)
+    for allowed_ids in ([10], [40, 70], [70], [3, 5], list(range(vocab)), list(range(11, vocab)), [76]):
+        bits = np.zeros(96, dtype=np.uint8)
+        bits[allowed_ids] = 1
+        allowed = AllowedTokens(np.packbits(bits, bitorder="little").view(np.uint32), vocab)
+        for params in (SamplingParams(), SamplingParams(repetition_penalty=3.0)):
+            scores = apply_penalties(logits, params, history) if params.uses_penalties else logits
+            expected = max(allowed_ids, key=lambda t: (float(scores[0, t]), -t))
+            assert sample(logits, params, history, allowed=allowed).tolist() == [expected]
+        params = SamplingParams(temperature=2.0, seed=1)
+        generator = make_generator(params)
+        drawn = {int(sample(logits, params, history, generator, allowed)) for _ in range(30)}
+        assert drawn <= set(allowed_ids) and (len(drawn) > 1 or len(allowed_ids) == 1), drawn
 
 
 def test_penalties_need_history():

@@ -48,6 +48,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the fused step over T successive tokens of one sequence, the state after each but the last saved");
   m.def("argmax_rows", &argmax_rows, "x [B, V] fp32 -> [B] int64: each row's first largest (first NaN), as torch.argmax",
         arg("x"));
+  m.def("argmax_allowed_rows", &argmax_allowed_rows,
+        "x [B, V] fp32, allowed [ceil(V / 32)] int32 packed bits -> [B] int64: argmax_rows with the tokens the "
+        "mask does not allow at -inf", arg("x"), arg("allowed"));
   using qwenrt::GreedyCycle, qwenrt::LayerStack, qwenrt::Projection;
   pybind11::class_<Projection>(m, "Projection", "projections sharing one input, one GEMV call (bf16, q8 or q4)")
       .def(pybind11::init<std::string, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,

@@ -29,3 +29,4 @@ at::Tensor attention_decode_step(at::Tensor qg, at::Tensor k, at::Tensor v, at::
                                  at::Tensor cos, at::Tensor sin, at::Tensor keys, at::Tensor values,
                                  at::Tensor lengths, double eps);
 at::Tensor argmax_rows(at::Tensor x);
+at::Tensor argmax_allowed_rows(at::Tensor x, at::Tensor allowed);
