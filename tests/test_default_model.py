@@ -119,6 +119,23 @@ def test_arithmetic_on_held_out_operands(tiny, family, thinking):
     assert answer_accuracy(*tiny, tasks, thinking) >= 0.95
 
 
+def test_the_quality_report_shows_its_progress(monkeypatch, capsys):
+    """`python -m qwenrt.tiny.evaluate` takes minutes: a bar on stderr steps once per figure, naming it."""
+    from qwenrt.tiny import evaluate
+
+    assert list(evaluate._figures(None, None, 4, SEED)) == [
+        f"{family} {mode}" for mode in ("direct", "thinking") for family in ("add", "sub", "tool", "sort", "copy")
+    ] + ["mtp agreement", "mtp agreement 2", "mtp agreement 3"]
+    monkeypatch.setattr(qwenrt, "load", lambda path: (None, None))
+    monkeypatch.setattr(evaluate, "_figures", lambda *_: {"add": lambda: {"add": 1.0},
+                                                          "tool": lambda: {"tool call": 0.5, "tool answer": 0.25}})
+    assert evaluate.quality_report("unused", progress=True) == {"add": 1.0, "tool call": 0.5, "tool answer": 0.25}
+    err = capsys.readouterr().err
+    assert "evaluating: 100%" in err and "2/2" in err and "tool" in err
+    evaluate.quality_report("unused")
+    assert capsys.readouterr().err == ""
+
+
 def _operands(task):
     a, op, b = task.answer.split(" = ")[0].split()
     return int(a), op, int(b)
