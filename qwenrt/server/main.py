@@ -61,6 +61,8 @@ def _describe_setup(model, engine) -> None:
     """-v: where the model came from and how the engine runs it."""
     import torch
 
+    from qwenrt.engine.core import _size
+
     prefix = _size(engine.prefix_cache.budget) if engine.prefix_cache is not None else "off"
     log.detail(f"checkpoint: {model.checkpoint_path}")
     log.detail(f"device: {model.device}, {torch.get_num_threads()} torch threads")
