@@ -106,7 +106,8 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
     shown = p.add_mutually_exclusive_group()
     shown.add_argument("--show-thinking", dest="show_thinking", action="store_true", default=None,
                        help="print the reasoning on stdout, between 'Thinking...' and '...done thinking.' lines, "
-                            "even into a pipe or file (default: so on a terminal; else to stderr)")
+                            "even into a pipe or file (default: so on a terminal, to stderr otherwise, not at all "
+                            "with -q)")
     shown.add_argument("--hide-thinking", dest="show_thinking", action="store_false",
                        help="never print the reasoning (the model still thinks; --no-thinking stops that)")
     log.add_options(p)
@@ -137,15 +138,18 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
     c.add_argument("--grammar", metavar="FILE", help="answer in this Lark grammar (llguidance's dialect)")
 
 
+UNRECOGNIZED = "unrecognized arguments: "
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that names the nearest verb, choice or option to a mistyped one, on one line (what Python 3.14's
-    suggest_on_error does)."""
+    suggest_on_error does); other usage errors as argparse prints them."""
 
     def error(self, message: str):
         guess = _nearest(self, message)
-        if guess is None:
-            super().error(message)
-        self.exit(2, f"{self.prog}: error: {message}; did you mean {guess}?\n")
+        if guess is not None:
+            self.exit(2, f"{self.prog}: error: {message}; did you mean {guess}?\n")
+        super().error(message)
 
 
 def _nearest(parser: argparse.ArgumentParser, message: str) -> str | None:
@@ -161,9 +165,6 @@ def _nearest(parser: argparse.ArgumentParser, message: str) -> str | None:
     by_name = {k.lstrip("-"): k for k in known}  # compared without the dashes every option shares
     close = difflib.get_close_matches(word.lstrip("-"), list(by_name), n=1) if word else []
     return by_name[close[0]] if close else None
-
-
-UNRECOGNIZED = "unrecognized arguments: "
 
 
 def _verb_parser(parser: argparse.ArgumentParser, verb: str) -> argparse.ArgumentParser:

@@ -13,10 +13,9 @@ from qwenrt import log
 from qwenrt.constraints import MAX_SOURCE_CHARS
 from qwenrt.default_model import resolve_model
 from qwenrt.errors import QwenrtError
-from qwenrt.files import read_json, read_text
+from qwenrt.files import CheckpointDir, read_json, read_text
 from qwenrt.generate import GenerationResponse, stream_generate
 from qwenrt.config import load_config
-from qwenrt.files import CheckpointDir
 from qwenrt.hub import resolve_model_path
 from qwenrt.kernels import kernel_path
 from qwenrt.loader import load, resolve_device, resolve_dtype
@@ -258,7 +257,7 @@ def chat(source: str | None, *, system: str | None, thinking: bool | None, dtype
     history = list(start)
     if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is refused as a turn, not fatal to the session
         sys.stdin.reconfigure(errors="surrogateescape")
-    print(CHAT_HELP, file=sys.stderr)
+    log.info(CHAT_HELP)
     while True:
         try:
             line = input(">>> ")

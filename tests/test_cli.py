@@ -220,3 +220,13 @@ def test_serve_quiet_says_nothing_but_errors(tmp_path):
     assert serve.returncode == 1
     lines = serve.stderr.splitlines()
     assert lines and all(line.startswith("qwenrt: error: ") and "no such directory" in line for line in lines), lines
+
+
+def test_chat_quiet_prints_the_answers_alone(chat_ckpt, chat_model, capsys, monkeypatch):
+    model, tok, _ = chat_model
+    monkeypatch.setattr(log, "_level", log.NORMAL)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\n/exit\n"))
+    assert main(["chat", str(chat_ckpt[0]), "-n", "3", "--temp", "0", "--dtype", "float32", "--no-thinking",
+                 "-q"]) == 0
+    answer = qwenrt.generate(model, tok, [{"role": "user", "content": "Hello"}], max_tokens=3, enable_thinking=False)
+    assert capsys.readouterr() == (f">>> {answer}\n>>> ", "")

@@ -101,7 +101,7 @@ def serve(args) -> None:
     if limits.max_request_bytes < 1:
         raise QwenrtError(f"--max-request-bytes must be at least 1 byte, got {args.max_request_bytes!r}")
     app = create_app(config, lambda: load_engine(args), on_load_failed=stop, limits=limits)
-    log_level = args.log_level or ("warning" if not log.shows_progress() else "info")
+    log_level = args.log_level or ("info" if log.shows_progress() else "warning")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level,
                                            access_log=not args.disable_uvicorn_access_log,
                                            timeout_graceful_shutdown=5, http=guarded_protocol(limits),

@@ -26,6 +26,7 @@ from qwenrt.quant import QuantSpec
 from qwenrt.tiny.tasks import TOOLS, Task, quality_tasks, run_tool
 
 GREEDY = {"temperature": 0.0}
+MODES = {False: "direct", True: "thinking"}
 QUANT_SPECS = (("bf16", None), ("int8", QuantSpec(8)), ("int4 g32", QuantSpec(4, 32)), ("int4 g64", QuantSpec(4, 64)),
                ("int4 g128", QuantSpec(4, 128)))
 
@@ -144,17 +145,15 @@ def _figures(model, tokenizer, n: int, seed: int) -> dict:
     """name -> a function computing that figure's entries of the report, in the report's order."""
     figures = {}
     for thinking in (False, True):
-        mode = "thinking" if thinking else "direct"
         for family in ("add", "sub", "tool", "sort", "copy"):
-            figures[f"{family} {mode}"] = partial(_task_figure, model, tokenizer, family, thinking, n, seed)
+            figures[f"{family} {MODES[thinking]}"] = partial(_task_figure, model, tokenizer, family, thinking, n, seed)
     for depth in (1, 2, 3):
-        figures["mtp agreement" + (f" {depth}" if depth > 1 else "")] = partial(_mtp_figure, model, tokenizer, depth,
-                                                                               n, seed)
+        figures[_mtp_name(depth)] = partial(_mtp_figure, model, tokenizer, depth, n, seed)
     return figures
 
 
 def _task_figure(model, tokenizer, family: str, thinking: bool, n: int, seed: int) -> dict:
-    mode = "thinking" if thinking else "direct"
+    mode = MODES[thinking]
     if family == "tool":
         tools = quality_tasks("calculator", n // 2, seed) + quality_tasks("capital", n // 2, seed)
         return {f"tool {key} {mode}": value for key, value in tool_quality(model, tokenizer, tools, thinking).items()}
@@ -168,7 +167,11 @@ def _mtp_figure(model, tokenizer, depth: int, n: int, seed: int) -> dict:
     mixed = quality_tasks("add", n // 4, seed) + quality_tasks("sub", n // 4, seed)
     agreement = (mtp_agreement(model, mtp, tokenizer, mixed, False, depth)
                  + mtp_agreement(model, mtp, tokenizer, mixed, True, depth)) / 2
-    return {"mtp agreement" + (f" {depth}" if depth > 1 else ""): agreement}
+    return {_mtp_name(depth): agreement}
+
+
+def _mtp_name(depth: int) -> str:
+    return "mtp agreement" + (f" {depth}" if depth > 1 else "")
 
 
 def quant_report(path, n: int, seed: int, bar: tqdm | None = None) -> dict:
