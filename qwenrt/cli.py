@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import re
 import sys
 
+from qwenrt import log
 from qwenrt.errors import QwenrtError
 from qwenrt.units import add_speculative_option
 from qwenrt.server.main import add_parser as add_serve_parser
@@ -42,7 +45,7 @@ def _run(args) -> None:
     run(args.model, args.prompt, raw=args.raw, system=args.system, thinking=args.thinking, dtype=args.dtype,
         device=args.device, prefill_chunk=args.prefill_chunk, max_context=args.max_context, sampling=_sampling(args),
         images=args.image or [], videos=args.video or [], check_finite=args.finite_check,
-        engine_options=_engine_options(args))
+        engine_options=_engine_options(args), show_thinking=args.show_thinking)
 
 
 def _chat(args) -> None:
@@ -50,7 +53,7 @@ def _chat(args) -> None:
 
     chat(args.model, system=args.system, thinking=args.thinking, dtype=args.dtype, device=args.device,
          prefill_chunk=args.prefill_chunk, max_context=args.max_context, sampling=_sampling(args),
-         check_finite=args.finite_check, engine_options=_engine_options(args))
+         check_finite=args.finite_check, engine_options=_engine_options(args), show_thinking=args.show_thinking)
 
 
 
@@ -70,7 +73,7 @@ def _at_least(low: int):
 def _quantize(args) -> None:
     from qwenrt.convert import quantize_checkpoint
 
-    print(quantize_checkpoint(args.src, args.dst, args.bits, args.group_size, progress=True))
+    print(quantize_checkpoint(args.src, args.dst, args.bits, args.group_size, progress=log.shows_progress()))
 
 
 def _bench(args) -> None:
@@ -82,8 +85,15 @@ def _bench(args) -> None:
 def _train(args) -> None:
     from qwenrt.train import train_command
 
-    options = {k: v for k, v in vars(args).items() if k not in ("verb", "run", "out", "recipe") and v is not None}
+    options = {k: v for k, v in vars(args).items()
+               if k not in ("verb", "run", "out", "recipe", "verbosity") and v is not None}
     print(train_command(args.out, args.recipe, **options))
+
+
+RUN_DESCRIPTION = ("Answer one prompt, streamed to stdout. On a terminal a thinking model's reasoning comes first, "
+                   "dimmed, between 'Thinking...' and '...done thinking.' lines; when stdout is a pipe or a file it "
+                   "gets the answer alone and the reasoning goes to stderr, with the load lines and the stats line "
+                   "(--show-thinking / --hide-thinking choose; -q keeps stderr to errors).")
 
 
 def _generation_options(p: argparse.ArgumentParser) -> None:
@@ -93,6 +103,14 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
     think = p.add_mutually_exclusive_group()
     think.add_argument("--thinking", dest="thinking", action="store_true", default=None, help="think before answering")
     think.add_argument("--no-thinking", dest="thinking", action="store_false", help="answer directly")
+    shown = p.add_mutually_exclusive_group()
+    shown.add_argument("--show-thinking", dest="show_thinking", action="store_true", default=None,
+                       help="print the reasoning on stdout, between 'Thinking...' and '...done thinking.' lines, "
+                            "even into a pipe or file (default: so on a terminal, to stderr otherwise, not at all "
+                            "with -q)")
+    shown.add_argument("--hide-thinking", dest="show_thinking", action="store_false",
+                       help="never print the reasoning (the model still thinks; --no-thinking stops that)")
+    log.add_options(p)
     p.add_argument("--dtype", default="auto", help="auto (as stored), bfloat16, float16 or float32")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or mps")
     p.add_argument("--prefill-chunk", type=_at_least(1), help="prompt tokens per prefill step at most (bounds memory)")
@@ -120,10 +138,44 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
     c.add_argument("--grammar", metavar="FILE", help="answer in this Lark grammar (llguidance's dialect)")
 
 
+UNRECOGNIZED = "unrecognized arguments: "
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that names the nearest verb, choice or option to a mistyped one, on one line (what Python 3.14's
+    suggest_on_error does); other usage errors as argparse prints them."""
+
+    def error(self, message: str):
+        guess = _nearest(self, message)
+        if guess is not None:
+            self.exit(2, f"{self.prog}: error: {message}; did you mean {guess}?\n")
+        super().error(message)
+
+
+def _nearest(parser: argparse.ArgumentParser, message: str) -> str | None:
+    """The verb, choice or option of `parser` closest to the word an argparse error `message` refuses, if any is."""
+    if chosen := re.search(r"invalid choice: '([^']*)'", message):
+        word = chosen.group(1)
+        known = [c for a in parser._actions if a.choices for c in a.choices if isinstance(c, str)]
+    elif message.startswith(UNRECOGNIZED):
+        word = next((w.split("=")[0] for w in message[len(UNRECOGNIZED):].split() if w.startswith("--")), None)
+        known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    else:
+        return None
+    by_name = {k.lstrip("-"): k for k in known}  # compared without the dashes every option shares
+    close = difflib.get_close_matches(word.lstrip("-"), list(by_name), n=1) if word else []
+    return by_name[close[0]] if close else None
+
+
+def _verb_parser(parser: argparse.ArgumentParser, verb: str) -> argparse.ArgumentParser:
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return verbs.choices[verb]
+
+
 def build_parser() -> argparse.ArgumentParser:
     from qwenrt import __version__
 
-    parser = argparse.ArgumentParser(prog="qwenrt", description="Exact, fast inference for Qwen3.5 models.")
+    parser = _Parser(prog="qwenrt", description="Exact, fast inference for Qwen3.5 models.")
     parser.add_argument("--version", action="version", version=f"qwenrt {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True)
 
@@ -134,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the NaN/Inf scan of the weights (a read of every weight, as load does)")
     p.set_defaults(run=_inspect)
 
-    p = verbs.add_parser("run", help="answer one prompt, streamed to stdout")
+    p = verbs.add_parser("run", help="answer one prompt, streamed to stdout", description=RUN_DESCRIPTION)
     _generation_options(p)
     p.add_argument("prompt", help="the prompt; - reads it from stdin")
     p.add_argument("--raw", action="store_true", help="plain completion: no chat template")
@@ -151,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", help="new directory for the quantized checkpoint (must not exist)")
     p.add_argument("--bits", type=int, required=True, help="8 (per output channel) or 4 (group-wise)")
     p.add_argument("--group-size", type=int, help="int4 group size: 32, 64 (default) or 128")
+    log.add_options(p, verbose=False)
     p.set_defaults(run=_quantize)
 
     p = verbs.add_parser("train", help="train a model on chat conversations, or rebuild the built-in model")
@@ -164,13 +217,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", dest="model_config", help="config.json of a freshly initialised model (needs --tokenizer)")
     p.add_argument("--tokenizer", help="directory with the tokenizer files, for --config")
     p.add_argument("--resume", action="store_true", default=None, help="continue from the last step checkpoint in OUT")
+    p.add_argument("--overwrite", action="store_true", default=None,
+                   help="train even if OUT already holds a model (it is replaced)")
     p.add_argument("--mtp-only", dest="mtp_only", action="store_true", default=None,
                    help="train the MTP head alone, the model frozen (fit a head to a trained model)")
     for flag, kind, what in (("steps", int, "optimizer steps"), ("batch-size", int, "conversations per step"),
                              ("micro-batch-tokens", int, "padded tokens per micro-batch (gradient accumulation)"),
                              ("length-groups", int, "runs of this many steps regrouped by length: less padding "
                               "(default 1: off)"),
-                             ("lr", float, "peak learning rate"), ("warmup", int, "warm-up steps"),
+                             ("lr", float, "peak learning rate"),
+                             ("warmup", int, "warm-up steps (default: a tenth of --steps, at most 50)"),
                              ("hold", int, "steps at the peak learning rate before the cosine decay"),
                              ("min-lr-ratio", float, "final learning rate / peak (cosine)"),
                              ("weight-decay", float, "AdamW weight decay"), ("clip", float, "gradient norm clip"),
@@ -184,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
                              ("seed", int, "seed of the initialisation and the data order"),
                              ("threads", int, "torch threads (1 is faster on a machine busy with other work)")):
         p.add_argument(f"--{flag}", dest=flag.replace("-", "_"), type=kind, help=what)
+    log.add_options(p, verbose=False)
     p.set_defaults(run=_train)
 
     p = verbs.add_parser("bench", help="prefill / decode speed, time to first token, peak RSS, GB/s")
@@ -210,7 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # refused by the verb's parser: its usage, and its options to suggest from
+        _verb_parser(parser, args.verb).error(UNRECOGNIZED + " ".join(unknown))
+    log.set_level(args.verbosity if "verbosity" in args else log.NORMAL)
     try:
         args.run(args)
     except QwenrtError as e:

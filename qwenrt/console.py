@@ -2,28 +2,33 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
+from qwenrt import log
 from qwenrt.constraints import MAX_SOURCE_CHARS
 from qwenrt.default_model import resolve_model
 from qwenrt.errors import QwenrtError
-from qwenrt.files import read_json, read_text
+from qwenrt.files import CheckpointDir, read_json, read_text
 from qwenrt.generate import GenerationResponse, stream_generate
 from qwenrt.config import load_config
 from qwenrt.hub import resolve_model_path
 from qwenrt.kernels import kernel_path
 from qwenrt.loader import load, resolve_device, resolve_dtype
-from qwenrt.parsing import parse_completion
+from qwenrt.parsing import THINK_START, parse_completion
 from qwenrt.sampling import SamplingParams, check_generates
+from qwenrt.server.stream_parser import ReasoningSplitter
 from qwenrt.validation import check_max_context, check_text
 from qwenrt.vision.media import DEFAULT_POLICY, preflight_media
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "seed", "stop", "regex")
+THINKING_OPEN, THINKING_CLOSE = "Thinking...", "...done thinking."  # ollama's lines around shown reasoning
+DIM, RESET = "\x1b[2m", "\x1b[0m"
 
 
 def constraint_files(json_schema: str | None, grammar: str | None) -> dict:
@@ -41,29 +46,39 @@ def load_for_cli(source: str | None, path, dtype: str, device: str, check_finite
                  engine_options: dict | None = None):
     """Load `path` (what `check_options` resolved `source` to) with progress and timing on stderr, naming the
     built-in model when no source was given."""
+    import torch
+
     start = time.perf_counter()
-    print(f"loading {resolve_model(source)[1]} …", file=sys.stderr, flush=True)
-    model, tokenizer = load(path, dtype=dtype, device=device, progress=True, check_finite=check_finite,
+    log.info(f"loading {resolve_model(source)[1]} …")
+    log.detail(f"checkpoint: {path}")
+    model, tokenizer = load(path, dtype=dtype, device=device, progress=log.shows_progress(), check_finite=check_finite,
                             **(engine_options or {}))
     c = model.config.text
     kernels = f", CPU kernels: {kernel_path()}" if model.device.type == "cpu" else ""
-    print(f"loaded {c.num_hidden_layers}-layer {'MoE ' if c.is_moe else ''}model ({model.dtype}) in "
-          f"{time.perf_counter() - start:.1f} s{kernels}", file=sys.stderr, flush=True)
+    log.info(f"loaded {c.num_hidden_layers}-layer {'MoE ' if c.is_moe else ''}model ({model.dtype}) in "
+             f"{time.perf_counter() - start:.1f} s{kernels}")
+    log.detail(f"device: {model.device}, {torch.get_num_threads()} torch threads")
     return model, tokenizer
 
 
 def check_options(source: str | None, sampling: dict, device: str, dtype: str, max_context: int | None,
                   media: list[tuple[str, str]] = ()):
     """What can be refused before the weights load: sampling values, the device, the dtype, local media files, the
-    context limit against the checkpoint's config. Returns the checkpoint directory (a hub id resolved; no source: the
-    built-in model's)."""
+    checkpoint's tokenizer, media on a text-only model, the context limit against the checkpoint's config. Returns
+    the checkpoint directory (a hub id resolved; no source: the built-in model's)."""
     check_generates(SamplingParams(**{k: v for k, v in sampling.items() if v is not None}))
     resolve_device(device)
     resolve_dtype(dtype, None)
     for kind, item in media:  # ("image" | "video", source)
         preflight_media(item, DEFAULT_POLICY, kind)
     path = resolve_model_path(resolve_model(source)[0])
-    check_max_context(max_context, load_config(path).text.max_position_embeddings)
+    config = load_config(path)
+    if not CheckpointDir(path).exists("tokenizer.json"):
+        raise QwenrtError(f"{path}: the checkpoint has no tokenizer.json; text prompts need one")
+    if media and not config.is_vlm:
+        raise QwenrtError(f"{path}: a text-only model (no vision_config in config.json); --image/--video need a "
+                          "vision-language checkpoint")
+    check_max_context(max_context, config.text.max_position_embeddings)
     return path
 
 
@@ -87,6 +102,16 @@ def sampling_params(options: dict, tokenizer) -> SamplingParams:
     return SamplingParams(**defaults, **chosen)
 
 
+def describe_sampling(params: SamplingParams) -> str:
+    """The sampling settings in effect for -v: temperature and max_tokens, and the rest where they are not neutral."""
+    neutral = SamplingParams()
+    shown = [f"{name} {getattr(params, name)}" for name in SAMPLING_FIELDS[:-1]
+             if name in ("temperature", "max_tokens") or getattr(params, name) != getattr(neutral, name)]
+    if params.constraint is not None:
+        shown.append(f"constraint {params.constraint.kind}")
+    return "sampling: " + ", ".join(shown)
+
+
 def stats_line(last: GenerationResponse) -> str:
     cached = f" ({last.cached_tokens} cached)" if last.cached_tokens else ""
     drafts = last.drafts.summary() if last.drafts is not None else ""
@@ -95,16 +120,72 @@ def stats_line(last: GenerationResponse) -> str:
             + (f"{drafts} | " if drafts else "") + f"finish: {last.finish_reason}]")
 
 
-def _stream(model, tokenizer, prompt, params, thinking, prefill_chunk, max_context, out: list[str]):
-    """Write the answer to stdout as it streams, collecting the deltas in `out`; returns the last response. A prompt
-    that takes more than a second to read gets a progress bar on stderr."""
+def reasoning_destination(show: bool | None):
+    """Where the reasoning goes: stdout with --show-thinking, nowhere with --hide-thinking; by default stdout on a
+    terminal, stderr when stdout is a pipe or a file (which then holds the answer alone), nowhere with -q."""
+    if show is None:
+        if not log.shows_progress():
+            return None
+        return sys.stdout if sys.stdout.isatty() else sys.stderr
+    return sys.stdout if show else None
+
+
+def _styled(stream) -> bool:
+    """Whether `stream` takes ANSI styling: a terminal, NO_COLOR unset, TERM not dumb."""
+    return stream.isatty() and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
+
+
+class AnswerWriter:
+    """Writes a streamed completion: the answer to stdout; the reasoning, when it has somewhere to go (`reasoning_to`),
+    between a THINKING_OPEN and a THINKING_CLOSE line, dimmed on a terminal. `thinking_started`: the prompt opened
+    the think block; None: a raw completion, written as it comes."""
+
+    def __init__(self, thinking_started: bool | None, reasoning_to=None):
+        self._split = ReasoningSplitter(thinking_started) if thinking_started is not None else None
+        self._to = reasoning_to
+        self._dim = reasoning_to is not None and _styled(reasoning_to)
+        self._opened = self._closed = False
+
+    def write(self, delta: str, final: bool = False) -> None:
+        reasoning, content = self._split.feed(delta, final) if self._split is not None else ("", delta)
+        if reasoning and self._to is not None:
+            if not self._opened:
+                self._opened = True
+                self._aside(THINKING_OPEN + "\n")
+            self._aside(reasoning)
+        if self._opened and not self._closed and (content or final or self._split.reasoning_done):
+            self._closed = True
+            self._aside("\n" + THINKING_CLOSE + "\n\n")
+        if content:
+            sys.stdout.write(content)
+            sys.stdout.flush()
+
+    def _aside(self, text: str) -> None:
+        self._to.write(f"{DIM}{text}{RESET}" if self._dim else text)  # reset each time: Ctrl-C leaves no dim terminal
+        self._to.flush()
+
+
+def _opens_thinking(tokenizer, prompt, thinking: bool | None) -> bool | None:
+    """Whether the chat template's generation prompt opens a <think> block; None for a raw (string) prompt."""
+    if isinstance(prompt, str):
+        return None
+    text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, enable_thinking=thinking)
+    return text.rstrip().endswith(THINK_START)
+
+
+def _stream(model, tokenizer, prompt, params, thinking, prefill_chunk, max_context, out: list[str],
+            show_thinking: bool | None = None):
+    """Write the answer to stdout as it streams (the reasoning where `reasoning_destination` says), collecting the
+    deltas in `out`; returns the last response. A prompt that takes more than a second to read gets a progress bar
+    on stderr."""
     last, bar = None, None
+    writer = AnswerWriter(_opens_thinking(tokenizer, prompt, thinking), reasoning_destination(show_thinking))
 
     def progress(done: int, total: int) -> None:
         nonlocal bar
         if bar is None:
             bar = tqdm(total=total, initial=done, desc="reading the prompt", unit="tok", delay=1.0, leave=False,
-                       file=sys.stderr)
+                       file=sys.stderr, disable=not log.shows_progress())
         bar.update(done - bar.n)
 
     try:
@@ -114,8 +195,7 @@ def _stream(model, tokenizer, prompt, params, thinking, prefill_chunk, max_conte
                 bar.close()
                 bar = None
             out.append(last.text)
-            sys.stdout.write(last.text)
-            sys.stdout.flush()
+            writer.write(last.text, final=last.finish_reason is not None)
     finally:
         if bar is not None:
             bar.close()
@@ -132,8 +212,11 @@ def user_message(text: str, images: list[str], videos: list[str]) -> dict:
 
 def run(source: str | None, prompt: str, *, raw: bool, system: str | None, thinking: bool | None, dtype: str,
         device: str, prefill_chunk: int | None, max_context: int | None, sampling: dict, images: list[str] = (),
-        videos: list[str] = (), check_finite: bool = True, engine_options: dict | None = None) -> None:
-    """`qwenrt run`: stream one answer to stdout; load progress and a stats line go to stderr."""
+        videos: list[str] = (), check_finite: bool = True, engine_options: dict | None = None,
+        show_thinking: bool | None = None) -> None:
+    """`qwenrt run`: stream one answer to stdout (the reasoning where `reasoning_destination` says); load progress
+    and a stats line go to stderr."""
+    began = time.perf_counter()
     if prompt == "-":
         try:
             prompt = sys.stdin.read()
@@ -144,15 +227,19 @@ def run(source: str | None, prompt: str, *, raw: bool, system: str | None, think
         raise QwenrtError("--image/--video need the chat template; drop --raw")
     path = check_options(source, sampling, device, dtype, max_context,
                          [("image", i) for i in images] + [("video", v) for v in videos])
+    checked = time.perf_counter()
     model, tokenizer = load_for_cli(source, path, dtype, device, check_finite, engine_options)
-    if tokenizer is None:
-        raise QwenrtError(f"{source}: the checkpoint has no tokenizer.json; text prompts need one")
+    loaded = time.perf_counter()
     params = sampling_params(sampling, tokenizer)
+    log.detail(describe_sampling(params))
     if not raw:
         prompt = ([{"role": "system", "content": system}] if system else []) + [user_message(prompt, images, videos)]
-    last = _stream(model, tokenizer, prompt, params, thinking, prefill_chunk, max_context, [])
+    last = _stream(model, tokenizer, prompt, params, thinking, prefill_chunk, max_context, [], show_thinking)
     sys.stdout.write("\n")
-    print(stats_line(last), file=sys.stderr)
+    log.info(stats_line(last))
+    done = time.perf_counter()
+    log.detail(f"time: checks {checked - began:.2f} s, load {loaded - checked:.2f} s, answer {done - loaded:.2f} s, "
+               f"total {done - began:.2f} s")
 
 
 CHAT_HELP = "commands: /reset (forget the conversation), /thinking on|off, /exit (or Ctrl-D); Ctrl-C stops an answer"
@@ -160,18 +247,17 @@ CHAT_HELP = "commands: /reset (forget the conversation), /thinking on|off, /exit
 
 def chat(source: str | None, *, system: str | None, thinking: bool | None, dtype: str, device: str,
          prefill_chunk: int | None, max_context: int | None, sampling: dict, check_finite: bool = True,
-         engine_options: dict | None = None) -> None:
+         engine_options: dict | None = None, show_thinking: bool | None = None) -> None:
     """`qwenrt chat`: a multi-turn session on the terminal; each turn reuses what the previous ones computed."""
     path = check_options(source, sampling, device, dtype, max_context)
     model, tokenizer = load_for_cli(source, path, dtype, device, check_finite, engine_options)
-    if tokenizer is None:
-        raise QwenrtError(f"{source}: the checkpoint has no tokenizer.json; chat needs one")
     params = sampling_params(sampling, tokenizer)
+    log.detail(describe_sampling(params))
     start = [{"role": "system", "content": system}] if system else []
     history = list(start)
     if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is refused as a turn, not fatal to the session
         sys.stdin.reconfigure(errors="surrogateescape")
-    print(CHAT_HELP, file=sys.stderr)
+    log.info(CHAT_HELP)
     while True:
         try:
             line = input(">>> ")
@@ -204,7 +290,8 @@ def chat(source: str | None, *, system: str | None, thinking: bool | None, dtype
         history.append({"role": "user", "content": line})
         parts, last, interrupted = [], None, False
         try:
-            last = _stream(model, tokenizer, history, params, thinking, prefill_chunk, max_context, parts)
+            last = _stream(model, tokenizer, history, params, thinking, prefill_chunk, max_context, parts,
+                           show_thinking)
         except KeyboardInterrupt:
             interrupted = True
         except QwenrtError as e:  # e.g. the conversation outgrew the context: the session goes on
@@ -215,7 +302,7 @@ def chat(source: str | None, *, system: str | None, thinking: bool | None, dtype
         if interrupted:
             print("[stopped]", file=sys.stderr)
         elif last is not None:
-            print(stats_line(last), file=sys.stderr)
+            log.info(stats_line(last))
         # keep what was said, reasoning apart, so the template can drop old thinking as it should
         prompt_text = tokenizer.apply_chat_template(history, add_generation_prompt=True, enable_thinking=thinking)
         parsed = parse_completion("".join(parts), prompt_text.rstrip().endswith("<think>"))

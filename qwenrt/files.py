@@ -87,6 +87,14 @@ def read_json(path: Path, limit: int = JSON_LIMIT, what: str = "file", expect=di
     return value
 
 
+def not_a_directory(path: Path) -> QwenrtError:
+    """The error for a model path that is not a checkpoint directory; a GGUF file is named as such."""
+    if path.suffix.lower() == ".gguf":
+        return QwenrtError(f"{path}: GGUF files are not supported yet; qwenrt loads safetensors checkpoints (a Hugging "
+                           "Face model directory, or a hub repo id like Qwen/Qwen3.5-0.8B)")
+    return QwenrtError(f"{path}: not a directory")
+
+
 def _blob_store(root: Path) -> Path | None:
     """`<repo>/blobs` when the real path `root` is `<repo>/snapshots/<rev>` and that `blobs` is a real directory (not a
     link); None otherwise. Every part of `root` is real, so the repo is the one that truly holds the snapshot."""
@@ -106,7 +114,7 @@ class CheckpointDir:
         self.path = Path(path)
         try:
             if not self.path.is_dir():
-                raise QwenrtError(f"{self.path}: not a directory")
+                raise not_a_directory(self.path)
             self.root = self.path.resolve(strict=True)
             os.listdir(self.root)
             self.blobs = _blob_store(self.root)

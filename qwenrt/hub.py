@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from qwenrt.errors import QwenrtError
+from qwenrt.files import not_a_directory
 from qwenrt.validation import check_path
 
 REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -26,10 +27,10 @@ def resolve_model_path(source: str | Path, revision: str | None = None) -> Path:
         raise QwenrtError(f"{source}: {e}") from None
     except OSError as e:  # e.g. a path through an unreadable directory, a name too long
         raise QwenrtError(f"{path}: {e.strerror or e}") from None
-    if exists:
-        if not path.is_dir():
-            raise QwenrtError(f"{path}: not a directory")
+    if exists and path.is_dir():
         return path
+    if exists or path.suffix.lower() == ".gguf":  # a .gguf name is a file to refuse, never a hub repo id
+        raise not_a_directory(path)
     name = str(source)
     if not REPO_ID.match(name) or name.startswith((".", "/", "~")):
         raise QwenrtError(f"{name}: no such directory (and not a hub repo id like 'Qwen/Qwen3.5-0.8B')")

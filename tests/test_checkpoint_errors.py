@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 import qwenrt
 from qwenrt.cli import main
 from qwenrt.errors import QwenrtError
+from qwenrt.files import CheckpointDir
 from qwenrt.inspect import inspect_checkpoint
 from qwenrt.loader import load_model
 from qwenrt.tokenizer import Tokenizer, load_tokenizer
@@ -106,6 +107,17 @@ def test_no_weights_and_no_config(tmp_path, ckpt):
     expect_error(tmp_path / "nowhere", "no such directory")
     (tmp_path / "empty").mkdir()
     expect_error(tmp_path / "empty", "no config.json")
+
+
+def test_a_gguf_file_is_named_as_not_supported_yet(tmp_path):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(28))
+    for path in (gguf, tmp_path / "Missing.GGUF", "org/model.gguf"):  # the last is no hub repo id to download
+        expect_error(path, f"{path}: GGUF files are not supported yet; qwenrt loads safetensors checkpoints")
+    with pytest.raises(QwenrtError, match="GGUF files are not supported yet"):
+        inspect_checkpoint(gguf)
+    with pytest.raises(QwenrtError, match="GGUF files are not supported yet"):
+        CheckpointDir(gguf)  # where a directory is opened without resolving a source first
 
 
 @pytest.mark.parametrize("changes, fragments", [

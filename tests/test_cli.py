@@ -1,13 +1,21 @@
-"""`qwenrt run` and `qwenrt chat` end to end, in subprocesses."""
+"""`qwenrt run` and `qwenrt chat` end to end, in subprocesses (in-process where only their output is checked), and
+how the answer and the reasoning are written."""
 
+import io
 import json
 import os
+import socket
 import subprocess
 import sys
+from unittest import mock
 
 import jsonschema
 
 import qwenrt
+from qwenrt import log
+from qwenrt.cli import main
+from qwenrt.console import DIM, RESET, THINKING_CLOSE, THINKING_OPEN, AnswerWriter, reasoning_destination
+from qwenrt.default_model import default_model_path
 from qwenrt.kernels import kernel_path
 
 
@@ -93,11 +101,12 @@ def test_run_with_an_image(vlm_chat, tmp_path):
     model, tok, _, path = vlm_chat
     image = tmp_path / "a.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8)).save(image)
-    run = qwenrt_cli("run", path, "describe this", "--image", image, "-n", 6, "--temp", 0, "--dtype", "float32")
+    run = qwenrt_cli("run", path, "describe this", "--image", image, "-n", 6, "--temp", 0, "--dtype", "float32",
+                     "--no-thinking")  # all of the output is the answer, on stdout
     assert run.returncode == 0, run.stderr
     messages = [{"role": "user", "content": [{"type": "image", "image": str(image)},
                                              {"type": "text", "text": "describe this"}]}]
-    assert run.stdout == qwenrt.generate(model, tok, messages, max_tokens=6) + "\n"
+    assert run.stdout == qwenrt.generate(model, tok, messages, max_tokens=6, enable_thinking=False) + "\n"
     bad = qwenrt_cli("run", path, "describe this", "--image", tmp_path / "nope.png")
     assert bad.returncode == 1 and "nope.png" in bad.stderr and "Traceback" not in bad.stderr
 
@@ -132,3 +141,92 @@ def test_chat_ctrl_c_stops_the_answer_not_the_session(chat_ckpt):
     text = "".join(err)
     assert chat.returncode == 0, text
     assert "[stopped]" in text and "Traceback" not in text
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def written(thinking_started, text: str, reasoning_to, out=None) -> str:
+    """What AnswerWriter puts on stdout (`out`) for `text` streamed one character at a time (tags split across
+    deltas)."""
+    out = out if out is not None else io.StringIO()
+    with mock.patch.object(sys, "stdout", out):
+        writer = AnswerWriter(thinking_started, reasoning_to)
+        for i, char in enumerate(text):
+            writer.write(char, final=i == len(text) - 1)
+    return out.getvalue()
+
+
+def test_the_answer_writer_sets_the_reasoning_apart(monkeypatch):
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+    text = "7+5=12\n</think>\n\n512"
+    aside = io.StringIO()
+    assert written(True, text, aside) == "512"
+    assert aside.getvalue() == f"{THINKING_OPEN}\n7+5=12\n{THINKING_CLOSE}\n\n"
+    assert written(True, text, None) == "512"  # --hide-thinking
+    terminal = Terminal()
+    styled = written(True, text, terminal, terminal)  # a terminal: the same lines, dimmed, then the answer undimmed
+    assert styled.replace(DIM, "").replace(RESET, "") == f"{THINKING_OPEN}\n7+5=12\n{THINKING_CLOSE}\n\n512"
+    assert styled.startswith(DIM) and styled.count(DIM) == styled.count(RESET) and styled.endswith(RESET + "512")
+    monkeypatch.setenv("NO_COLOR", "1")
+    plain = Terminal()
+    assert DIM not in written(True, text, plain, plain)
+    assert written(False, "no thinking</think> here", aside) == "no thinking</think> here"  # thinking off
+    assert written(None, "<think>raw</think>", aside) == "<think>raw</think>"  # --raw: as generated
+    cut = io.StringIO()
+    assert written(True, "cut off while thi", cut) == ""  # max_tokens inside the reasoning: its block still closes
+    assert cut.getvalue() == f"{THINKING_OPEN}\ncut off while thi\n{THINKING_CLOSE}\n\n"
+
+
+def test_where_the_reasoning_goes(monkeypatch):
+    monkeypatch.setattr(log, "_level", log.NORMAL)
+    for stdout, default in ((Terminal(), "stdout"), (io.StringIO(), "stderr")):
+        monkeypatch.setattr(sys, "stdout", stdout)
+        assert reasoning_destination(None) is getattr(sys, default)
+        assert reasoning_destination(True) is sys.stdout and reasoning_destination(False) is None
+    monkeypatch.setattr(log, "_level", log.QUIET)
+    assert reasoning_destination(None) is None and reasoning_destination(True) is sys.stdout
+
+
+def test_run_prints_the_answer_alone_into_a_pipe(capsys, monkeypatch):
+    """In-process (stdout captured: not a terminal). The reasoning goes to stderr, marked; -q leaves stderr empty;
+    -v adds the setup and the phases' times."""
+    monkeypatch.setattr(log, "_level", log.NORMAL)  # main sets it; restored after the test
+    question = "What is 127 + 385?"
+    done = qwenrt.complete(*qwenrt.load(), [{"role": "user", "content": question}], temperature=0, max_tokens=512)
+    assert done.reasoning and done.content == "127 + 385 = 512"
+    block = f"{THINKING_OPEN}\n{done.reasoning}\n{THINKING_CLOSE}\n\n"
+    assert main(["run", question, "--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert out == done.content + "\n" and block in err and "</think>" not in err
+    assert main(["run", question, "--temperature", "0", "-q", "--show-thinking"]) == 0
+    assert capsys.readouterr() == (block + done.content + "\n", "")
+    assert main(["run", question, "--temperature", "0", "-v", "--hide-thinking"]) == 0
+    out, err = capsys.readouterr()
+    assert out == done.content + "\n" and THINKING_OPEN not in err
+    for line in (f"checkpoint: {default_model_path()}\n", "device: cpu, ", "sampling: max_tokens 512, temperature 0.0\n",
+                 "time: checks "):
+        assert line in err, err
+
+
+def test_serve_quiet_says_nothing_but_errors(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve = qwenrt_cli("serve", tmp_path / "missing", "-q", "--port", port)
+    assert serve.returncode == 1
+    lines = serve.stderr.splitlines()
+    assert lines and all(line.startswith("qwenrt: error: ") and "no such directory" in line for line in lines), lines
+
+
+def test_chat_quiet_prints_the_answers_alone(chat_ckpt, chat_model, capsys, monkeypatch):
+    model, tok, _ = chat_model
+    monkeypatch.setattr(log, "_level", log.NORMAL)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\n/exit\n"))
+    assert main(["chat", str(chat_ckpt[0]), "-n", "3", "--temp", "0", "--dtype", "float32", "--no-thinking",
+                 "-q"]) == 0
+    answer = qwenrt.generate(model, tok, [{"role": "user", "content": "Hello"}], max_tokens=3, enable_thinking=False)
+    assert capsys.readouterr() == (f">>> {answer}\n>>> ", "")

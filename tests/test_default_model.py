@@ -3,6 +3,7 @@ quality bars on held-out prompts (greedy, fixed seeds), and the default everywhe
 
 import functools
 import json
+import re
 import subprocess
 import sys
 
@@ -119,6 +120,23 @@ def test_arithmetic_on_held_out_operands(tiny, family, thinking):
     assert answer_accuracy(*tiny, tasks, thinking) >= 0.95
 
 
+def test_the_quality_report_shows_its_progress(monkeypatch, capsys):
+    """`python -m qwenrt.tiny.evaluate` takes minutes: a bar on stderr steps once per figure, naming it."""
+    from qwenrt.tiny import evaluate
+
+    assert list(evaluate._figures(None, None, 4, SEED)) == [
+        f"{family} {mode}" for mode in ("direct", "thinking") for family in ("add", "sub", "tool", "sort", "copy")
+    ] + ["mtp agreement", "mtp agreement 2", "mtp agreement 3"]
+    monkeypatch.setattr(qwenrt, "load", lambda path: (None, None))
+    monkeypatch.setattr(evaluate, "_figures", lambda *_: {"add": lambda: {"add": 1.0},
+                                                          "tool": lambda: {"tool call": 0.5, "tool answer": 0.25}})
+    assert evaluate.quality_report("unused", progress=True) == {"add": 1.0, "tool call": 0.5, "tool answer": 0.25}
+    err = capsys.readouterr().err
+    assert "evaluating: 100%" in err and "2/2" in err and "tool" in err
+    evaluate.quality_report("unused")
+    assert capsys.readouterr().err == ""
+
+
 def _operands(task):
     a, op, b = task.answer.split(" = ")[0].split()
     return int(a), op, int(b)
@@ -150,8 +168,8 @@ def test_cli_uses_the_builtin_model_by_default():
     run = subprocess.run([sys.executable, "-m", "qwenrt", "run", "What is 127 + 385?"], capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    reasoning, answer = run.stdout.split("</think>")
-    assert "7+5=12, carry 1" in reasoning and answer.strip() == "127 + 385 = 512"
+    assert run.stdout == "127 + 385 = 512\n"  # into a pipe the answer alone; the reasoning on stderr
+    assert "Thinking...\n7+5=12, carry 1: 2\n" in run.stderr and "\n...done thinking.\n" in run.stderr
     assert f"the built-in model {DEFAULT_MODEL}" in run.stderr
 
 
@@ -160,7 +178,7 @@ def test_server_uses_the_builtin_model_by_default(tmp_path):
 
     from tests.server_process import ServerProcess
 
-    server = ServerProcess(None, tmp_path / "serve.log")
+    server = ServerProcess(None, tmp_path / "serve.log", "-v")
     try:
         assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == [DEFAULT_MODEL]
         body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "What is 127 + 385?"}],
@@ -170,7 +188,9 @@ def test_server_uses_the_builtin_model_by_default(tmp_path):
         assert "2+8+1=11" in message["reasoning_content"] and message["content"] == "127 + 385 = 512"
     finally:
         server.stop()
-    assert f"the built-in model {DEFAULT_MODEL}" in (tmp_path / "serve.log").read_text()
+    log = (tmp_path / "serve.log").read_text()
+    assert f"the built-in model {DEFAULT_MODEL}" in log
+    assert f"\ncheckpoint: {PATH}\n" in log and re.search(r"\nengine: \d+ tokens per step, prefix cache ", log)  # -v
 
 
 def test_out_of_scope_gets_a_refusal(tiny):

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from PIL import Image
 
 from qwenrt.cli import main
 from qwenrt.convert import quantize_checkpoint
@@ -120,6 +121,42 @@ def early(capsys, *args) -> str:
 def test_options_are_refused_before_loading(capsys, tmp_path, args, fragment):
     err = early(capsys, "run", tmp_path / "not-loaded", "hi", *args)
     assert fragment in err
+
+
+def test_a_missing_tokenizer_media_on_a_text_model_and_gguf_are_refused_before_loading(capsys, dense_ckpt, chat_ckpt,
+                                                                                      tmp_path):
+    image, gguf = tmp_path / "a.png", tmp_path / "model.gguf"
+    Image.new("RGB", (8, 8)).save(image)
+    gguf.write_bytes(b"GGUF" + bytes(28))
+    assert f"{dense_ckpt[0]}: the checkpoint has no tokenizer.json" in early(capsys, "run", dense_ckpt[0], "hi")
+    assert "has no tokenizer.json" in early(capsys, "chat", dense_ckpt[0])
+    for media in ("--image", "--video"):
+        err = early(capsys, "run", chat_ckpt[0], "hi", media, image)
+        assert "a text-only model (no vision_config in config.json); --image/--video need" in err
+    assert f"{gguf}: GGUF files are not supported yet" in early(capsys, "run", gguf, "hi")
+
+
+@pytest.mark.parametrize("args, start, guess", [
+    (["rn", "hi"], "qwenrt: error: argument verb: invalid choice: 'rn' (choose from ", "run"),
+    (["run", "hi", "--temprature", "0"], "qwenrt run: error: unrecognized arguments: --temprature 0", "--temperature"),
+    (["chat", "--hide-thinkng"], "qwenrt chat: error: unrecognized arguments: --hide-thinkng", "--hide-thinking"),
+    (["bench", "--prompt-lenn=8"], "qwenrt bench: error: unrecognized arguments: --prompt-lenn=8", "--prompt-len"),
+    (["serve", "--log-level", "debgu"], "qwenrt serve: error: argument --log-level: invalid choice: 'debgu' ", "debug"),
+])
+def test_a_mistyped_verb_or_option_gets_a_suggestion_on_one_line(capsys, args, start, guess):
+    with pytest.raises(SystemExit) as done:
+        main(args)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(start) and err.endswith(f"; did you mean {guess}?\n"), err
+
+
+def test_an_unknown_option_with_nothing_close_gets_the_verbs_usage(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["run", "hi", "--bogus"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.startswith("usage: qwenrt run ") and "did you mean" not in err
+    assert err.endswith("qwenrt run: error: unrecognized arguments: --bogus\n")
 
 
 class LibrarySpy:

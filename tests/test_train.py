@@ -257,6 +257,13 @@ def test_learning_rate_warms_up_holds_then_decays():
     assert all(b < a for a, b in zip(decay, decay[1:])) and lr_at(100, cfg) == pytest.approx(0.1)
 
 
+def test_the_default_warm_up_is_a_tenth_of_the_steps_at_most_50():
+    assert [TrainConfig(out="unused", data=[], steps=steps).warmup for steps in (5, 200, 1000, 5000)] == [0, 20, 50, 50]
+    short = TrainConfig(out="unused", data=[], steps=5, lr=1.0, min_lr_ratio=0.1)
+    assert lr_at(0, short) == 1.0 and lr_at(4, short) < 1.0  # a 5-step fine-tune starts at its learning rate
+    assert TrainConfig(out="unused", data=[], steps=5, warmup=3).warmup == 3
+
+
 def test_bad_training_settings_get_one_line_errors(capsys, tmp_path):
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in conversations(4, 4)))
@@ -288,12 +295,34 @@ def test_train_command_on_jsonl(quick, tmp_path, capsys):
     assert err.count("\n") == 0 and "no assistant message" in err
 
 
+def test_training_into_a_model_needs_overwrite_or_resume(small_data, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    runs = []
+    monkeypatch.setattr("qwenrt.train.train", lambda cfg: runs.append(cfg) or {"steps": cfg.steps, "seconds": 0.0,
+                                                                                  "tokens": 0, "history": []})
+    monkeypatch.setattr("qwenrt.tiny.recipe.build", lambda out, recipe, progress: runs.append(recipe) or {
+        "steps": recipe.steps, "seconds": 0.0, "tokens": 0, "history": []})
+    refusal = (f"qwenrt: error: {out} already holds a model (config.json); pass --overwrite to replace it, or --resume "
+               "to continue its training\n")
+    for args in (["--data", str(small_data), "--steps", "2"], ["--recipe", "tiny"]):
+        assert main(["train", str(out), *args]) == 1
+        assert capsys.readouterr().err == refusal and not runs
+    for flag in ("--overwrite", "--resume"):
+        assert main(["train", str(out), "--data", str(small_data), "--steps", "2", flag, "-q"]) == 0
+    assert main(["train", str(out), "--recipe", "tiny", "--steps", "2", "--overwrite"]) == 0
+    assert [run.steps for run in runs] == [2, 2, 2] and runs[1].resume
+    assert [run.progress for run in runs[:2]] == [False, False]  # -q: no progress bar
+    assert capsys.readouterr().err == ""
+
+
 def test_recipe_steps_shorten_the_copying_phase_alike(monkeypatch, tmp_path, capsys):
     """`qwenrt train --recipe tiny --steps N`: the run still opens with the recipe's share of copying, then the
     mix (not N steps of copying alone)."""
     built = []
 
-    def build(out, recipe):
+    def build(out, recipe, progress=True):
         built.append(recipe)
         return {"steps": recipe.steps, "seconds": 0.0, "tokens": 0, "history": []}
 

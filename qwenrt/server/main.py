@@ -6,10 +6,10 @@ import argparse
 import math
 import os
 import re
-import sys
 import time
 from pathlib import Path
 
+from qwenrt import log
 from qwenrt.default_model import DEFAULT_MODEL, resolve_model
 from qwenrt.errors import QwenrtError
 from qwenrt.units import add_speculative_option, parse_size
@@ -23,7 +23,7 @@ def load_engine(args):
     from qwenrt.loader import load
 
     start = time.perf_counter()
-    model, tokenizer = load(args.model, dtype=args.dtype, quantize=args.quantize, progress=True)
+    model, tokenizer = load(args.model, dtype=args.dtype, quantize=args.quantize, progress=log.shows_progress())
     if args.tokenizer is not None:
         from qwenrt.hub import resolve_model_path
         from qwenrt.tokenizer import load_tokenizer
@@ -49,12 +49,25 @@ def load_engine(args):
     running = engine.scheduler.config.max_running
     at_once = min(running, engine.memory_budget // full)
     note = "" if at_once == running else " (lower --max-model-len, or give max_tokens, for more)"
-    print(f"loaded {args.model or DEFAULT_MODEL} ({model.dtype}{', ' + args.quantize if args.quantize else ''}) in "
-          f"{time.perf_counter() - start:.1f} s; context {engine.max_model_len} tokens; cache budget "
-          f"{_size(engine.memory_budget)}, {_size(full)} per request at the full context (one without max_tokens): "
-          f"{at_once} such requests run at once{note}, up to --max-running {running} in all", file=sys.stderr,
-          flush=True)
+    log.info(f"loaded {args.model or DEFAULT_MODEL} ({model.dtype}{', ' + args.quantize if args.quantize else ''}) in "
+             f"{time.perf_counter() - start:.1f} s; context {engine.max_model_len} tokens; cache budget "
+             f"{_size(engine.memory_budget)}, {_size(full)} per request at the full context (one without max_tokens): "
+             f"{at_once} such requests run at once{note}, up to --max-running {running} in all")
+    _describe_setup(model, engine)
     return engine
+
+
+def _describe_setup(model, engine) -> None:
+    """-v: where the model came from and how the engine runs it."""
+    import torch
+
+    from qwenrt.engine.core import _size
+
+    prefix = _size(engine.prefix_cache.budget) if engine.prefix_cache is not None else "off"
+    log.detail(f"checkpoint: {model.checkpoint_path}")
+    log.detail(f"device: {model.device}, {torch.get_num_threads()} torch threads")
+    log.detail(f"engine: {engine.scheduler.config.max_batched_tokens} tokens per step, prefix cache {prefix}, "
+               f"speculative tokens {engine.speculative_tokens}")
 
 
 def serve(args) -> None:
@@ -88,12 +101,12 @@ def serve(args) -> None:
     if limits.max_request_bytes < 1:
         raise QwenrtError(f"--max-request-bytes must be at least 1 byte, got {args.max_request_bytes!r}")
     app = create_app(config, lambda: load_engine(args), on_load_failed=stop, limits=limits)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    log_level = args.log_level or ("info" if log.shows_progress() else "warning")
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level,
                                            access_log=not args.disable_uvicorn_access_log,
                                            timeout_graceful_shutdown=5, http=guarded_protocol(limits),
                                            timeout_keep_alive=args.timeout_keep_alive))
-    print(f"qwenrt serve: http://{args.host}:{args.port} (loading {name}; /health answers 200 when ready)",
-          file=sys.stderr, flush=True)
+    log.info(f"qwenrt serve: http://{args.host}:{args.port} (loading {name}; /health answers 200 when ready)")
     server.run()
     state = app.state.qwenrt
     if state.load_error is not None:
@@ -165,6 +178,8 @@ def add_parser(verbs) -> None:
                         "open-file limit when that is lower)")
     p.add_argument("--timeout-keep-alive", type=_positive(float), default=5.0, metavar="SECONDS",
                    help="an idle keep-alive connection is closed after this many seconds (default 5)")
-    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level (default: info; warning with -q)")
+    log.add_options(p)
     p.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per request")
     p.set_defaults(run=lambda args: serve(args))

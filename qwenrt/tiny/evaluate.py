@@ -1,6 +1,6 @@
 """Quality figures of a model trained on the built-in tasks, on held-out prompts (greedy, fixed seeds).
 
-    python -m qwenrt.tiny.evaluate [CKPT] [--n 200] [--quant]
+    python -m qwenrt.tiny.evaluate [CKPT] [--n 200] [--quant]    (a progress bar on stderr, the JSON on stdout)
 
 arithmetic: exact answers to addition / subtraction of held-out operand pairs, thinking on and off (without
 thinking the reply's last paragraph is the answer, after the working);
@@ -16,13 +16,19 @@ import argparse
 import json
 import re
 import sys
+from functools import partial
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
+from qwenrt.quant import QuantSpec
 from qwenrt.tiny.tasks import TOOLS, Task, quality_tasks, run_tool
 
 GREEDY = {"temperature": 0.0}
+MODES = {False: "direct", True: "thinking"}
+QUANT_SPECS = (("bf16", None), ("int8", QuantSpec(8)), ("int4 g32", QuantSpec(4, 32)), ("int4 g64", QuantSpec(4, 64)),
+               ("int4 g128", QuantSpec(4, 128)))
 
 
 def _complete(model, tokenizer, prompts, thinking: bool, tools=None, max_tokens: int = 200):
@@ -116,47 +122,74 @@ def mean_kl(model, reference, tokenizer, tasks: list[Task], thinking: bool) -> f
     return total / max(count, 1)
 
 
-def quality_report(path, n: int = 200, seed: int = 1234, quant: bool = False) -> dict:
-    """Every figure above for the checkpoint at `path` (bf16 weights as stored; fp32 compute for the MTP head)."""
+def quality_report(path, n: int = 200, seed: int = 1234, quant: bool = False, progress: bool = False) -> dict:
+    """Every figure above for the checkpoint at `path` (bf16 weights as stored; fp32 compute for the MTP head);
+    `progress`: a bar on stderr, a step per figure (per configuration for the quant figures)."""
     import qwenrt
-    from qwenrt.mtp import load_mtp_head
 
     model, tokenizer = qwenrt.load(path)
+    figures = _figures(model, tokenizer, n, seed)
     report = {}
-    for thinking in (False, True):
-        mode = "thinking" if thinking else "direct"
-        for family in ("add", "sub"):
-            report[f"{family} {mode}"] = answer_accuracy(model, tokenizer, quality_tasks(family, n, seed), thinking)
-        tools = quality_tasks("calculator", n // 2, seed) + quality_tasks("capital", n // 2, seed)
-        for key, value in tool_quality(model, tokenizer, tools, thinking).items():
-            report[f"tool {key} {mode}"] = value
-        for family in ("sort", "copy"):
-            report[f"{family} {mode}"] = answer_accuracy(model, tokenizer, quality_tasks(family, n, seed), thinking)
-    mtp = load_mtp_head(model)
-    mixed = quality_tasks("add", n // 4, seed) + quality_tasks("sub", n // 4, seed)
-    for depth in (1, 2, 3):
-        report["mtp agreement" + (f" {depth}" if depth > 1 else "")] = (
-            mtp_agreement(model, mtp, tokenizer, mixed, False, depth)
-            + mtp_agreement(model, mtp, tokenizer, mixed, True, depth)) / 2
-    if quant:
-        report["quant"] = quant_report(path, n, seed)
+    with tqdm(total=len(figures) + (len(QUANT_SPECS) if quant else 0), desc="evaluating", unit="figure",
+              disable=not progress, file=sys.stderr) as bar:
+        for name, figure in figures.items():
+            bar.set_postfix_str(name)
+            report.update(figure())
+            bar.update()
+        if quant:
+            report["quant"] = quant_report(path, n, seed, bar)
     return report
 
 
-def quant_report(path, n: int, seed: int) -> dict:
+def _figures(model, tokenizer, n: int, seed: int) -> dict:
+    """name -> a function computing that figure's entries of the report, in the report's order."""
+    figures = {}
+    for thinking in (False, True):
+        for family in ("add", "sub", "tool", "sort", "copy"):
+            figures[f"{family} {MODES[thinking]}"] = partial(_task_figure, model, tokenizer, family, thinking, n, seed)
+    for depth in (1, 2, 3):
+        figures[_mtp_name(depth)] = partial(_mtp_figure, model, tokenizer, depth, n, seed)
+    return figures
+
+
+def _task_figure(model, tokenizer, family: str, thinking: bool, n: int, seed: int) -> dict:
+    mode = MODES[thinking]
+    if family == "tool":
+        tools = quality_tasks("calculator", n // 2, seed) + quality_tasks("capital", n // 2, seed)
+        return {f"tool {key} {mode}": value for key, value in tool_quality(model, tokenizer, tools, thinking).items()}
+    return {f"{family} {mode}": answer_accuracy(model, tokenizer, quality_tasks(family, n, seed), thinking)}
+
+
+def _mtp_figure(model, tokenizer, depth: int, n: int, seed: int) -> dict:
+    from qwenrt.mtp import load_mtp_head
+
+    mtp = load_mtp_head(model)
+    mixed = quality_tasks("add", n // 4, seed) + quality_tasks("sub", n // 4, seed)
+    agreement = (mtp_agreement(model, mtp, tokenizer, mixed, False, depth)
+                 + mtp_agreement(model, mtp, tokenizer, mixed, True, depth)) / 2
+    return {_mtp_name(depth): agreement}
+
+
+def _mtp_name(depth: int) -> str:
+    return "mtp agreement" + (f" {depth}" if depth > 1 else "")
+
+
+def quant_report(path, n: int, seed: int, bar: tqdm | None = None) -> dict:
     """Per quantization: held-out accuracy (add/sub, thinking on) and mean KL against the bf16 model's greedy
-    answers."""
+    answers. `bar` steps once per configuration."""
     import qwenrt
-    from qwenrt.quant import QuantSpec
 
     reference, tokenizer = qwenrt.load(path, dtype="bfloat16")
     tasks = quality_tasks("add", n // 2, seed) + quality_tasks("sub", n // 2, seed)
     out = {}
-    for name, spec in (("bf16", None), ("int8", QuantSpec(8)), ("int4 g32", QuantSpec(4, 32)),
-                       ("int4 g64", QuantSpec(4, 64)), ("int4 g128", QuantSpec(4, 128))):
+    for name, spec in QUANT_SPECS:
+        if bar is not None:
+            bar.set_postfix_str(f"quant {name}")
         model = reference if spec is None else qwenrt.load(path, dtype="bfloat16", quantize=spec)[0]
         out[name] = {"accuracy": answer_accuracy(model, tokenizer, tasks, True),
                      "kl": mean_kl(model, reference, tokenizer, tasks[: n // 4], True)}
+        if bar is not None:
+            bar.update()
     return out
 
 
@@ -169,7 +202,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--quant", action="store_true", help="also int8 / int4 accuracy and KL against bf16")
     args = p.parse_args()
-    report = quality_report(args.checkpoint or default_model_path(), args.n, args.seed, args.quant)
+    report = quality_report(args.checkpoint or default_model_path(), args.n, args.seed, args.quant, progress=True)
     json.dump(report, sys.stdout, indent=2)
     print()
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from qwenrt import log
 from qwenrt.errors import QwenrtError
 from qwenrt.files import read_json
+from qwenrt.train.checkpoints import check_no_model
 from qwenrt.train.trainer import TrainConfig, train
 
 __all__ = ["TrainConfig", "train", "train_command"]
@@ -18,19 +20,23 @@ __all__ = ["TrainConfig", "train", "train_command"]
 
 def train_command(out: str, recipe: str | None = None, **options) -> str:
     """`qwenrt train`: a recipe (the built-in model, rebuilt from scratch) or a training run on given data.
-    Returns the closing summary line."""
+    Returns the closing summary line. OUT holding a model is refused unless `overwrite` or `resume`; progress
+    shows unless -q (`qwenrt.log`)."""
+    if not (options.pop("overwrite", False) or options.get("resume")):
+        check_no_model(Path(out))
+    progress = log.shows_progress()
     if recipe is not None:
         from qwenrt.tiny.recipe import Recipe, build
 
         unknown = set(options) - {"steps", "seed", "threads"}
         if unknown:
-            raise QwenrtError(f"--recipe takes only --steps, --seed and --threads, not "
+            raise QwenrtError(f"--recipe takes only --steps, --seed, --threads and --overwrite, not "
                               f"--{', --'.join(sorted(unknown))}")
         full = Recipe()
         if "steps" in options:  # shortened: the same share of the run copies first, and the head's stage alike
             options["copy_steps"] = full.copy_steps * options["steps"] // full.steps
             options["mtp_steps"] = max(1, full.mtp_steps * options["steps"] // full.steps)
-        summary = build(out, replace(full, **options))
+        summary = build(out, replace(full, **options), progress)
     else:
         if "data" not in options:
             raise QwenrtError("qwenrt train needs --data (or --recipe tiny)")
@@ -40,7 +46,7 @@ def train_command(out: str, recipe: str | None = None, **options) -> str:
             options["init"] = str(default_model_path())
         if "model_config" in options:
             options["model_config"] = read_json(Path(options["model_config"]), what="model config")
-        summary = train(TrainConfig(out=out, **options))
+        summary = train(TrainConfig(out=out, progress=progress, **options))
     last = summary["history"][-1] if summary["history"] else {}
     figures = ", ".join(f"{k} {v:.4f}" for k, v in last.items() if k.startswith("eval"))
     return (f"trained {summary['steps']} steps in {summary['seconds']:.0f} s ({summary['tokens']} tokens)"

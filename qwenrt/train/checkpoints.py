@@ -115,6 +115,23 @@ def prepare_output(out: Path, files: tuple[str, ...] = ()) -> Path:
     return out
 
 
+def check_no_model(out: Path) -> None:
+    """Refuse to train into a directory that already holds a model (its config.json or weights as files), which the
+    run would replace: `qwenrt train` asks for --overwrite (or --resume, to continue that directory's run)."""
+    held = [name for name in ("config.json", "model.safetensors") if _is_file(Path(out) / name)]
+    if held:
+        raise QwenrtError(f"{out} already holds a model ({held[0]}); pass --overwrite to replace it, or --resume to "
+                          "continue its training")
+
+
+def _is_file(path: Path) -> bool:
+    """A regular file, not through a link (anything else at a checkpoint's name `prepare_output` refuses)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _keeps_fp32(name: str) -> bool:
     # norms, A_log and dt_bias are small and precision-critical; published checkpoints keep some of them in fp32 too
     return name.endswith(("A_log", "dt_bias")) or "norm" in name

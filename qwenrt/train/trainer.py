@@ -51,7 +51,7 @@ class TrainConfig:
     micro_batch_tokens: int = 4096  # gradients accumulate over micro-batches of at most this many padded tokens
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup: int = 50
+    warmup: int | None = None  # default: a tenth of the steps, at most 50 (a short fine-tune still reaches lr)
     hold: int = 0  # steps at the peak learning rate after the warm-up, before the cosine decay begins
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
@@ -79,6 +79,8 @@ class TrainConfig:
         for name in counts:
             if getattr(self, name) < 1:
                 raise QwenrtError(f"training: {name} must be at least 1, not {getattr(self, name)}")
+        if self.warmup is None:
+            self.warmup = min(50, self.steps // 10)
         if self.threads is not None and self.threads < 1:
             raise QwenrtError(f"training: threads must be at least 1, not {self.threads}")
         checks = {"lr": self.lr > 0, "warmup": self.warmup >= 0, "hold": self.hold >= 0,
