@@ -68,7 +68,7 @@ def listen(host: str, port: int) -> socket.socket:
     and uvicorn is handed this socket, so nothing can take the port in between."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait out TIME_WAIT
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait
         sock.bind((host, port))
         sock.listen()
     except OverflowError:
