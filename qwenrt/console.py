@@ -10,6 +10,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from qwenrt import log
+from qwenrt.chat_session import Session, run as run_session
 from qwenrt.constraints import MAX_SOURCE_CHARS
 from qwenrt.default_model import resolve_model
 from qwenrt.errors import QwenrtError
@@ -242,71 +243,39 @@ def run(source: str | None, prompt: str, *, raw: bool, system: str | None, think
                f"total {done - began:.2f} s")
 
 
-CHAT_HELP = "commands: /reset (forget the conversation), /thinking on|off, /exit (or Ctrl-D); Ctrl-C stops an answer"
-
-
 def chat(source: str | None, *, system: str | None, thinking: bool | None, dtype: str, device: str,
          prefill_chunk: int | None, max_context: int | None, sampling: dict, check_finite: bool = True,
          engine_options: dict | None = None, show_thinking: bool | None = None) -> None:
-    """`qwenrt chat`: a multi-turn session on the terminal; each turn reuses what the previous ones computed."""
+    """`qwenrt chat`: a multi-turn session on the terminal (qwenrt/chat_session.py); each turn reuses what the
+    previous ones computed."""
     path = check_options(source, sampling, device, dtype, max_context)
     model, tokenizer = load_for_cli(source, path, dtype, device, check_finite, engine_options)
-    params = sampling_params(sampling, tokenizer)
-    log.detail(describe_sampling(params))
-    start = [{"role": "system", "content": system}] if system else []
-    history = list(start)
+
+    def resolve(options: dict) -> SamplingParams:
+        params = sampling_params(options, tokenizer)
+        check_generates(params)
+        return params
+
+    def answer(messages: list[dict], options: dict, thinking: bool | None) -> dict:
+        parts = []
+        last = _stream(model, tokenizer, messages, resolve(options), thinking, prefill_chunk, max_context, parts,
+                       show_thinking)
+        sys.stdout.write("\n")
+        if last is not None:
+            log.info(stats_line(last))
+        return _assistant_turn(tokenizer, messages, thinking, "".join(parts))
+
+    log.detail(describe_sampling(resolve(sampling)))
     if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is refused as a turn, not fatal to the session
         sys.stdin.reconfigure(errors="surrogateescape")
-    log.info(CHAT_HELP)
-    while True:
-        try:
-            line = input(">>> ")
-        except EOFError:
-            print(file=sys.stderr)
-            return
-        except KeyboardInterrupt:
-            print(file=sys.stderr)
-            continue
-        command = line.strip()
-        if not command:
-            continue
-        if command in ("/exit", "/quit"):
-            return
-        if command == "/reset":
-            history = list(start)
-            print("[conversation reset]", file=sys.stderr)
-            continue
-        if command.startswith("/thinking"):
-            arg = command.split()[1:] or [""]
-            if arg[0] not in ("on", "off"):
-                print("usage: /thinking on|off", file=sys.stderr)
-                continue
-            thinking = arg[0] == "on"
-            print(f"[thinking {arg[0]}]", file=sys.stderr)
-            continue
-        if command.startswith("/"):
-            print(f"unknown command {command.split()[0]}; {CHAT_HELP}", file=sys.stderr)
-            continue
-        history.append({"role": "user", "content": line})
-        parts, last, interrupted = [], None, False
-        try:
-            last = _stream(model, tokenizer, history, params, thinking, prefill_chunk, max_context, parts,
-                           show_thinking)
-        except KeyboardInterrupt:
-            interrupted = True
-        except QwenrtError as e:  # e.g. the conversation outgrew the context: the session goes on
-            history.pop()
-            print(f"\nerror: {e}", file=sys.stderr)
-            continue
-        sys.stdout.write("\n")
-        if interrupted:
-            print("[stopped]", file=sys.stderr)
-        elif last is not None:
-            log.info(stats_line(last))
-        # keep what was said, reasoning apart, so the template can drop old thinking as it should
-        prompt_text = tokenizer.apply_chat_template(history, add_generation_prompt=True, enable_thinking=thinking)
-        parsed = parse_completion("".join(parts), prompt_text.rstrip().endswith("<think>"))
-        turn = {"role": "assistant", "content": parsed.content}
-        if parsed.reasoning is not None:
-            turn["reasoning_content"] = parsed.reasoning
-        history.append(turn)
+    run_session(Session(dict(sampling), system, thinking), answer, resolve)
+
+
+def _assistant_turn(tokenizer, messages: list[dict], thinking: bool | None, text: str) -> dict:
+    """The answer as the conversation keeps it, reasoning apart, so the template can drop old thinking as it should."""
+    prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=thinking)
+    parsed = parse_completion(text, prompt_text.rstrip().endswith("<think>"))
+    turn = {"role": "assistant", "content": parsed.content}
+    if parsed.reasoning is not None:
+        turn["reasoning_content"] = parsed.reasoning
+    return turn

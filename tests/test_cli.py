@@ -85,13 +85,27 @@ def test_run_answers_in_a_json_schema_file(tmp_path):
         assert run.stderr.strip().splitlines()[-1].startswith("qwenrt: error:") and message in run.stderr, run.stderr
 
 
-def test_chat_session(chat_ckpt):
-    script = "Hi there\n/thinking off\nAnd again\n/bogus\n/reset\nFresh start\n/exit\n"
+def test_chat_session(chat_ckpt, tmp_path):
+    """Commands, a refused /set that leaves the chat going, a multi-line question, and /load restoring exactly what
+    /save wrote: the same question after it gets the same answer (two saves of the same state are equal)."""
+    saved, after, again = tmp_path / "saved.json", tmp_path / "after.json", tmp_path / "again.json"
+    question = '"""\nTwo\nlines\n"""\n'
+    script = (f"Hi there\n/thinking off\nAnd again\n/bogus\n/reset\nFresh start\n/set top_p 3\n/set max_tokens 4\n"
+              f"/save {saved}\n{question}/save {after}\n/load {saved}\n{question}/save {again}\n/exit\n")
     run = qwenrt_cli("chat", chat_ckpt[0], "-n", 6, "--temp", 0, stdin=script)
     assert run.returncode == 0, run.stderr
-    assert run.stderr.count("generated 6 tokens") == 3
+    assert run.stderr.count("generated 6 tokens") == 3 and run.stderr.count("generated 4 tokens") == 2
     assert "[thinking off]" in run.stderr and "[conversation reset]" in run.stderr
     assert "unknown command /bogus" in run.stderr
+    assert "error: top_p must be in (0, 1], got 3.0\n" in run.stderr and "Traceback" not in run.stderr
+    conversation = json.loads(saved.read_text())
+    assert [m["content"] for m in conversation["messages"][::2]] == ["Fresh start"]
+    assert conversation["settings"] | {"top_p": 1} == {"max_tokens": 4, "temperature": 0.0, "top_k": None,
+                                                       "top_p": 1, "min_p": None, "repetition_penalty": None,
+                                                       "presence_penalty": None, "frequency_penalty": None,
+                                                       "seed": None, "thinking": False}
+    assert json.loads(after.read_text())["messages"][2] == {"role": "user", "content": "Two\nlines"}
+    assert after.read_text() == again.read_text()
 
 
 def test_run_with_an_image(vlm_chat, tmp_path):
@@ -111,13 +125,17 @@ def test_run_with_an_image(vlm_chat, tmp_path):
     assert bad.returncode == 1 and "nope.png" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_chat_ctrl_c_stops_the_answer_not_the_session(chat_ckpt):
+def test_chat_ctrl_c_stops_the_answer_not_the_session(chat_ckpt, chat_model, tmp_path):
+    """The stopped question and its partial answer stayed in the conversation and garbled the next answer; now the
+    next question is answered as in a fresh conversation."""
     import signal
     import threading
     import time
 
+    model, tok, _ = chat_model
     # as from a terminal: a suite started in the background of a shell passes SIGINT on ignored
-    chat = subprocess.Popen([sys.executable, "-m", "qwenrt", "chat", str(chat_ckpt[0]), "-n", "100000", "--temp", "0"],
+    chat = subprocess.Popen([sys.executable, "-m", "qwenrt", "chat", str(chat_ckpt[0]), "-n", "100000", "--temp", "0",
+                             "--no-thinking", "--dtype", "float32"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     err = []
@@ -132,7 +150,7 @@ def test_chat_ctrl_c_stops_the_answer_not_the_session(chat_ckpt):
         time.sleep(3)  # 100000 tokens take far longer: the answer is being generated (its text may be held back)
         chat.send_signal(signal.SIGINT)
         time.sleep(0.5)
-        chat.stdin.write("/exit\n")
+        chat.stdin.write(f"/set max_tokens 8\nHello\n/save {tmp_path / 'chat.json'}\n/exit\n")
         chat.stdin.flush()
         chat.wait(timeout=120)
         reader.join(timeout=10)
@@ -140,7 +158,12 @@ def test_chat_ctrl_c_stops_the_answer_not_the_session(chat_ckpt):
         chat.kill()
     text = "".join(err)
     assert chat.returncode == 0, text
-    assert "[stopped]" in text and "Traceback" not in text
+    assert "[stopped: the question and the partial answer are left out of the conversation]" in text
+    assert "Traceback" not in text
+    fresh = qwenrt.complete(model, tok, [{"role": "user", "content": "Hello"}], max_tokens=8, enable_thinking=False)
+    assert json.loads((tmp_path / "chat.json").read_text())["messages"] == [
+        {"role": "user", "content": "Hello"}, {"role": "assistant", "content": fresh.content}]
+    assert f"[prompt {fresh.prompt_tokens} tokens" in text
 
 
 class Terminal(io.StringIO):

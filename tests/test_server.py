@@ -9,7 +9,10 @@ import io
 import json
 import re
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -683,6 +686,59 @@ def test_a_bad_generation_default_stops_the_server_at_start(chat_ckpt, tmp_path)
     assert (tmp_path / "server.log").read_text().strip().splitlines()[-1] == (
         "qwenrt: error: the checkpoint's generation_config.json: repetition_penalty must be in [0.01, 100] (1 = off), "
         "got 1e-300 (set it explicitly to override)")
+
+
+def serve_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "qwenrt", "serve", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads():
+    """It printed uvicorn's bind error, then `terminate called without an active exception` (the model still loading
+    in a thread), Aborted, exit 134."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = serve_cli("--port", str(port))
+    assert run.returncode == 1, run.stderr
+    assert run.stderr.splitlines() == [f"qwenrt: error: port {port} on 127.0.0.1 is already in use (another server? "
+                                       "pick a free one with --port)"]
+
+
+def test_a_bad_model_path_is_reported_once(tmp_path):
+    run = serve_cli(str(tmp_path / "missing"), "--port", "0")
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.count("no such directory") == 1
+    assert run.stderr.splitlines()[-1].startswith(f"qwenrt: error: {tmp_path / 'missing'}: no such directory")
+
+
+def test_ctrl_c_cuts_the_answers_under_way_and_exits_0(tmp_path):
+    """Ctrl-C waited 5 s for a stream, logged a CancelledError traceback, and the stream ended without [DONE]. Now a
+    stream ends with an error event and [DONE], a whole answer is a 503, and the server exits 0 (SIGTERM: the same)."""
+    server = ServerProcess(None, tmp_path / "server.log", "--max-model-len", "4096")
+    forever = {"messages": user("Go on forever."), "max_tokens": 4000, "ignore_eos": True}
+    try:
+        with ThreadPoolExecutor(1) as pool, httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60,
+                                                         json=forever | {"stream": True}) as stream:
+            whole = pool.submit(httpx.post, server.url + "/v1/chat/completions", json=forever, timeout=60)
+            lines = stream.iter_lines()
+            assert next(line for line in lines if '"reasoning_content"' in line)  # it is answering
+            while server.metric("num_requests_running") < 2:
+                assert not whole.done(), whole.result().text
+                time.sleep(0.01)
+            server.proc.send_signal(signal.SIGINT)
+            rest = [line for line in lines if line]
+            response = whole.result()
+        assert server.proc.wait(60) == 0
+    finally:
+        server.stop()
+    error = json.loads(rest[-2].removeprefix("data: "))["error"]
+    assert (error["code"], error["message"], rest[-1]) == (503, "the server is shutting down", "data: [DONE]")
+    assert len(rest) < 4000  # cut, not run to its end
+    assert response.status_code == 503 and response.json()["error"]["message"] == "the server is shutting down"
+    log = server.log.read_text()
+    assert "Traceback" not in log and "CancelledError" not in log and "timeout graceful shutdown" not in log, log
 
 
 # ---- connections: keys and sizes before bodies, timeouts, a connection cap ---------------------------------

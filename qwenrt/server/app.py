@@ -1,11 +1,14 @@
 """The FastAPI application: routes, API-key check, and the model loading in the background so the port answers
-(/health 503) from the start."""
+(/health 503) from the start. Stopping, it refuses new requests and cuts the ones under way (their clients get an
+error, not a cut connection) so the exit need not wait for them."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -28,6 +31,7 @@ from qwenrt.server.tokenize import detokenize, tokenize
 from qwenrt.vision.media import MediaPolicy
 
 STOP_WAIT_S = 10
+SHUTTING_DOWN = "the server is shutting down"
 
 
 @dataclass
@@ -49,6 +53,12 @@ class ServerState:
     load_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics | None = None
+    loader: threading.Thread | None = None  # the thread loading the model
+    loop: asyncio.AbstractEventLoop | None = None  # the app's, once it started
+    closing: bool = False  # new requests are refused, the ones under way cut
+    # the requests under way (a submission is dropped with its response)
+    submissions: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    stopper: threading.Thread | None = None  # the thread stopping the engine
 
     @property
     def tokenizer(self):
@@ -72,6 +82,37 @@ class ServerState:
                            "model_not_found")
         return name
 
+    def track(self, submission) -> None:
+        """Cut `submission` when the server stops (now, if it already is)."""
+        self.submissions.add(submission)
+        if self.closing:
+            submission.cut(SHUTTING_DOWN)
+
+    def shut_down(self) -> None:
+        """On the event loop: refuse new requests (503) and end the ones under way, each client told why."""
+        self.closing = True
+        for submission in list(self.submissions):
+            submission.cut(SHUTTING_DOWN)
+
+    def shut_down_soon(self) -> None:
+        """shut_down from a signal handler or another thread."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.shut_down)
+
+    def stop(self, wait: float) -> str | None:
+        """Stop the engine's loop, waiting at most `wait` s for the step under way; what of ours still runs after,
+        if anything (a load under way cannot be stopped, and is not waited for)."""
+        if self.loader is not None and self.loader.is_alive():
+            return "the model load under way"
+        if self.engine is not None and self.stopper is None:
+            self.stopper = threading.Thread(target=self.engine.stop, daemon=True)
+            self.stopper.start()
+        if self.stopper is not None:
+            self.stopper.join(wait)
+            if self.stopper.is_alive():
+                return f"the engine step under way (it did not end within {wait:g} s)"
+        return None
+
     def model_card(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "qwenrt", "root": self.config.model,
                 "parent": None, "max_model_len": self.max_model_len}
@@ -91,21 +132,19 @@ def create_app(config: ServerConfig, load: Callable[[], object],
             state.engine = load()
         except Exception as e:  # noqa: BLE001 (a load failure of any kind ends the server with its message)
             state.load_error = str(e) or type(e).__name__
-            print(f"qwenrt: error: {state.load_error}", file=sys.stderr, flush=True)
             if on_load_failed is not None:
                 on_load_failed(state.load_error)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        threading.Thread(target=load_in_background, name="qwenrt-load", daemon=True).start()
+        state.loop = asyncio.get_running_loop()
+        state.loader = threading.Thread(target=load_in_background, name="qwenrt-load", daemon=True)
+        state.loader.start()
         yield
-        if state.engine is not None:  # the step under way ends first; on a slow machine that can take long
-            stopper = threading.Thread(target=state.engine.stop, daemon=True)
-            stopper.start()
-            stopper.join(STOP_WAIT_S)
-            if stopper.is_alive():
-                print(f"qwenrt serve: the engine step under way did not end within {STOP_WAIT_S} s; exiting "
-                      "without it", file=sys.stderr, flush=True)
+        state.shut_down()
+        left = state.stop(STOP_WAIT_S)  # the step under way ends first; on a slow machine that can take long
+        if left is not None:
+            print(f"qwenrt serve: exiting without {left}", file=sys.stderr, flush=True)
 
     app = FastAPI(title="qwenrt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.qwenrt = state
@@ -118,6 +157,8 @@ def create_app(config: ServerConfig, load: Callable[[], object],
     app.add_middleware(RequestId)
 
     def ready() -> ServerState:
+        if state.closing:
+            raise APIError(503, SHUTTING_DOWN)
         if state.engine is None:
             raise APIError(503, f"the model failed to load: {state.load_error}" if state.load_error else
                            "the model is still loading; retry when /health answers 200")

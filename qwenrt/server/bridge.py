@@ -1,6 +1,7 @@
 """The engine runs in its own thread; handlers live on the event loop. `submit` adds requests from a worker thread
 (tokenizing, rendering the template and reading images happen there) and hands their outputs back through one
-asyncio queue; a submission that is left before it finished cancels what it started."""
+asyncio queue; a submission that is left before it finished cancels what it started. A server that stops cuts
+every submission under way: each request ends as cancelled, with the reason as its error."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import asyncio
 import sys
 import traceback
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from starlette.concurrency import run_in_threadpool
 
@@ -28,6 +29,7 @@ class Submission:
         self._queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
         self._open: set[str] = set()
+        self.cut_reason: str | None = None  # why the server ended these requests (see `cut`)
 
     def _add(self, requests: list[Request]) -> None:
         """In a worker thread: add every request, or none (the ones already added are cancelled)."""
@@ -57,6 +59,8 @@ class Submission:
             index, out = await self._queue.get()
             if out.finished:
                 self._open.discard(out.request_id)
+            if out.finish_reason == "abort" and self.cut_reason is not None:
+                out = replace(out, error=self.cut_reason)
             yield index, out
 
     def abort(self) -> None:
@@ -64,16 +68,23 @@ class Submission:
         for request_id in list(self._open):
             self.engine.abort(request_id)
 
+    def cut(self, reason: str) -> None:
+        """End what has not finished now, `reason` becoming its error (the server is stopping: its clients are told
+        rather than waited for)."""
+        self.cut_reason = reason
+        self.abort()
 
-async def submit(engine, metrics, requests: list[Request], prompt_field: str | None = None,
+
+async def submit(state, requests: list[Request], prompt_field: str | None = None,
                  max_tokens_field: str = "max_tokens", fields: Mapping[str, str] = ENGINE_FIELDS) -> Submission:
-    """Add requests to the engine; raises APIError (400 bad request naming the field: `fields` maps the engine's
-    names to the request's; 429 queue full)."""
-    submission = Submission(engine, metrics)
+    """Add requests to the server's engine; raises APIError (400 bad request naming the field: `fields` maps the
+    engine's names to the request's; 429 queue full). The submission is one the server cuts when it stops."""
+    submission = Submission(state.engine, state.metrics)
     try:
         await run_in_threadpool(submission._add, requests)
     except Exception as e:
         raise from_engine(e, prompt_field, max_tokens_field, fields) from None
+    state.track(submission)
     return submission
 
 
@@ -82,6 +93,13 @@ async def _abort_on_disconnect(receive, submission: Submission) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
     submission.abort()
+
+
+def failure_body(out: RequestOutput) -> dict:
+    """The error event of a request that ended without an answer: failed (500) or cancelled (503)."""
+    if out.finish_reason == "error":
+        return error_body(500, out.error or "generation failed")
+    return error_body(503, out.error or "the request was cancelled")
 
 
 @dataclass

@@ -10,8 +10,8 @@ from fastapi.responses import StreamingResponse
 
 from qwenrt.engine import Request, RequestOutput
 from qwenrt.parsing import parse_completion, split_reasoning
-from qwenrt.server.bridge import Submission, collect, event_stream, submit
-from qwenrt.server.errors import APIError, error_body
+from qwenrt.server.bridge import Submission, collect, event_stream, failure_body, submit
+from qwenrt.server.errors import APIError
 from qwenrt.server.media import check_media
 from qwenrt.server.params import check_context, choice_params
 from qwenrt.server.protocol import ChatCompletionRequest, ChatMessage, NamedFunction, NamedToolChoice, Tool
@@ -185,7 +185,7 @@ async def submit_chat(body: ChatCompletionRequest, state) -> tuple[str, Submissi
                         request_id=f"{request_id}-{j}", media_policy=state.media_policy)
                 for j, params in enumerate(choice_params(body, state.tokenizer, max_tokens, state.max_model_len,
                                                          constraint))]
-    submission = await submit(state.engine, state.metrics, requests, "messages", field)
+    submission = await submit(state, requests, "messages", field)
     try:
         check_context(submission.handles, max_tokens, state.max_model_len, "messages", field)
     except APIError:
@@ -238,8 +238,8 @@ class _Reply:
             yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None}])
         async for i, out in self.submission.outputs():
-            if out.finish_reason == "error":
-                yield sse(error_body(500, out.error or "generation failed"))
+            if out.finish_reason in ("error", "abort"):
+                yield sse(failure_body(out))
                 continue
             latest[i] = out
             delta = parsers[i].feed(out.text, final=out.finished)

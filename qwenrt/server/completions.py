@@ -11,8 +11,8 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
 from qwenrt.engine import Request, RequestOutput
-from qwenrt.server.bridge import Submission, collect, event_stream, submit
-from qwenrt.server.errors import APIError, context_length_error, error_body
+from qwenrt.server.bridge import Submission, collect, event_stream, failure_body, submit
+from qwenrt.server.errors import APIError, context_length_error
 from qwenrt.server.params import check_context, choice_params
 from qwenrt.server.protocol import CompletionRequest
 from qwenrt.server.responses import (LogprobCollector, completion_logprobs, joined_logprobs, new_id, next_offset, now,
@@ -54,7 +54,7 @@ async def completions(body: CompletionRequest, http: HTTPRequest, state):
     requests = [Request(prompt, p, logprobs=body.logprobs, prompt_logprobs=_prompt_logprobs(body),
                         request_id=f"{request_id}-{k}-{j}")
                 for k, prompt in enumerate(prompts) for j, p in enumerate(params)]
-    submission = await submit(state.engine, state.metrics, requests, "prompt")
+    submission = await submit(state, requests, "prompt")
     try:
         check_context(submission.handles, body.max_tokens, state.max_model_len, "prompt", "max_tokens")
     except APIError:
@@ -112,8 +112,8 @@ class _Reply:
         logprobs, latest, offsets = [LogprobCollector() for _ in range(n)], [None] * n, [0] * n
         started = [False] * n  # a choice's first chunk sent (with echo, it carries the prompt)
         async for i, out in self.submission.outputs():
-            if out.finish_reason == "error":
-                yield sse(error_body(500, out.error or "generation failed"))
+            if out.finish_reason in ("error", "abort"):
+                yield sse(failure_body(out))
                 continue
             latest[i] = out
             entries = logprobs[i].add(out)
