@@ -91,4 +91,4 @@ def pull(name: str, revision: str | None = None) -> str:
         raise QwenrtError(f"{name}: {found}, not a model qwenrt runs (model_type {', '.join(sorted(supported))})")
     path = download(name, revision, ALLOW_PATTERNS)
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    return f"{name}: {human(size, 'B')} in {path} (qwenrt run {name} \"...\" loads it from there)"
+    return f"{name}: {human(size, 'B')} in {path}"

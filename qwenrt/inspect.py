@@ -13,7 +13,7 @@ from qwenrt.checkpoint import DTYPE_BYTES
 from qwenrt.loader import check_checkpoint, scan_weights, stored_float_dtype
 from qwenrt.mtp import MTPHead
 from qwenrt.model import Qwen35ForCausalLM
-from qwenrt.units import human
+from qwenrt.units import human as _human
 
 
 def _count(shapes) -> int:
@@ -103,14 +103,14 @@ def format_report(r: dict) -> str:
         f"layers          {r['layers']} = {r['deltanet_layers']} Gated DeltaNet + {r['attention_layers']} gated attention"
         f"  [{_pattern(r['layer_pattern'])}; L = DeltaNet, F = full attention]",
         f"hidden / vocab  {r['hidden_size']} / {r['vocab_size']}" + (f"; experts {r['experts']}" if r["experts"] else ""),
-        f"parameters      decoder {human(r['params_decoder'])} (embeddings {human(r['params_embeddings'])}"
+        f"parameters      decoder {_human(r['params_decoder'])} (embeddings {_human(r['params_embeddings'])}"
         f"{', tied' if r['tied_embeddings'] else ''})"
-        + (f", active per token {human(r['params_active_per_token'])}" if r["experts"] else "")
-        + f"; vision {human(r['params_vision'])}; MTP {human(r['params_mtp'])}",
-        f"stored dtype    {', '.join(r['stored_dtypes'])}  ({human(r['file_bytes'], 'B')} on disk"
+        + (f", active per token {_human(r['params_active_per_token'])}" if r["experts"] else "")
+        + f"; vision {_human(r['params_vision'])}; MTP {_human(r['params_mtp'])}",
+        f"stored dtype    {', '.join(r['stored_dtypes'])}  ({_human(r['file_bytes'], 'B')} on disk"
         + (f"; weight-only {r['quantization']}" if r["quantization"] else "") + ")",
-        f"KV cache        {human(r['kv_bytes_per_token'], 'B')} per token (full-attention layers only)",
-        f"DeltaNet state  {human(r['deltanet_state_bytes_per_sequence'], 'B')} per sequence, whatever its length",
+        f"KV cache        {_human(r['kv_bytes_per_token'], 'B')} per token (full-attention layers only)",
+        f"DeltaNet state  {_human(r['deltanet_state_bytes_per_sequence'], 'B')} per sequence, whatever its length",
         "tokenizer       " + (f"{r['tokenizer_tokens']} tokens" if r["tokenizer_tokens"] is not None
                                 else "none (prompts as token ids only)"),
         f"contract        {r['verdict']}",

@@ -65,17 +65,23 @@ def test_list_shows_the_builtin_model_and_the_qwen35_checkpoints_in_the_hub_cach
     assert empty.returncode == 0 and len(empty.stdout.splitlines()) == 2
 
 
-def test_pull_fetches_into_the_hub_cache_and_refuses_offline_with_one_line(tmp_path):
+def test_pull_takes_only_qwen35_repos_and_refuses_offline_with_one_line(tmp_path):
+    """No network here: what pull fetches is found in the cache, as HF_HUB_OFFLINE makes huggingface_hub look."""
     fake_hub_cache(tmp_path, "someone/tiny-qwen", default_model_path())
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    fake_hub_cache(tmp_path, "someone/llama", tmp_path / "other")
     env = {"HF_HUB_CACHE": tmp_path / "hub", "HF_HUB_OFFLINE": "1"}
     pulled = qwenrt_cli("pull", "someone/tiny-qwen", **env)  # already there: found offline
+    size = sum(p.stat().st_size for p in default_model_path().iterdir())
     snapshot = tmp_path / "hub" / "models--someone--tiny-qwen" / "snapshots" / REVISION
-    assert pulled.returncode == 0 and pulled.stdout.startswith(f"someone/tiny-qwen: 3.27MB in {snapshot} "), pulled
+    assert pulled.returncode == 0 and pulled.stdout == f"someone/tiny-qwen: {human(size, 'B')} in {snapshot}\n", pulled
     missing = qwenrt_cli("pull", "someone/not-here", **env)
     assert missing.returncode == 1 and missing.stdout == "", missing
     assert missing.stderr.startswith("qwenrt: error: someone/not-here: not in the local cache and HF_HUB_OFFLINE is "
                                      "set; fetch it where there is network") and missing.stderr.count("\n") == 1
     for name, message in [("./some/dir", "not a hub repo id like 'Qwen/Qwen3.5-0.8B'"),
+                          ("someone/llama", "model_type 'llama', not a model qwenrt runs"),
                           (DEFAULT_MODEL, "is built in")]:
         run = qwenrt_cli("pull", name, **env)
         assert message in run.stdout + run.stderr and "Traceback" not in run.stderr, run
