@@ -1,6 +1,9 @@
 """qwenrt: exact, fast inference for the Qwen3.5 model family."""
 
+import importlib
 import os
+import sys
+import types
 
 # Where bf16 matrix products run on bf16 hardware (AVX-512 BF16, AMX), torch's prefill GEMMs go through oneDNN, which
 # keeps a compiled primitive per shape in two caches (oneDNN's and ideep's), 1024 entries each by default. Prompt
@@ -10,12 +13,37 @@ import os
 for _cache in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
     os.environ.setdefault(_cache, "64")
 
-from qwenrt.engine import Engine, Request
-from qwenrt.errors import QueueFullError, QwenrtError
-from qwenrt.generate import (Completion, GenerationResponse, batch_generate, complete, generate, stream_generate)
-from qwenrt.loader import load
-from qwenrt.sampling import SamplingParams
-
-__all__ = ["QwenrtError", "QueueFullError", "Engine", "Request", "load", "generate", "stream_generate",
-           "batch_generate", "complete", "SamplingParams", "Completion", "GenerationResponse"]
 __version__ = "0.1.0"
+
+# The public API by the module that defines it, imported on first use: `import qwenrt` (and so the CLI's --help,
+# --version and usage errors) does not import torch (~1-4 s).
+_PUBLIC = {"QwenrtError": "qwenrt.errors", "QueueFullError": "qwenrt.errors", "Engine": "qwenrt.engine",
+           "Request": "qwenrt.engine", "load": "qwenrt.loader", "generate": "qwenrt.generate",
+           "stream_generate": "qwenrt.generate", "batch_generate": "qwenrt.generate", "complete": "qwenrt.generate",
+           "SamplingParams": "qwenrt.sampling", "Completion": "qwenrt.generate",
+           "GenerationResponse": "qwenrt.generate"}
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'qwenrt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """Keeps qwenrt.generate the function: importing the submodule qwenrt.generate would set the attribute to it."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "generate" and isinstance(value, types.ModuleType):
+            value = value.generate
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from qwenrt.default_model import DEFAULT_MODEL
 from qwenrt.errors import QwenrtError
 from qwenrt.kernels import kernel_path
 
@@ -113,9 +114,6 @@ def format_table(results: dict[Config, dict], reference: Config | None) -> str:
 
 def run(args) -> str:
     """Measure every configuration `args.repeats` times, interleaved; returns the table (also printed)."""
-    if args.model is None and args.shape is None:
-        raise QwenrtError("nothing to measure: give a checkpoint (MODEL, a directory or hub repo id) or "
-                          "--shape 0.8b|2b|4b|9b|27b|35b-a3b")
     if args.model is not None and args.shape is not None:
         raise QwenrtError("give a checkpoint (MODEL) or --shape, not both")
     from qwenrt.shapes import SHAPES
@@ -137,7 +135,7 @@ def run(args) -> str:
     else:
         from qwenrt.hub import resolve_model_path
 
-        path = resolve_model_path(args.model)
+        path = resolve_model_path(DEFAULT_MODEL if args.model is None else args.model)
     from qwenrt.units import speculative_tokens
 
     try:

@@ -9,6 +9,7 @@ import re
 import sys
 
 from qwenrt import log
+from qwenrt.default_model import DEFAULT_MODEL
 from qwenrt.errors import QwenrtError
 from qwenrt.units import add_speculative_option
 from qwenrt.server.main import add_parser as add_serve_parser
@@ -19,6 +20,19 @@ def _inspect(args) -> None:
 
     report = inspect_checkpoint(args.path, check_finite=args.finite_check)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
+
+
+def _list(args) -> None:
+    from qwenrt.catalog import format_models, list_models
+
+    models = list_models()
+    print(json.dumps([vars(m) for m in models], indent=2) if args.json else format_models(models))
+
+
+def _pull(args) -> None:
+    from qwenrt.catalog import pull
+
+    print(pull(args.repo_id, args.revision))
 
 
 def _sampling(args) -> dict:
@@ -180,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True)
 
     p = verbs.add_parser("inspect", help="describe a checkpoint and check it against its config")
-    p.add_argument("path", help="checkpoint directory or hub repo id")
+    p.add_argument("path", nargs="?", default=DEFAULT_MODEL,
+                   help=f"checkpoint directory or hub repo id (default: the built-in model {DEFAULT_MODEL})")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-finite-check", dest="finite_check", action="store_false",
                    help="skip the NaN/Inf scan of the weights (a read of every weight, as load does)")
@@ -199,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_chat)
 
     p = verbs.add_parser("quantize", help="write a weight-only int8 / int4 copy of a checkpoint")
-    p.add_argument("src", help="checkpoint directory or hub repo id")
+    p.add_argument("src", help=f"checkpoint directory, hub repo id or {DEFAULT_MODEL} (the built-in model)")
     p.add_argument("dst", help="new directory for the quantized checkpoint (must not exist)")
     p.add_argument("--bits", type=int, required=True, help="8 (per output channel) or 4 (group-wise)")
     p.add_argument("--group-size", type=int, help="int4 group size: 32, 64 (default) or 128")
@@ -212,8 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "model); with --steps to shorten it")
     p.add_argument("--data", help="training conversations: JSONL, one {\"messages\": [...], \"tools\": [...]} per line")
     p.add_argument("--eval-data", dest="eval_data", help="held-out conversations (JSONL), evaluated periodically")
-    p.add_argument("--init", help="checkpoint to start from (its config, tokenizer and weights; default: the built-in "
-                   "model, unless --config)")
+    p.add_argument("--init", help="checkpoint to start from: a directory, hub repo id or qwenrt-tiny (its config, "
+                   "tokenizer and weights; default: the built-in model qwenrt-tiny, unless --config)")
     p.add_argument("--config", dest="model_config", help="config.json of a freshly initialised model (needs --tokenizer)")
     p.add_argument("--tokenizer", help="directory with the tokenizer files, for --config")
     p.add_argument("--resume", action="store_true", default=None, help="continue from the last step checkpoint in OUT")
@@ -244,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_train)
 
     p = verbs.add_parser("bench", help="prefill / decode speed, time to first token, peak RSS, GB/s")
-    p.add_argument("model", nargs="?", help="checkpoint directory or hub repo id (or use --shape)")
+    p.add_argument("model", nargs="?", help="checkpoint directory or hub repo id (default, without --shape: the "
+                   f"built-in model {DEFAULT_MODEL})")
     p.add_argument("--shape", help="random weights at a published shape: 0.8b, 2b, 4b, 9b, 27b, 35b-a3b")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=128, help="greedy decode steps (no stop at EOS)")
@@ -263,6 +279,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_bench)
 
     add_serve_parser(verbs)
+
+    p = verbs.add_parser("list", help="the models qwenrt can see: the built-in one and the Qwen3.5-family checkpoints "
+                         "in the Hugging Face cache")
+    p.add_argument("--json", action="store_true", help="print the list as JSON")
+    p.set_defaults(run=_list)
+
+    p = verbs.add_parser("pull", help="download a hub checkpoint into the Hugging Face cache ahead of time")
+    p.add_argument("repo_id", help="hub repo id, e.g. Qwen/Qwen3.5-0.8B")
+    p.add_argument("--revision", help="branch, tag or commit (default: main)")
+    p.set_defaults(run=_pull)
     return parser
 
 

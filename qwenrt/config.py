@@ -8,7 +8,6 @@ from pathlib import Path
 from qwenrt.errors import QwenrtError
 from qwenrt.fields import Fields
 from qwenrt.files import CheckpointDir
-from qwenrt.vision.config import VisionConfig
 
 TEXT_MODEL_TYPES = {"qwen3_5_text": False, "qwen3_5_moe_text": True}  # model_type -> is MoE
 VLM_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}  # outer -> text sub-config type
@@ -206,6 +205,8 @@ def parse_config(d: dict, where: str = "config.json") -> ModelConfig:
            if k in d}
     vision = f.obj("vision_config", None)
     if vision is not None:
+        from qwenrt.vision.config import VisionConfig  # here: the vision package imports torch (`qwenrt list` need not)
+
         VisionConfig.from_dict(vision.d)  # refused now, not at the first image
     eos = Fields(text, where) if "eos_token_id" in text else f
     return ModelConfig(model_type, text_cfg, vision=vision and vision.d, eos_token_id=_token_ids(eos, "eos_token_id"),

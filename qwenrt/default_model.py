@@ -14,8 +14,9 @@ def default_model_path() -> Path:
 
 
 def resolve_model(source: str | Path | None) -> tuple[str | Path, str]:
-    """(what to load, how to name it to the user): `source` as given, or the built-in model when it is None."""
-    if source is None:
+    """(what to load, how to name it to the user): `source` as given, or the built-in model when it is None or its
+    name (a directory of that name is ./qwenrt-tiny)."""
+    if source is None or (isinstance(source, str) and source == DEFAULT_MODEL):
         path = default_model_path()
         return path, f"the built-in model {DEFAULT_MODEL} ({path})"
     return source, str(source)

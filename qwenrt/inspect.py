@@ -13,6 +13,7 @@ from qwenrt.checkpoint import DTYPE_BYTES
 from qwenrt.loader import check_checkpoint, scan_weights, stored_float_dtype
 from qwenrt.mtp import MTPHead
 from qwenrt.model import Qwen35ForCausalLM
+from qwenrt.units import human as _human
 
 
 def _count(shapes) -> int:
@@ -84,13 +85,6 @@ def _quantization(q: dict | None) -> str | None:
     kept = len(q.get("modules_not_converted", []))
     return f"int{q['bits']}" + (f" g{q['group_size']}" if q.get("group_size") else "") + (
         f", {kept} modules kept in full precision" if kept else "")
-
-
-def _human(n: int, unit: str = "") -> str:
-    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:.2f}{suffix}{unit}"
-    return f"{n}{unit}"
 
 
 def _pattern(p: str) -> str:

@@ -207,7 +207,10 @@ class DecoderLayer(nn.Module):
 class TextModel(nn.Module):
     def __init__(self, c: TextConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        # no random init (the weights are loaded, or set by train.init_weights): on `meta` it imports torch._dynamo,
+        # 1.4 s of qwenrt.load()
+        shape = (c.vocab_size, c.hidden_size)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 

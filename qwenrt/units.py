@@ -1,5 +1,5 @@
 """Values as people write them on a command line: sizes ("2GiB", "512MB", "1.5G", "0", or a plain number of bytes)
-and speculative draft counts ("auto", "3")."""
+and speculative draft counts ("auto", "3"); and counts and sizes as qwenrt prints them."""
 
 from __future__ import annotations
 
@@ -19,6 +19,14 @@ def parse_size(text: str) -> int:
     if match is None or unit not in _UNITS:
         raise QwenrtError(f"not a size: {text!r} (examples: 0, 512MiB, 2GiB, 1500000000)")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+def human(n: int, unit: str = "") -> str:
+    """A count or a size in decimal units: 708.43K, 1.97MB."""
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{suffix}{unit}"
+    return f"{n}{unit}"
 
 
 def speculative_tokens(text: str) -> int | str:

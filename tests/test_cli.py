@@ -1,5 +1,5 @@
-"""`qwenrt run` and `qwenrt chat` end to end, in subprocesses (in-process where only their output is checked), and
-how the answer and the reasoning are written."""
+"""`qwenrt run` and `qwenrt chat` end to end, in subprocesses (in-process where only their output is checked), how
+the answer and the reasoning are written, and what the command line answers without loading."""
 
 import io
 import json
@@ -22,6 +22,40 @@ from qwenrt.kernels import kernel_path
 def qwenrt_cli(*args, stdin=None, **env):
     return subprocess.run([sys.executable, "-m", "qwenrt", *map(str, args)], input=stdin, capture_output=True,
                           text=True, timeout=300, env=dict(os.environ, **env))
+
+
+# every --help, --version and usage error of the command line, and which heavy modules they imported
+LIGHT_ANSWERS = """
+import argparse, contextlib, io, sys
+import qwenrt.cli
+parser = qwenrt.cli.build_parser()
+verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+argvs = [["--version"], ["--help"], ["frobnicate"], ["run"], ["bench", "--bogus"], ["serve", "--port", "x"]]
+for argv in argvs + [[verb, "--help"] for verb in verbs]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), contextlib.suppress(SystemExit):
+        qwenrt.cli.main(argv)
+    assert out.getvalue().strip(), argv
+heavy = ("torch", "numpy", "tokenizers", "safetensors", "huggingface_hub", "fastapi", "qwenrt.engine", "qwenrt.loader")
+print(len(verbs), sorted(m for m in sys.modules if m.startswith(heavy)))
+"""
+
+
+def test_help_version_and_usage_errors_load_nothing():
+    """Issue 38: they imported torch and the engine first (3.8 s quiet, 13-22 s on a busy machine)."""
+    done = subprocess.run([sys.executable, "-c", LIGHT_ANSWERS], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    verbs, imported = done.stdout.split(" ", 1)
+    assert int(verbs) >= 9 and imported.strip() == "[]"
+
+
+def test_import_qwenrt_is_light_and_the_public_api_whole():
+    script = ("import sys, qwenrt; assert 'torch' not in sys.modules; "
+              "import qwenrt.generate; from qwenrt import generate; "  # the submodule first, then the function
+              "assert generate is qwenrt.generate is sys.modules['qwenrt.generate'].generate; "
+              "assert all(callable(getattr(qwenrt, name)) for name in qwenrt.__all__)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 def test_run_streams_the_greedy_answer(chat_ckpt, chat_model):

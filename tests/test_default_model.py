@@ -173,6 +173,45 @@ def test_cli_uses_the_builtin_model_by_default():
     assert f"the built-in model {DEFAULT_MODEL}" in run.stderr
 
 
+def test_inspect_and_bench_default_to_the_builtin_model(monkeypatch, capsys):
+    from qwenrt.cli import main
+
+    assert main(["inspect", "--no-finite-check", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["path"] == str(PATH)
+
+    def measured(spec):
+        raise qwenrt.QwenrtError(f"would measure {spec['path']}")
+
+    monkeypatch.setattr("qwenrt.bench._run", measured)
+    assert main(["bench", "--repeats", "1"]) == 1
+    assert capsys.readouterr().err.endswith(f"qwenrt: error: would measure {PATH}\n")
+
+
+def test_every_verb_takes_the_builtin_models_name(tiny, tmp_path, monkeypatch, capsys):
+    """Issue 38: `qwenrt inspect qwenrt-tiny` said "no such directory"."""
+    from qwenrt.cli import main
+
+    model, _ = qwenrt.load(DEFAULT_MODEL)
+    assert model.model.embed_tokens.weight.equal(tiny[0].model.embed_tokens.weight)
+    assert main(["inspect", DEFAULT_MODEL, "--no-finite-check"]) == 0
+    assert capsys.readouterr().out.startswith(f"checkpoint      {PATH}\n")
+    assert main(["run", DEFAULT_MODEL, "What is 127 + 385?", "--temperature", "0"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.endswith("127 + 385 = 512\n") and f"the built-in model {DEFAULT_MODEL}" in captured.err
+    assert main(["quantize", DEFAULT_MODEL, str(tmp_path / "int8"), "--bits", "8"]) == 0
+    assert json.loads((tmp_path / "int8" / "config.json").read_text())["quantization_config"]["bits"] == 8
+    capsys.readouterr()
+
+    def started(init, *_):
+        raise qwenrt.QwenrtError(f"would start from {init}")
+
+    monkeypatch.setattr("qwenrt.train.trainer.load_model_for_training", started)
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                                                   {"role": "assistant", "content": "Hello"}]}) + "\n")
+    assert main(["train", str(tmp_path / "run"), "--data", str(tmp_path / "chats.jsonl"), "--init", DEFAULT_MODEL]) == 1
+    assert capsys.readouterr().err == f"qwenrt: error: would start from {PATH}\n"
+
+
 def test_server_uses_the_builtin_model_by_default(tmp_path):
     import httpx
 

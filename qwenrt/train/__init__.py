@@ -40,10 +40,11 @@ def train_command(out: str, recipe: str | None = None, **options) -> str:
     else:
         if "data" not in options:
             raise QwenrtError("qwenrt train needs --data (or --recipe tiny)")
-        if "init" not in options and "model_config" not in options:  # fine-tune the built-in model
-            from qwenrt.default_model import default_model_path
+        if "init" in options or "model_config" not in options:  # fine-tune: the built-in model unless named
+            from qwenrt.default_model import DEFAULT_MODEL
+            from qwenrt.hub import resolve_model_path
 
-            options["init"] = str(default_model_path())
+            options["init"] = str(resolve_model_path(options.get("init", DEFAULT_MODEL)))
         if "model_config" in options:
             options["model_config"] = read_json(Path(options["model_config"]), what="model config")
         summary = train(TrainConfig(out=out, progress=progress, **options))

@@ -147,7 +147,8 @@ class VisionTower(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg)
-        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        shape = (cfg.num_position_embeddings, cfg.hidden_size)  # no random init (loaded), as TextModel's embedding
+        self.pos_embed = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg)
 
