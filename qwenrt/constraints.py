@@ -186,12 +186,8 @@ class AllowedTokens:
     i // 32 for token i; the bits past V are never set): greedy picks read them natively; the [V] bool tensor is
     unpacked only to sample with a temperature or off the CPU."""
 
-    def __init__(self, words: np.ndarray, vocab_size: int):
-        self.words, self.vocab_size = words, vocab_size
-
-    def packed(self) -> torch.Tensor:
-        """[W] int32, the words' bits (shares their memory)."""
-        return torch.from_numpy(self.words.view(np.int32))
+    def __init__(self, words: np.ndarray, packed: torch.Tensor, vocab_size: int):
+        self.words, self.packed, self.vocab_size = words, packed, vocab_size  # packed: [W] int32, words' memory
 
     def any(self) -> bool:
         return bool(self.words.any())
@@ -212,8 +208,8 @@ class TokenMask:
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, after: int | None = None):
         self.matcher, self.after = matcher, after
         self.words = np.empty((vocab_size + 31) // 32, dtype=np.uint32)  # [W], llguidance's mask
+        self.packed = torch.from_numpy(self.words.view(np.int32))  # [W], the same memory, for the native pick
         self.vocab_size = vocab_size
-        self.computed = False  # words hold the mask of the current position (compute_masks may fill it ahead)
 
     @property
     def active(self) -> bool:
@@ -223,12 +219,10 @@ class TokenMask:
         """The tokens the constraint allows now (valid until it advances); None while it has not started."""
         if not self.active:
             return None
-        if not self.computed:
-            self.matcher.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
-            if self.matcher.is_error():
-                raise QwenrtError(f"the output constraint failed: {_one_line(self.matcher.get_error())}")
-            self.computed = True
-        return AllowedTokens(self.words, self.vocab_size)
+        self.matcher.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
+        if self.matcher.is_error():
+            raise QwenrtError(f"the output constraint failed: {_one_line(self.matcher.get_error())}")
+        return AllowedTokens(self.words, self.packed, self.vocab_size)
 
     def drafts(self, proposed: list[int]) -> list[int]:
         """Speculative drafts worth verifying: the tokens the grammar forces from here where it forces more than
@@ -242,32 +236,9 @@ class TokenMask:
 
     def advance(self, token: int) -> None:
         """Take a generated token (one `allowed` allows)."""
-        self.computed = False
         if not self.active:
             if token == self.after:
                 self.after = None
             return
         if not self.matcher.consume_token(token):
             raise QwenrtError(f"the output constraint failed: {_one_line(self.matcher.get_error())}")
-
-
-_executors: dict[int, llguidance.LLExecutor] = {}
-
-
-def compute_masks(masks: list[TokenMask]) -> None:
-    """Compute the masks of a decode step's constrained sequences together, on llguidance's threads (as many as
-    torch's: the step's model work is done by then), rather than one after another as each samples. A failed
-    constraint raises when its own sequence asks for its mask (TokenMask.allowed)."""
-    masks = [m for m in masks if m.active and not m.computed]
-    if len(masks) < 2:
-        return
-    threads = torch.get_num_threads()
-    executor = _executors.get(threads)
-    if executor is None:
-        executor = _executors[threads] = llguidance.LLExecutor(num_threads=threads)
-    words = np.empty((len(masks), masks[0].words.size), dtype=np.uint32)  # [n, W]
-    executor.unsafe_compute_mask_ptr([(m.matcher, i) for i, m in enumerate(masks)], words.ctypes.data,
-                                     words[0].nbytes, len(masks))
-    for mask, row in zip(masks, words):
-        mask.words[:] = row
-        mask.computed = not mask.matcher.is_error()  # else allowed() computes it again and reports the error

@@ -300,7 +300,7 @@ def greedy(logits: torch.Tensor, allowed: AllowedTokens | None = None) -> torch.
         return (logits if allowed is None else _masked(logits, allowed)).argmax(-1)
     if allowed is None:
         return kernels.argmax_rows(logits.contiguous())
-    return kernels.argmax_allowed_rows(logits.contiguous(), allowed.packed())
+    return kernels.argmax_allowed_rows(logits.contiguous(), allowed.packed)
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams, history: TokenCounts | None = None,

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from qwenrt.cache import deltanet_state_bytes, kv_bytes_per_token
-from qwenrt.constraints import Constraint, GrammarCompiler, TokenMask, compute_masks
+from qwenrt.constraints import Constraint, GrammarCompiler, TokenMask
 from qwenrt.engine.prefix_cache import Match, PrefixCache, prompt_key
 from qwenrt.engine.prefix_store import PrefixStore, model_identity
 from qwenrt.engine.request import (DraftCounts, Request, RequestOutput, Sequence, Status, TokenLogprob,
@@ -492,7 +492,6 @@ class Engine:
             # its next draft, in one call): a head that skipped them would draft a probe from a gapped context
             inputs = [s.prompt_len + len(s.tokens) - 1 for s in seqs]  # each input's index
             logits, hidden = self.runner.decode(seqs)  # [B, V], [B, D]
-            compute_masks([s.mask for s in seqs if s.mask is not None])
             for b, seq in enumerate(seqs):
                 self._run(outputs, [seq], lambda s=seq, row=logits[b:b + 1]: self._sample(s, row, outputs))
                 if seq.draft_state is not None and seq.finish_reason is None:
@@ -503,7 +502,6 @@ class Engine:
             made = max((len(s.drafts) for s in seqs if s.status is Status.RUNNING), default=0)
         else:
             verified = self.runner.verify(seqs, drafts)
-            compute_masks([s.mask for s in seqs if s.mask is not None])  # each one's first position
             for seq, d, v in zip(seqs, drafts, verified):
                 self._run(outputs, [seq], lambda s=seq, d=d, v=v: self._take_verified(s, d, v, outputs))
             live = [s for s in seqs if s.status is Status.RUNNING and s.max_drafts]
