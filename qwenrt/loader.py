@@ -41,8 +41,12 @@ def resolve_dtype(dtype, stored: str | None) -> torch.dtype:
 
 
 def stored_float_dtype(ckpt, plan) -> str:
-    """The dtype the checkpoint stores its full-precision weights in (a quantized one may not store the embedding)."""
-    name = "model.embed_tokens.weight" if "model.embed_tokens.weight" in plan else "model.norm.weight"
+    """The dtype the checkpoint stores its full-precision weights in: the embedding's, or where a quantized one does
+    not store it, the first other weight's but a norm's (qwenrt-tiny stores its norms in fp32: its int4 copy loaded
+    in fp32, off the native decode path)."""
+    name = "model.embed_tokens.weight"
+    if name not in plan:
+        name = next((n for n in plan if n.endswith(".weight") and "norm" not in n.split(".")[-2]), "model.norm.weight")
     return ckpt.dtypes[plan[name].names[0]]
 
 
