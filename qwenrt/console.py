@@ -6,6 +6,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from qwenrt.constraints import MAX_SOURCE_CHARS
@@ -18,6 +19,7 @@ from qwenrt.hub import resolve_model_path
 from qwenrt.kernels import kernel_path
 from qwenrt.loader import load, resolve_device, resolve_dtype
 from qwenrt.parsing import parse_completion
+from qwenrt.quant import weight_format
 from qwenrt.sampling import SamplingParams, check_generates
 from qwenrt.validation import check_max_context, check_text
 from qwenrt.vision.media import DEFAULT_POLICY, preflight_media
@@ -38,17 +40,19 @@ def constraint_files(json_schema: str | None, grammar: str | None) -> dict:
 
 
 def load_for_cli(source: str | None, path, dtype: str, device: str, check_finite: bool = True,
-                 engine_options: dict | None = None):
+                 engine_options: dict | None = None, threads: int | None = None):
     """Load `path` (what `check_options` resolved `source` to) with progress and timing on stderr, naming the
     built-in model when no source was given."""
     start = time.perf_counter()
     print(f"loading {resolve_model(source)[1]} …", file=sys.stderr, flush=True)
     model, tokenizer = load(path, dtype=dtype, device=device, progress=True, check_finite=check_finite,
-                            **(engine_options or {}))
+                            threads=threads, **(engine_options or {}))
     c = model.config.text
-    kernels = f", CPU kernels: {kernel_path()}" if model.device.type == "cpu" else ""
-    print(f"loaded {c.num_hidden_layers}-layer {'MoE ' if c.is_moe else ''}model ({model.dtype}) in "
-          f"{time.perf_counter() - start:.1f} s{kernels}", file=sys.stderr, flush=True)
+    threads = torch.get_num_threads()
+    kernels = f", CPU kernels: {kernel_path()}, {threads} thread{'s' * (threads != 1)}"
+    kernels = kernels if model.device.type == "cpu" else ""
+    print(f"loaded {c.num_hidden_layers}-layer {'MoE ' if c.is_moe else ''}model ({model.dtype}, weights "
+          f"{weight_format(model)}) in {time.perf_counter() - start:.1f} s{kernels}", file=sys.stderr, flush=True)
     return model, tokenizer
 
 
@@ -132,7 +136,8 @@ def user_message(text: str, images: list[str], videos: list[str]) -> dict:
 
 def run(source: str | None, prompt: str, *, raw: bool, system: str | None, thinking: bool | None, dtype: str,
         device: str, prefill_chunk: int | None, max_context: int | None, sampling: dict, images: list[str] = (),
-        videos: list[str] = (), check_finite: bool = True, engine_options: dict | None = None) -> None:
+        videos: list[str] = (), check_finite: bool = True, engine_options: dict | None = None,
+        threads: int | None = None) -> None:
     """`qwenrt run`: stream one answer to stdout; load progress and a stats line go to stderr."""
     if prompt == "-":
         try:
@@ -144,7 +149,7 @@ def run(source: str | None, prompt: str, *, raw: bool, system: str | None, think
         raise QwenrtError("--image/--video need the chat template; drop --raw")
     path = check_options(source, sampling, device, dtype, max_context,
                          [("image", i) for i in images] + [("video", v) for v in videos])
-    model, tokenizer = load_for_cli(source, path, dtype, device, check_finite, engine_options)
+    model, tokenizer = load_for_cli(source, path, dtype, device, check_finite, engine_options, threads)
     if tokenizer is None:
         raise QwenrtError(f"{source}: the checkpoint has no tokenizer.json; text prompts need one")
     params = sampling_params(sampling, tokenizer)
@@ -160,10 +165,10 @@ CHAT_HELP = "commands: /reset (forget the conversation), /thinking on|off, /exit
 
 def chat(source: str | None, *, system: str | None, thinking: bool | None, dtype: str, device: str,
          prefill_chunk: int | None, max_context: int | None, sampling: dict, check_finite: bool = True,
-         engine_options: dict | None = None) -> None:
+         engine_options: dict | None = None, threads: int | None = None) -> None:
     """`qwenrt chat`: a multi-turn session on the terminal; each turn reuses what the previous ones computed."""
     path = check_options(source, sampling, device, dtype, max_context)
-    model, tokenizer = load_for_cli(source, path, dtype, device, check_finite, engine_options)
+    model, tokenizer = load_for_cli(source, path, dtype, device, check_finite, engine_options, threads)
     if tokenizer is None:
         raise QwenrtError(f"{source}: the checkpoint has no tokenizer.json; chat needs one")
     params = sampling_params(sampling, tokenizer)

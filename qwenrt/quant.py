@@ -315,6 +315,14 @@ class QuantEmbedding(nn.Module):
         return out.reshape(*ids.shape, -1)
 
 
+def weight_format(model: nn.Module) -> str:
+    """How the model holds its linear weights, for load lines: "int4 g64", "int8", or the dtype ("bf16")."""
+    spec = next((m.spec for m in model.modules() if isinstance(m, QuantLinear)), None)
+    if spec is not None:
+        return f"int{spec.bits}" + (f" g{spec.group_size}" if spec.group_size else "")
+    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(model.dtype, str(model.dtype))
+
+
 # ---- which weights, and the swap --------------------------------------------------------------------------------
 
 def default_predicate(path: str, module: nn.Module) -> bool:
