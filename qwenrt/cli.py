@@ -59,7 +59,8 @@ def _run(args) -> None:
     run(args.model, args.prompt, raw=args.raw, system=args.system, thinking=args.thinking, dtype=args.dtype,
         device=args.device, prefill_chunk=args.prefill_chunk, max_context=args.max_context, sampling=_sampling(args),
         images=args.image or [], videos=args.video or [], check_finite=args.finite_check,
-        engine_options=_engine_options(args), show_thinking=args.show_thinking)
+        engine_options=_engine_options(args), show_thinking=args.show_thinking,
+        threads=args.threads)
 
 
 def _chat(args) -> None:
@@ -67,7 +68,8 @@ def _chat(args) -> None:
 
     chat(args.model, system=args.system, thinking=args.thinking, dtype=args.dtype, device=args.device,
          prefill_chunk=args.prefill_chunk, max_context=args.max_context, sampling=_sampling(args),
-         check_finite=args.finite_check, engine_options=_engine_options(args), show_thinking=args.show_thinking)
+         check_finite=args.finite_check, engine_options=_engine_options(args), show_thinking=args.show_thinking,
+         threads=args.threads)
 
 
 
@@ -127,6 +129,7 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
     log.add_options(p)
     p.add_argument("--dtype", default="auto", help="auto (as stored), bfloat16, float16 or float32")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or mps")
+    p.add_argument("--threads", type=_at_least(1), help="CPU threads (default: torch's, the physical cores)")
     p.add_argument("--prefill-chunk", type=_at_least(1), help="prompt tokens per prefill step at most (bounds memory)")
     p.add_argument("--max-context", type=_at_least(2), help="context limit in tokens (default and most: the model's)")
     p.add_argument("--no-finite-check", dest="finite_check", action="store_false",

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from qwenrt import log
@@ -21,6 +22,7 @@ from qwenrt.hub import resolve_model_path
 from qwenrt.kernels import kernel_path
 from qwenrt.loader import load, resolve_device, resolve_dtype
 from qwenrt.parsing import THINK_START, parse_completion
+from qwenrt.quant import weight_format
 from qwenrt.sampling import SamplingParams, check_generates
 from qwenrt.server.stream_parser import ReasoningSplitter
 from qwenrt.validation import check_max_context, check_text
@@ -44,7 +46,7 @@ def constraint_files(json_schema: str | None, grammar: str | None) -> dict:
 
 
 def load_for_cli(source: str | None, path, dtype: str, device: str, check_finite: bool = True,
-                 engine_options: dict | None = None):
+                 engine_options: dict | None = None, threads: int | None = None):
     """Load `path` (what `check_options` resolved `source` to) with progress and timing on stderr, naming the
     built-in model when no source was given."""
     import torch
@@ -53,12 +55,14 @@ def load_for_cli(source: str | None, path, dtype: str, device: str, check_finite
     log.info(f"loading {resolve_model(source)[1]} …")
     log.detail(f"checkpoint: {path}")
     model, tokenizer = load(path, dtype=dtype, device=device, progress=log.shows_progress(), check_finite=check_finite,
-                            **(engine_options or {}))
+                            threads=threads, **(engine_options or {}))
     c = model.config.text
-    kernels = f", CPU kernels: {kernel_path()}" if model.device.type == "cpu" else ""
-    log.info(f"loaded {c.num_hidden_layers}-layer {'MoE ' if c.is_moe else ''}model ({model.dtype}) in "
-             f"{time.perf_counter() - start:.1f} s{kernels}")
-    log.detail(f"device: {model.device}, {torch.get_num_threads()} torch threads")
+    threads = torch.get_num_threads()
+    kernels = f", CPU kernels: {kernel_path()}, {threads} thread{'s' * (threads != 1)}"
+    kernels = kernels if model.device.type == "cpu" else ""
+    log.info(f"loaded {c.num_hidden_layers}-layer {'MoE ' if c.is_moe else ''}model ({model.dtype}, weights "
+             f"{weight_format(model)}) in {time.perf_counter() - start:.1f} s{kernels}")
+    log.detail(f"device: {model.device}")
     return model, tokenizer
 
 
@@ -214,7 +218,7 @@ def user_message(text: str, images: list[str], videos: list[str]) -> dict:
 def run(source: str | None, prompt: str, *, raw: bool, system: str | None, thinking: bool | None, dtype: str,
         device: str, prefill_chunk: int | None, max_context: int | None, sampling: dict, images: list[str] = (),
         videos: list[str] = (), check_finite: bool = True, engine_options: dict | None = None,
-        show_thinking: bool | None = None) -> None:
+        show_thinking: bool | None = None, threads: int | None = None) -> None:
     """`qwenrt run`: stream one answer to stdout (the reasoning where `reasoning_destination` says); load progress
     and a stats line go to stderr."""
     began = time.perf_counter()
@@ -229,7 +233,7 @@ def run(source: str | None, prompt: str, *, raw: bool, system: str | None, think
     path = check_options(source, sampling, device, dtype, max_context,
                          [("image", i) for i in images] + [("video", v) for v in videos])
     checked = time.perf_counter()
-    model, tokenizer = load_for_cli(source, path, dtype, device, check_finite, engine_options)
+    model, tokenizer = load_for_cli(source, path, dtype, device, check_finite, engine_options, threads)
     loaded = time.perf_counter()
     params = sampling_params(sampling, tokenizer)
     log.detail(describe_sampling(params))
@@ -245,11 +249,12 @@ def run(source: str | None, prompt: str, *, raw: bool, system: str | None, think
 
 def chat(source: str | None, *, system: str | None, thinking: bool | None, dtype: str, device: str,
          prefill_chunk: int | None, max_context: int | None, sampling: dict, check_finite: bool = True,
-         engine_options: dict | None = None, show_thinking: bool | None = None) -> None:
+         engine_options: dict | None = None, show_thinking: bool | None = None,
+         threads: int | None = None) -> None:
     """`qwenrt chat`: a multi-turn session on the terminal (qwenrt/chat_session.py); each turn reuses what the
     previous ones computed."""
     path = check_options(source, sampling, device, dtype, max_context)
-    model, tokenizer = load_for_cli(source, path, dtype, device, check_finite, engine_options)
+    model, tokenizer = load_for_cli(source, path, dtype, device, check_finite, engine_options, threads)
 
     def resolve(options: dict) -> SamplingParams:
         params = sampling_params(options, tokenizer)

@@ -14,6 +14,7 @@ modules in, load_state_dict(assign=True) replaces parameters) or the dtype chang
 from __future__ import annotations
 
 import weakref
+from itertools import groupby
 from typing import NamedTuple
 
 import torch
@@ -23,7 +24,7 @@ from qwenrt.cache import HybridCache, SequenceState
 from qwenrt.kernels import cpu_kernels
 from qwenrt.ops.linear import Linear
 from qwenrt.ops.rope import rope_cos_sin
-from qwenrt.quant import QuantLinear
+from qwenrt.quant import QuantEmbedding, QuantLinear
 
 _generation = [0]  # bumped by every module / parameter / buffer registration
 _plans = weakref.WeakKeyDictionary()  # model -> {what: ((generation, dtype), plan)}; not in the model: it pickles
@@ -40,20 +41,50 @@ for _hook in (nn.modules.module.register_module_module_registration_hook,
     _hook(_registered)
 
 
-def _bind(kernels, modules: list[nn.Module]):
-    """The projections as one native call, a `kernels.Projection`: (x [B, K], mode) -> [B, N_i] per module; None
-    where they have none."""
-    first = modules[0]
-    if all(type(m) is Linear and m.weight.dtype == torch.bfloat16 for m in modules):
+def _format(module: nn.Module) -> tuple | None:
+    """What a GEMV call takes `module` as: ("bf16", None), ("q8" | "q4", its QuantSpec); None where none does."""
+    if type(module) is Linear and module.weight.dtype == torch.bfloat16:
+        return "bf16", None
+    if type(module) is QuantLinear and module.qweight.dim() == 2 and not module.torch_int4:
+        return f"q{module.spec.bits}", module.spec
+    return None
+
+
+def _bind_run(kernels, fmt: tuple, modules: list[nn.Module]):
+    """Modules of one format (`_format`) as one `kernels.Projection`."""
+    kind, spec = fmt
+    if kind == "bf16":
         return kernels.Projection("bf16", [m.weight for m in modules], [], [], 0)
-    if not all(type(m) is QuantLinear and m.spec == first.spec and m.qweight.dim() == 2 for m in modules):
-        return None
     qs, scales = [m.qweight for m in modules], [m.scales for m in modules]
-    if first.spec.bits == 8:
+    if kind == "q8":
         return kernels.Projection("q8", qs, scales, [], 0)
-    if first.torch_int4:
+    return kernels.Projection("q4", qs, scales, [m.zeros for m in modules], spec.group_size)
+
+
+def _bind(kernels, modules: list[nn.Module], one_format: bool = False):
+    """The projections as one native call, a `kernels.Projection`: (x [B, K], mode) -> [B, N_i] per module, a GEMV
+    per run of one format (int4 keeps the projections its layout cannot hold in bf16); None where one has none, or
+    where they are of several formats and `one_format` (the SwiGLU GEMV takes gate and up in one format)."""
+    formats = [_format(m) for m in modules]
+    if None in formats:
         return None
-    return kernels.Projection("q4", qs, scales, [m.zeros for m in modules], first.spec.group_size)
+    runs = [(fmt, [m for _, m in run]) for fmt, run in groupby(zip(formats, modules), key=lambda pair: pair[0])]
+    if len(runs) > 1 and one_format:
+        return None
+    parts = [_bind_run(kernels, fmt, run) for fmt, run in runs]
+    return parts[0] if len(parts) == 1 else kernels.Projection(parts)
+
+
+def _bind_lookup(kernels, embed: nn.Module):
+    """The token lookup as a one-weight `kernels.Projection` whose rows are read (Projection.rows): a bf16 table, or
+    the quantized head of a tied model (`QuantEmbedding`); None otherwise."""
+    if type(embed) is nn.Embedding and embed.weight.dtype == torch.bfloat16:
+        return kernels.Projection("bf16", [embed.weight], [], [], 0)
+    if type(embed) is not QuantEmbedding or embed.dtype != torch.bfloat16:
+        return None
+    t, spec = embed.stored, embed.spec
+    zeros = [t["zeros"]] if spec.bits == 4 else []
+    return kernels.Projection(f"q{spec.bits}", [t["qweight"]], [t["scales"]], zeros, spec.group_size or 0)
 
 
 class _Layer(NamedTuple):
@@ -79,7 +110,7 @@ def _bind_layer(kernels, layer: nn.Module) -> _Layer | None:
         m = layer.self_attn
         project, out = _bind(kernels, [m.q_proj, m.k_proj, m.v_proj]), _bind(kernels, [m.o_proj])
     dense = hasattr(layer.mlp, "gate_proj")
-    gate_up = _bind(kernels, [layer.mlp.gate_proj, layer.mlp.up_proj]) if dense else None
+    gate_up = _bind(kernels, [layer.mlp.gate_proj, layer.mlp.up_proj], one_format=True) if dense else None
     down = _bind(kernels, [layer.mlp.down_proj]) if dense else None
     if project is None or out is None or (dense and (gate_up is None or down is None)):
         return None
@@ -334,7 +365,8 @@ class CyclePlan:
     """A greedy speculative cycle as one native call (`kernels.GreedyCycle`): the decode plan's layers and head and
     the MTP plan's, bound together. It does what verify, the greedy picks, commit and the MTP draft do one call each
     (engine/runner.py), and gives the same tokens, states and drafts; a cycle through those calls cost twice a plain
-    step on qwenrt-tiny, far more than its arithmetic. Dense models with an MTP head and a bf16 embedding table."""
+    step on qwenrt-tiny, far more than its arithmetic. Dense models with an MTP head whose tokens are looked up in a
+    bf16 table or a tied quantized head."""
 
     def __init__(self, native, rope: RopeTable):
         self.native, self.rope = native, rope
@@ -343,11 +375,10 @@ class CyclePlan:
     def for_model(cls, model: nn.Module, draft_vocab: int) -> CyclePlan | None:
         def build(kernels):
             decode, draft = DecodePlan.for_model(model), MTPPlan.for_model(model, draft_vocab)
-            embed = model.model.embed_tokens
-            if (decode is None or draft is None or decode.stack is None or draft.stack is None
-                    or type(embed) is not nn.Embedding or embed.weight.dtype != torch.bfloat16):
+            lookup = _bind_lookup(kernels, model.model.embed_tokens)
+            if decode is None or draft is None or decode.stack is None or draft.stack is None or lookup is None:
                 return None
-            return cls(kernels.GreedyCycle(decode.stack, decode.final_norm, decode.head, embed.weight,
+            return cls(kernels.GreedyCycle(decode.stack, decode.final_norm, decode.head, lookup,
                                            draft.norm_embed, draft.norm_hidden, draft.fc, draft.stack,
                                            draft.final_norm, draft.head, draft.eps), decode.rope)
 

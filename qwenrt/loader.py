@@ -41,8 +41,12 @@ def resolve_dtype(dtype, stored: str | None) -> torch.dtype:
 
 
 def stored_float_dtype(ckpt, plan) -> str:
-    """The dtype the checkpoint stores its full-precision weights in (a quantized one may not store the embedding)."""
-    name = "model.embed_tokens.weight" if "model.embed_tokens.weight" in plan else "model.norm.weight"
+    """The dtype the checkpoint stores its full-precision weights in: the embedding's, or where a quantized one does
+    not store it, the first other weight's but a norm's (qwenrt-tiny stores its norms in fp32: its int4 copy loaded
+    in fp32, off the native decode path)."""
+    name = "model.embed_tokens.weight"
+    if name not in plan:
+        name = next((n for n in plan if n.endswith(".weight") and "norm" not in n.split(".")[-2]), "model.norm.weight")
     return ckpt.dtypes[plan[name].names[0]]
 
 
@@ -250,19 +254,31 @@ def _load_verified(path, verified: tuple, dtype, device: torch.device, progress:
     return model
 
 
+def use_threads(threads: int | None) -> None:
+    """Run torch's CPU ops and the native kernels (which split their work on torch's pool) on `threads` threads;
+    None leaves the count as it is."""
+    if threads is None:
+        return
+    if type(threads) is not int or threads < 1:
+        raise QwenrtError(f"threads must be an integer >= 1, got {threads!r}")
+    torch.set_num_threads(threads)
+
+
 def load(path: str | Path | None = None, dtype="auto", device: str | torch.device = "cpu", revision: str | None = None,
          progress: bool = False, quantize: str | QuantSpec | None = None, check_finite: bool = True,
-         **engine_options):
+         threads: int | None = None, **engine_options):
     """Load a Qwen3.5 checkpoint (a directory or a hub repo id; None: the built-in model): returns (model, tokenizer).
 
     dtype: "auto" (as stored), "float32", "bfloat16", "float16" or a torch.dtype. The tokenizer is None when the
     checkpoint has no tokenizer.json. quantize: "int8" | "int4" (weight-only, CPU), see `load_model`.
-    check_finite=False skips the NaN/Inf scan of the weights. engine_options: settings of the engine that generation
-    on this model uses (`qwenrt.engine.Engine`: max_running, max_model_len, prefix_cache_size, prefix_cache_dir,
-    ...), checked when it is made.
+    check_finite=False skips the NaN/Inf scan of the weights. threads: CPU threads of torch and the native kernels
+    in this process from now on (torch.set_num_threads; None leaves them: torch's default is the physical cores).
+    engine_options: settings of the engine that generation on this model uses (`qwenrt.engine.Engine`: max_running,
+    max_model_len, prefix_cache_size, prefix_cache_dir, ...), checked when it is made.
     """
     check_flag(progress, "progress")
     check_flag(check_finite, "check_finite")
+    use_threads(threads)
     device = resolve_device(device)
     path = resolve_model_path(resolve_model(path)[0], revision)
     verified, tokenizer = check_checkpoint(path)  # the tokenizer too, before any weight is read

@@ -303,7 +303,24 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [*] -> rows [*, D] in the compute dtype."""
-        return dequantize_weight({key: t[ids] for key, t in self.stored.items()}, self.spec).to(self.dtype)
+        kernels = cpu_kernels()
+        if kernels is None or self.dtype not in (torch.bfloat16, torch.float32) or self.device.type != "cpu":
+            return dequantize_weight({key: t[ids] for key, t in self.stored.items()}, self.spec).to(self.dtype)
+        # natively, the same values: the torch ops took 120 us of a ~700 us int4 decode step on qwenrt-tiny
+        q = self.stored["qweight"]
+        flat = ids.reshape(-1).long().contiguous()
+        out = torch.empty(flat.numel(), q.shape[-1] * (2 if self.spec.bits == 4 else 1), dtype=self.dtype)
+        kernels.dequantize_rows(flat, q, self.stored["scales"], self.stored.get("zeros"), self.spec.group_size or 0,
+                                out)
+        return out.reshape(*ids.shape, -1)
+
+
+def weight_format(model: nn.Module) -> str:
+    """How the model holds its linear weights, for load lines: "int4 g64", "int8", or the dtype ("bf16")."""
+    spec = next((m.spec for m in model.modules() if isinstance(m, QuantLinear)), None)
+    if spec is not None:
+        return f"int{spec.bits}" + (f" g{spec.group_size}" if spec.group_size else "")
+    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(model.dtype, str(model.dtype))
 
 
 # ---- which weights, and the swap --------------------------------------------------------------------------------

@@ -189,4 +189,6 @@ def test_empty_path_and_bad_revision():
     one_line_error(lambda: qwenrt.load("\ud800/x"), "not valid Unicode")  # was a UnicodeEncodeError
     one_line_error(lambda: qwenrt.load("~no-such-user-qwenrt/x"), "~no-such-user-qwenrt")  # was a RuntimeError
     one_line_error(lambda: qwenrt.load(None, progress="yes"), "progress must be True or False")  # was accepted
+    for threads in (0, True, 1.5, "2"):
+        one_line_error(lambda: qwenrt.load(None, threads=threads), f"threads must be an integer >= 1, got {threads!r}")
     one_line_error(lambda: qwenrt.load("Qwen/Qwen3.5-0.8B", revision=5), "revision must be a string")

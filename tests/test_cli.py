@@ -10,10 +10,13 @@ import sys
 from unittest import mock
 
 import jsonschema
+import pytest
+import torch
 
 import qwenrt
 from qwenrt import log
 from qwenrt.cli import main
+from qwenrt.convert import quantize_checkpoint
 from qwenrt.console import DIM, RESET, THINKING_CLOSE, THINKING_OPEN, AnswerWriter, reasoning_destination
 from qwenrt.default_model import default_model_path
 from qwenrt.kernels import kernel_path
@@ -67,7 +70,23 @@ def test_run_streams_the_greedy_answer(chat_ckpt, chat_model):
                                enable_thinking=False)
     assert run.stdout == expected + "\n"
     assert "generated 12 tokens" in run.stderr and "finish: length" in run.stderr
-    assert f"s, CPU kernels: {kernel_path()}\n" in run.stderr  # the load line names the kernel level
+    # the load line names the weight format, the kernel level and the threads
+    assert "model (torch.float32, weights fp32) in " in run.stderr
+    assert f"s, CPU kernels: {kernel_path()}, {torch.get_num_threads()} threads\n" in run.stderr
+
+
+def test_threads_flag_reaches_torch(tmp_path, capsys):
+    """--threads sets the threads torch and the native kernels run on (the load line reads them back from torch); an
+    int4 copy of the built-in model loads in bf16 and says its weight format. A count below 1 is refused while
+    parsing, before anything loads."""
+    int4 = quantize_checkpoint(default_model_path(), tmp_path / "int4", 4)
+    run = qwenrt_cli("run", int4, "Hi", "-n", 2, "--threads", 1)
+    assert run.returncode == 0, run.stderr
+    assert "model (torch.bfloat16, weights int4 g64) in " in run.stderr and ", 1 thread\n" in run.stderr
+    for verb in (["run", "hi"], ["chat"], ["serve"]):
+        with pytest.raises(SystemExit) as done:  # argparse: a usage line, exit 2
+            main([*verb, "--threads", "0"])
+        assert done.value.code == 2 and "--threads: must be " in capsys.readouterr().err
 
 
 def test_load_line_says_when_no_native_kernels_run(chat_ckpt):
@@ -264,7 +283,7 @@ def test_run_prints_the_answer_alone_into_a_pipe(capsys, monkeypatch):
     assert main(["run", question, "--temperature", "0", "-v", "--hide-thinking"]) == 0
     out, err = capsys.readouterr()
     assert out == done.content + "\n" and THINKING_OPEN not in err
-    for line in (f"checkpoint: {default_model_path()}\n", "device: cpu, ", "sampling: max_tokens 512, temperature 0.0\n",
+    for line in (f"checkpoint: {default_model_path()}\n", "device: cpu\n", "sampling: max_tokens 512, temperature 0.0\n",
                  "time: checks "):
         assert line in err, err
 

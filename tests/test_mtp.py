@@ -238,12 +238,14 @@ def test_rejected_drafts_leave_the_state_of_the_accepted_tokens(mtp_dense):
     assert torch.allclose(runner.decode([verified])[0], runner.decode([one_by_one])[0], atol=1e-5)
 
 
-def test_native_cycle_equals_the_separate_calls(mtp_dense):
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_native_cycle_equals_the_separate_calls(mtp_dense, quantize):
     """The greedy cycle in one native call (runner.cycle) against verify, the greedy picks, commit and the head's
     draft one call each: the same tokens, accepted counts and drafts, and caches equal tensor for tensor (model and
     MTP head), round after round: the head's pending prompt row first, drafts partly accepted, all accepted, then
-    kept back to fewer inputs (the sequence ended among them)."""
-    model, _ = qwenrt.load(mtp_dense, dtype="bfloat16")
+    kept back to fewer inputs (the sequence ended among them). int4: the tied tokens looked up in the quantized
+    head."""
+    model, _ = qwenrt.load(mtp_dense, dtype="bfloat16", quantize=quantize)
     if cpu_kernels() is None:
         return
     runner = ModelRunner(model, VOCAB // 2)
@@ -306,9 +308,11 @@ def test_native_cycle_equals_the_separate_calls(mtp_dense):
         assert torch.equal(separate.state.recurrent[i], native.state.recurrent[i])
 
 
-def test_greedy_engine_steps_take_the_native_cycle(mtp_dense):
-    """Greedy requests of a bf16 dense model with an MTP head verify and draft in one native call per step."""
-    model, _ = qwenrt.load(mtp_dense, dtype="bfloat16")
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+def test_greedy_engine_steps_take_the_native_cycle(mtp_dense, quantize):
+    """Greedy requests of a bf16 dense model with an MTP head verify and draft in one native call per step, its
+    weights quantized or not."""
+    model, _ = qwenrt.load(mtp_dense, dtype="bfloat16", quantize=quantize)
     engine = Engine(model, speculative_tokens=2, prefix_cache_size=0)
     cycle, fused = engine.runner.cycle, []
     engine.runner.cycle = lambda *args: fused.append(cycle(*args)) or fused[-1]

@@ -12,7 +12,10 @@ from torch import nn
 import qwenrt
 from qwenrt.cli import main
 from qwenrt.convert import quantize_checkpoint
+from qwenrt.decode_plan import CyclePlan, DecodePlan
+from qwenrt.default_model import default_model_path
 from qwenrt.errors import QwenrtError
+from qwenrt.kernels import cpu_kernels
 from qwenrt.quant import (QuantEmbedding, QuantExperts, QuantLinear, QuantSpec, default_predicate, dequantize_weight,
                           quantize_model, quantize_weight)
 from tests.checkpoints import VOCAB
@@ -166,6 +169,33 @@ def test_int4_keeps_unpackable_weights_precise(dense_ckpt, tmp_path, capsys):
     model, _ = qwenrt.load(dst)
     assert isinstance(model.model.layers[0].linear_attn.in_proj_b, nn.Linear)
     assert isinstance(model.model.layers[0].linear_attn.in_proj_qkv, QuantLinear)
+
+
+def test_int4_copy_of_the_builtin_model_decodes_natively(tmp_path):
+    """qwenrt-tiny stores its norms in fp32: its int4 copy loaded as "auto" once took their dtype, and then decoded
+    through the modules in fp32 (5 tok/s against bf16's ~550). It loads in bf16 and decodes on the native path,
+    its bf16 DeltaNet b/a projections included, exactly as the modules do."""
+    dst = quantize_checkpoint(default_model_path(), tmp_path / "q", 4)
+    model, _ = qwenrt.load(dst)
+    assert model.dtype == torch.bfloat16
+    assert isinstance(model.model.layers[0].linear_attn.in_proj_b, nn.Linear)
+    if cpu_kernels() is None:
+        return
+    ids = torch.randint(0, model.config.text.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    planned = teacher_forced_logits(model, ids, 8)
+    assert DecodePlan.for_model(model) is not None and CyclePlan.for_model(model, 64) is not None
+    assert torch.equal(planned, teacher_forced_logits(model, ids, 8, modules=True))
+
+
+def test_quantized_lookup_equals_its_dequantized_rows(dense_ckpt):
+    """A tied model's tokens are looked up in its quantized head, natively where the kernels run: the rows
+    dequantize_weight gives, in the compute dtype."""
+    for spec, dtype in ((QuantSpec(8), "bfloat16"), (QuantSpec(4, 32), "bfloat16"), (QuantSpec(4, 64), "float32")):
+        model, _ = qwenrt.load(dense_ckpt[0], dtype=dtype, quantize=spec)
+        lookup = model.model.embed_tokens
+        ids = torch.tensor([[0, 5, VOCAB - 1], [7, 7, 1]])
+        rows = dequantize_weight({k: v[ids] for k, v in lookup.stored.items()}, spec).to(model.dtype)
+        assert torch.equal(lookup(ids), rows) and lookup(ids).shape == (2, 3, model.config.text.hidden_size)
 
 
 def test_bad_arguments_are_clear_errors(dense_ckpt, tmp_path, capsys):

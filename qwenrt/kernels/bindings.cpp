@@ -38,6 +38,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("x"), arg("q"), arg("scales"), arg("zeros"), arg("G"));
   m.def("dequantize_q4", &dequantize_q4, "int4 stored layout -> the dense weight written into out (bf16 or fp32)",
         arg("q"), arg("scales"), arg("zeros"), arg("G"), arg("out"));
+  m.def("dequantize_rows", &dequantize_rows, "rows ids [N] of an int8 or int4 (stored layout) weight, dequantized "
+        "into out [N, K] (bf16 or fp32): a token lookup in a quantized table",
+        arg("ids"), arg("q"), arg("scales"), arg("zeros"), arg("G"), arg("out"));
   m.def("attention_decode_step", &attention_decode_step,
         "q/k norm, RoPE, KV write, attention and output gate for one new token per sequence");
   m.def("rms_norm", &rms_norm, "zero-centred RMSNorm: (x [+ residual], normed)");
@@ -52,10 +55,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [B, V] fp32, allowed [ceil(V / 32)] int32 packed bits -> [B] int64: argmax_rows with the tokens the "
         "mask does not allow at -inf", arg("x"), arg("allowed"));
   using qwenrt::GreedyCycle, qwenrt::LayerStack, qwenrt::Projection;
-  pybind11::class_<Projection>(m, "Projection", "projections sharing one input, one GEMV call (bf16, q8 or q4)")
+  pybind11::class_<Projection>(m, "Projection",
+                                "projections sharing one input, a GEMV call per run of one format (bf16, q8 or q4)")
       .def(pybind11::init<std::string, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                           int64_t>(),
            arg("format"), arg("weights"), arg("scales"), arg("zeros"), arg("group_size"))
+      .def(pybind11::init<std::vector<Projection>>(), arg("parts"), "the parts' projections, outputs in order")
       .def("__call__", &Projection::operator(), arg("x"), arg("mode"));
   pybind11::class_<LayerStack>(m, "LayerStack", "dense decoder layers bound once; run() is a decode step's layers")
       .def(pybind11::init<double>(), arg("eps"))
@@ -65,7 +70,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "rows of successive tokens per sequence through every layer -> (final-normed hidden, saved states)");
   pybind11::class_<GreedyCycle>(m, "GreedyCycle",
                                  "a greedy speculative cycle (verify, accept, commit, MTP drafts) as one call")
-      .def(pybind11::init<LayerStack, at::Tensor, Projection, at::Tensor, at::Tensor, at::Tensor, Projection,
+      .def(pybind11::init<LayerStack, at::Tensor, Projection, Projection, at::Tensor, at::Tensor, Projection,
                           LayerStack, at::Tensor, Projection, double>())
       .def("run",
            [](const GreedyCycle& cycle, std::vector<int64_t> ids, std::vector<int64_t> counts,

@@ -239,6 +239,39 @@ std::vector<at::Tensor> gemv_q4(at::Tensor x, std::vector<at::Tensor> qs, std::v
   return outs.results;
 }
 
+namespace {
+
+// row n of an int4 weight (stored layout, K columns in groups of G) dequantized into row [K] fp32
+void q4_row(const uint8_t* Q, const uint16_t* S, const uint16_t* Z, int64_t n, int64_t K, int64_t G, float* row) {
+  const int64_t groups = K / G;
+  for (int64_t g = 0; g < groups; ++g) {
+    const float sc = bf16_to_float(S[n * groups + g]), z = bf16_to_float(Z[n * groups + g]);
+    const uint8_t* bytes = Q + n * (K / 2) + g * (G / 2);
+    for (int64_t o = 0; o < G / 2; ++o) {
+      row[g * G + o] = (static_cast<float>(bytes[o] & 15) - 8.f) * sc + z;
+      row[g * G + G / 2 + o] = (static_cast<float>(bytes[o] >> 4) - 8.f) * sc + z;
+    }
+  }
+}
+
+// row [K] fp32 into row n of out [*, K] (fp32, or bf16 rounded once)
+void store_row(const float* row, const at::Tensor& out, int64_t n, int64_t K) {
+  if (out.scalar_type() == at::kFloat) {
+    std::memcpy(out.data_ptr<float>() + n * K, row, K * sizeof(float));
+  } else {
+    at::BFloat16* o = out.data_ptr<at::BFloat16>() + n * K;
+    for (int64_t k = 0; k < K; ++k) o[k] = static_cast<at::BFloat16>(row[k]);
+  }
+}
+
+void check_out(const at::Tensor& out, int64_t N, int64_t K, const char* what) {
+  const auto dtype = out.scalar_type();
+  TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kFloat) && out.dim() == 2 && out.size(0) == N &&
+              out.size(1) == K && out.is_contiguous(), what, ": out is a contiguous bf16 or fp32 [N, K]");
+}
+
+}  // namespace
+
 // int4 stored layout -> W [N, K] written into out (bf16 or fp32), returned: prefill multiplies by it with torch's
 // GEMM (fp32 slices into one reused buffer, qwenrt/ops/linear.py).
 at::Tensor dequantize_q4(at::Tensor q, at::Tensor scales, at::Tensor zeros, int64_t G, at::Tensor out) {
@@ -247,29 +280,49 @@ at::Tensor dequantize_q4(at::Tensor q, at::Tensor scales, at::Tensor zeros, int6
   TORCH_CHECK(K % G == 0 && scales.numel() == N * groups && zeros.numel() == N * groups &&
               scales.scalar_type() == at::kBFloat16 && zeros.scalar_type() == at::kBFloat16 &&
               scales.is_contiguous() && zeros.is_contiguous(), "dequantize_q4: bf16 scales/zeros [N, K/G]");
-  const auto dtype = out.scalar_type();
-  TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kFloat) && out.dim() == 2 && out.size(0) == N &&
-              out.size(1) == K && out.is_contiguous(), "dequantize_q4: out is a contiguous bf16 or fp32 [N, K]");
+  check_out(out, N, K, "dequantize_q4");
   const uint8_t* Q = q.data_ptr<uint8_t>();
   const auto* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
   const auto* Z = reinterpret_cast<const uint16_t*>(zeros.data_ptr<at::BFloat16>());
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     std::vector<float> row(K);
     for (int64_t n = n0; n < n1; ++n) {
-      for (int64_t g = 0; g < groups; ++g) {
-        const float sc = bf16_to_float(S[n * groups + g]), z = bf16_to_float(Z[n * groups + g]);
-        const uint8_t* bytes = Q + n * (K / 2) + g * (G / 2);
-        for (int64_t o = 0; o < G / 2; ++o) {
-          row[g * G + o] = (static_cast<float>(bytes[o] & 15) - 8.f) * sc + z;
-          row[g * G + G / 2 + o] = (static_cast<float>(bytes[o] >> 4) - 8.f) * sc + z;
-        }
-      }
-      if (dtype == at::kFloat) {
-        std::memcpy(out.data_ptr<float>() + n * K, row.data(), K * sizeof(float));
+      q4_row(Q, S, Z, n, K, G, row.data());
+      store_row(row.data(), out, n, K);
+    }
+  });
+  return out;
+}
+
+// Rows `ids` of an int8 weight (zeros None) or an int4 one (stored layout, groups of G), dequantized into out [N, K]
+// (bf16 or fp32), returned: a tied model's token lookup in its quantized head, each value as dequantize_q4 gives it.
+at::Tensor dequantize_rows(at::Tensor ids, at::Tensor q, at::Tensor scales, c10::optional<at::Tensor> zeros,
+                           int64_t G, at::Tensor out) {
+  const bool q4 = zeros.has_value();
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(), "dequantize_rows: int64 ids [N]");
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == (q4 ? at::kByte : at::kChar),
+              "dequantize_rows: int8 [V, K] or uint8 [V, K/2] weights");
+  const int64_t N = ids.size(0), V = q.size(0), K = q4 ? 2 * q.size(1) : q.size(1), groups = q4 ? K / G : 1;
+  for (const auto* t : {&scales, q4 ? &*zeros : &scales})
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->numel() == V * groups &&
+                (!q4 || K % G == 0), "dequantize_rows: bf16 scales (and zeros) [V] or [V, K/G]");
+  check_out(out, N, K, "dequantize_rows");
+  const int64_t* I = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i)
+    TORCH_CHECK(I[i] >= 0 && I[i] < V, "dequantize_rows: id ", I[i], " outside the table's ", V, " rows");
+  const auto* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  qwenrt::parallel_for_work(0, N, K, [&](int64_t i0, int64_t i1) {
+    std::vector<float> row(K);
+    for (int64_t i = i0; i < i1; ++i) {
+      if (q4) {
+        q4_row(q.data_ptr<uint8_t>(), S, reinterpret_cast<const uint16_t*>(zeros->data_ptr<at::BFloat16>()), I[i], K,
+               G, row.data());
       } else {
-        at::BFloat16* o = out.data_ptr<at::BFloat16>() + n * K;
-        for (int64_t k = 0; k < K; ++k) o[k] = static_cast<at::BFloat16>(row[k]);
+        const int8_t* qi = q.data_ptr<int8_t>() + I[i] * K;
+        const float sc = bf16_to_float(S[I[i]]);
+        for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(qi[k]) * sc;
       }
+      store_row(row.data(), out, i, K);
     }
   });
   return out;

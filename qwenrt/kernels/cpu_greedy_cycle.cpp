@@ -10,13 +10,13 @@
 
 namespace qwenrt {
 
-GreedyCycle::GreedyCycle(LayerStack stack, at::Tensor final_norm, Projection head, at::Tensor embed,
+GreedyCycle::GreedyCycle(LayerStack stack, at::Tensor final_norm, Projection head, Projection embed,
                          at::Tensor norm_embed, at::Tensor norm_hidden, Projection fc, LayerStack mtp,
                          at::Tensor mtp_norm, Projection draft_head, double mtp_eps)
-    : stack_(std::move(stack)), mtp_(std::move(mtp)), final_norm_(final_norm), embed_(embed),
-      norm_embed_(norm_embed), norm_hidden_(norm_hidden), mtp_norm_(mtp_norm), head_(std::move(head)),
+    : stack_(std::move(stack)), mtp_(std::move(mtp)), final_norm_(final_norm), norm_embed_(norm_embed),
+      norm_hidden_(norm_hidden), mtp_norm_(mtp_norm), head_(std::move(head)), embed_(std::move(embed)),
       fc_(std::move(fc)), draft_head_(std::move(draft_head)), mtp_eps_(mtp_eps) {
-  TORCH_CHECK(embed.dim() == 2 && embed.scalar_type() == at::kBFloat16, "GreedyCycle: embed must be bf16 [V, D]");
+  TORCH_CHECK(embed_.outputs() == 1, "GreedyCycle: embed is one table");
 }
 
 namespace {
@@ -44,7 +44,7 @@ at::Tensor GreedyCycle::draft_rows(const at::Tensor& hidden, const at::Tensor& n
                                    const at::Tensor& sin, const std::vector<int64_t>& counts,
                                    const std::vector<Stores>& keys, const std::vector<Stores>& values,
                                    std::vector<at::Tensor> lengths) const {
-  const auto e = rms_norm(embed_.index_select(0, next), c10::nullopt, norm_embed_, mtp_eps_)[1];
+  const auto e = rms_norm(embed_.rows(next), c10::nullopt, norm_embed_, mtp_eps_)[1];
   const auto h = rms_norm(hidden, c10::nullopt, norm_hidden_, mtp_eps_)[1];
   const auto z = fc_(at::cat({e, h}, 1), "bf16")[0];
   const std::vector<Stores> none(counts.size());  // the head's one layer is attention: no DeltaNet state
@@ -66,7 +66,7 @@ GreedyCycle::Result GreedyCycle::run(at::Tensor ids, std::vector<int64_t> counts
   std::vector<at::Tensor> where;  // the cache slots each sequence's rows write
   for (size_t b = 0; b < S; ++b) where.push_back(slots(lengths[b], counts[b], options));
   Result r;
-  auto verified = stack_.run(embed_.index_select(0, ids), final_norm_, table_rows(cos, positions, counts),
+  auto verified = stack_.run(embed_.rows(ids), final_norm_, table_rows(cos, positions, counts),
                              table_rows(sin, positions, counts), counts, conv, recurrent, keys, values, where);
   r.hidden = verified.first;
   r.saved = std::move(verified.second);

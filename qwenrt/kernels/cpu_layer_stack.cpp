@@ -11,17 +11,31 @@ namespace qwenrt {
 
 Projection::Projection(std::string format, std::vector<at::Tensor> weights, std::vector<at::Tensor> scales,
                        std::vector<at::Tensor> zeros, int64_t group_size)
-    : format(std::move(format)), weights(std::move(weights)), scales(std::move(scales)), zeros(std::move(zeros)),
-      group_size(group_size) {
-  TORCH_CHECK(this->format == "bf16" || this->format == "q8" || this->format == "q4",
-              "Projection: format bf16, q8 or q4");
+    : runs{{std::move(format), std::move(weights), std::move(scales), std::move(zeros), group_size}} {
+  const std::string& f = runs[0].format;
+  TORCH_CHECK(f == "bf16" || f == "q8" || f == "q4", "Projection: format bf16, q8 or q4");
+}
+
+Projection::Projection(const std::vector<Projection>& parts) {
+  for (const Projection& part : parts) runs.insert(runs.end(), part.runs.begin(), part.runs.end());
+  TORCH_CHECK(!runs.empty(), "Projection: no parts");
+}
+
+std::vector<at::Tensor> Projection::Run::operator()(const at::Tensor& x, const std::string& mode) const {
+  if (format == "bf16") return gemv_bf16(x, weights, mode);
+  if (format == "q8") return gemv_q8(x, weights, scales, mode);
+  return gemv_q4(x, weights, scales, zeros, group_size, mode);
 }
 
 std::vector<at::Tensor> Projection::operator()(const at::Tensor& x, const std::string& mode) const {
+  TORCH_CHECK(mode != "swiglu" || runs.size() == 1, "Projection: swiglu takes a gate and an up weight of one format");
   auto call = [&](const at::Tensor& rows) {
-    if (format == "bf16") return gemv_bf16(rows, weights, mode);
-    if (format == "q8") return gemv_q8(rows, weights, scales, mode);
-    return gemv_q4(rows, weights, scales, zeros, group_size, mode);
+    std::vector<at::Tensor> out;
+    for (const Run& run : runs) {
+      auto part = run(rows, mode);
+      out.insert(out.end(), part.begin(), part.end());
+    }
+    return out;
   };
   constexpr int64_t kRows = gemv::kMaxRows;
   if (x.dim() != 2 || x.size(0) <= kRows) return call(x);
@@ -36,11 +50,27 @@ std::vector<at::Tensor> Projection::operator()(const at::Tensor& x, const std::s
   return out;
 }
 
+size_t Projection::outputs() const {
+  size_t n = 0;
+  for (const Run& run : runs) n += run.weights.size();
+  return n;
+}
+
+at::Tensor Projection::rows(const at::Tensor& ids) const {
+  TORCH_CHECK(runs.size() == 1 && runs[0].weights.size() == 1, "Projection.rows: one weight");
+  const Run& run = runs[0];
+  if (run.format == "bf16") return run.weights[0].index_select(0, ids);
+  const int64_t K = run.format == "q4" ? 2 * run.weights[0].size(1) : run.weights[0].size(1);
+  const auto zeros = run.format == "q4" ? c10::optional<at::Tensor>(run.zeros[0]) : c10::nullopt;
+  return dequantize_rows(ids, run.weights[0], run.scales[0], zeros, run.group_size,
+                         at::empty({ids.size(0), K}, run.scales[0].options()));
+}
+
 void LayerStack::add_deltanet(int64_t slot, at::Tensor input_norm, at::Tensor post_norm, Projection project,
                               Projection out, Projection gate_up, Projection down, at::Tensor conv_w,
                               at::Tensor A_log, at::Tensor dt_bias, at::Tensor norm_w, int64_t num_k_heads,
                               int64_t num_v_heads, int64_t head_v_dim, double mixer_eps) {
-  TORCH_CHECK(project.weights.size() == 4 && gate_up.weights.size() == 2,
+  TORCH_CHECK(project.outputs() == 4 && gate_up.outputs() == 2,
               "LayerStack: a DeltaNet layer projects to qkv, z, b, a and has a gate and an up projection");
   layers_.push_back({slot, true, input_norm, post_norm, std::move(project), std::move(out), std::move(gate_up),
                      std::move(down), conv_w, A_log, dt_bias, norm_w, num_k_heads, num_v_heads, head_v_dim, {}, {},
@@ -50,7 +80,7 @@ void LayerStack::add_deltanet(int64_t slot, at::Tensor input_norm, at::Tensor po
 void LayerStack::add_attention(int64_t slot, at::Tensor input_norm, at::Tensor post_norm, Projection project,
                                Projection out, Projection gate_up, Projection down, at::Tensor q_norm,
                                at::Tensor k_norm, int64_t num_heads, int64_t head_dim, double mixer_eps) {
-  TORCH_CHECK(project.weights.size() == 3 && gate_up.weights.size() == 2,
+  TORCH_CHECK(project.outputs() == 3 && gate_up.outputs() == 2,
               "LayerStack: an attention layer projects to q|gate, k, v and has a gate and an up projection");
   layers_.push_back({slot, false, input_norm, post_norm, std::move(project), std::move(out), std::move(gate_up),
                      std::move(down), {}, {}, {}, {}, 0, 0, 0, q_norm, k_norm, num_heads, head_dim, mixer_eps});

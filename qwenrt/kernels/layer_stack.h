@@ -11,18 +11,30 @@
 
 namespace qwenrt {
 
-// The projections of a layer that share one input, computed by one GEMV call: bf16 weights [N_i, K], int8 weights
-// with bf16 row scales, or int4 (stored layout) with bf16 scales and zeros in groups of `group_size`.
+// The projections of a layer that share one input: a run of weights in one format per GEMV call, bf16 weights
+// [N_i, K], int8 weights with bf16 row scales, or int4 (stored layout) with bf16 scales and zeros in groups of
+// `group_size`. Mostly one run; int4 keeps weights whose N its layout cannot hold in bf16 (qwenrt-tiny's DeltaNet b
+// and a projections), which makes a layer's input projections two runs.
 struct Projection {
-  std::string format;  // "bf16" | "q8" | "q4"
-  std::vector<at::Tensor> weights, scales, zeros;
-  int64_t group_size = 0;
+  struct Run {
+    std::string format;  // "bf16" | "q8" | "q4"
+    std::vector<at::Tensor> weights, scales, zeros;
+    int64_t group_size = 0;
+    std::vector<at::Tensor> operator()(const at::Tensor& x, const std::string& mode) const;  // one GEMV call
+  };
+  std::vector<Run> runs;
 
   Projection(std::string format, std::vector<at::Tensor> weights, std::vector<at::Tensor> scales,
              std::vector<at::Tensor> zeros, int64_t group_size);
+  // the parts' runs in order: their outputs, one after another
+  explicit Projection(const std::vector<Projection>& parts);
   // x [M, K] bf16 -> one [M, N_i] per weight ("bf16"; "bf16_fp32" those values in fp32; "fp32" unrounded), or
-  // silu(gate)·up [M, N] ("swiglu"); more than gemv::kMaxRows rows go that many at a time
+  // silu(gate)·up [M, N] ("swiglu", one run); more than gemv::kMaxRows rows go that many at a time
   std::vector<at::Tensor> operator()(const at::Tensor& x, const std::string& mode) const;
+  size_t outputs() const;  // the weights, over all runs
+  // ids [N] int64 -> rows ids of the one weight, bf16 [N, K] (quantized ones dequantized as looked up): the token
+  // lookup of a table bound as a Projection (a tied quantized model looks its tokens up in its head)
+  at::Tensor rows(const at::Tensor& ids) const;
 };
 
 // One stored tensor per layer slot of a sequence (None where the layer is of the other kind).
@@ -80,9 +92,10 @@ class LayerStack {
 // between them (on qwenrt-tiny that Python cost more than the cycle's arithmetic).
 class GreedyCycle {
  public:
-  // the model: its layers, final norm, LM head and embedding table [V, D] bf16; the MTP head: its pre-fc norms
+  // the model: its layers, final norm, LM head and token embedding (a table [V, D] read by Projection::rows); the
+  // MTP head: its pre-fc norms
   // (fp32), fc, its one layer, its final norm and the draft head (the LM head's first rows)
-  GreedyCycle(LayerStack stack, at::Tensor final_norm, Projection head, at::Tensor embed, at::Tensor norm_embed,
+  GreedyCycle(LayerStack stack, at::Tensor final_norm, Projection head, Projection embed, at::Tensor norm_embed,
               at::Tensor norm_hidden, Projection fc, LayerStack mtp, at::Tensor mtp_norm, Projection draft_head,
               double mtp_eps);
 
@@ -116,8 +129,8 @@ class GreedyCycle {
                         const std::vector<Stores>& values, std::vector<at::Tensor> lengths) const;
 
   LayerStack stack_, mtp_;
-  at::Tensor final_norm_, embed_, norm_embed_, norm_hidden_, mtp_norm_;
-  Projection head_, fc_, draft_head_;
+  at::Tensor final_norm_, norm_embed_, norm_hidden_, mtp_norm_;
+  Projection head_, embed_, fc_, draft_head_;
   double mtp_eps_;
 };
 

@@ -28,9 +28,11 @@ def load_engine(args):
     from qwenrt.engine import Engine
     from qwenrt.engine.core import _size
     from qwenrt.loader import load
+    from qwenrt.quant import weight_format
 
     start = time.perf_counter()
-    model, tokenizer = load(args.model, dtype=args.dtype, quantize=args.quantize, progress=log.shows_progress())
+    model, tokenizer = load(args.model, dtype=args.dtype, quantize=args.quantize, progress=log.shows_progress(),
+                            threads=args.threads)
     if args.tokenizer is not None:
         from qwenrt.hub import resolve_model_path
         from qwenrt.tokenizer import load_tokenizer
@@ -56,7 +58,7 @@ def load_engine(args):
     running = engine.scheduler.config.max_running
     at_once = min(running, engine.memory_budget // full)
     note = "" if at_once == running else " (lower --max-model-len, or give max_tokens, for more)"
-    log.info(f"loaded {args.model or DEFAULT_MODEL} ({model.dtype}{', ' + args.quantize if args.quantize else ''}) in "
+    log.info(f"loaded {args.model or DEFAULT_MODEL} ({model.dtype}, weights {weight_format(model)}) in "
              f"{time.perf_counter() - start:.1f} s; context {engine.max_model_len} tokens; cache budget "
              f"{_size(engine.memory_budget)}, {_size(full)} per request at the full context (one without max_tokens): "
              f"{at_once} such requests run at once{note}, up to --max-running {running} in all")
@@ -197,6 +199,7 @@ def add_parser(verbs) -> None:
     p.add_argument("--dtype", default="auto", help="auto (as stored), bfloat16, float16 or float32")
     p.add_argument("--quantize", "--quantization", dest="quantize", choices=("int8", "int4"),
                    help="weight-only quantization while loading")
+    p.add_argument("--threads", type=_positive(int), help="CPU threads (default: torch's, the physical cores)")
     p.add_argument("--max-running", "--max-num-seqs", dest="max_running", type=int,
                    help="requests decoded together at most (default 8)")
     p.add_argument("--max-queue", type=int, help="requests waiting at most, more get 429 (default 256)")
