@@ -24,7 +24,7 @@ from qwenrt.loader import load, resolve_device, resolve_dtype
 from qwenrt.parsing import THINK_START, parse_completion
 from qwenrt.quant import weight_format
 from qwenrt.sampling import SamplingParams, check_generates
-from qwenrt.server.stream_parser import ReasoningSplitter
+from qwenrt.stream_parser import ReasoningSplitter
 from qwenrt.validation import check_max_context, check_text
 from qwenrt.vision.media import DEFAULT_POLICY, preflight_media
 

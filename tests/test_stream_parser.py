@@ -7,7 +7,7 @@ import random
 import pytest
 
 from qwenrt.parsing import parse_completion, split_reasoning
-from qwenrt.server.stream_parser import MessageStream
+from qwenrt.stream_parser import MessageStream
 from tests.test_parsing import TOOLS, call_block
 
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {

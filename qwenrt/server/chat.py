@@ -16,7 +16,7 @@ from qwenrt.server.media import check_media
 from qwenrt.server.params import check_context, choice_params
 from qwenrt.server.protocol import ChatCompletionRequest, ChatMessage, NamedFunction, NamedToolChoice, Tool
 from qwenrt.server.responses import LogprobCollector, chat_logprobs, new_id, now, sse, usage
-from qwenrt.server.stream_parser import MessageDelta, MessageStream
+from qwenrt.stream_parser import MessageDelta, MessageStream
 from qwenrt.server.structured import constraint_options
 
 

@@ -22,7 +22,7 @@ from qwenrt.server.errors import APIError
 from qwenrt.server.protocol import (ChatCompletionRequest, FunctionCallInput, FunctionCallOutputInput, InputMessage,
                                     ReasoningInput, ResponsesRequest)
 from qwenrt.server.responses import now, sse
-from qwenrt.server.stream_parser import MessageDelta, MessageStream
+from qwenrt.stream_parser import MessageDelta, MessageStream
 
 _ITEM_TYPES = {"message": InputMessage, "function_call": FunctionCallInput,
                "function_call_output": FunctionCallOutputInput, "reasoning": ReasoningInput}
