@@ -186,8 +186,10 @@ class AllowedTokens:
     i // 32 for token i; the bits past V are never set): greedy picks read them natively; the [V] bool tensor is
     unpacked only to sample with a temperature or off the CPU."""
 
-    def __init__(self, words: np.ndarray, packed: torch.Tensor, vocab_size: int):
-        self.words, self.packed, self.vocab_size = words, packed, vocab_size  # packed: [W] int32, words' memory
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.words = np.zeros((vocab_size + 31) // 32, dtype=np.uint32)  # [W], llguidance writes it
+        self.packed = torch.from_numpy(self.words.view(np.int32))  # [W], the same memory, for the native pick
 
     def any(self) -> bool:
         return bool(self.words.any())
@@ -207,9 +209,7 @@ class TokenMask:
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, after: int | None = None):
         self.matcher, self.after = matcher, after
-        self.words = np.empty((vocab_size + 31) // 32, dtype=np.uint32)  # [W], llguidance's mask
-        self.packed = torch.from_numpy(self.words.view(np.int32))  # [W], the same memory, for the native pick
-        self.vocab_size = vocab_size
+        self.tokens = AllowedTokens(vocab_size)  # refilled at each step
 
     @property
     def active(self) -> bool:
@@ -219,10 +219,11 @@ class TokenMask:
         """The tokens the constraint allows now (valid until it advances); None while it has not started."""
         if not self.active:
             return None
-        self.matcher.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
+        words = self.tokens.words
+        self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
         if self.matcher.is_error():
             raise QwenrtError(f"the output constraint failed: {_one_line(self.matcher.get_error())}")
-        return AllowedTokens(self.words, self.packed, self.vocab_size)
+        return self.tokens
 
     def drafts(self, proposed: list[int]) -> list[int]:
         """Speculative drafts worth verifying: the tokens the grammar forces from here where it forces more than

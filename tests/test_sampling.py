@@ -137,8 +137,8 @@ def test_sampling_under_a_mask_draws_only_allowed_tokens():
     for allowed_ids in ([10], [40, 70], [70], [3, 5], list(range(vocab)), list(range(11, vocab)), [76]):
         bits = np.zeros(96, dtype=np.uint8)
         bits[allowed_ids] = 1
-        words = np.packbits(bits, bitorder="little").view(np.uint32)
-        allowed = AllowedTokens(words, torch.from_numpy(words.view(np.int32)), vocab)
+        allowed = AllowedTokens(vocab)
+        allowed.words[:] = np.packbits(bits, bitorder="little").view(np.uint32)
         for params in (SamplingParams(), SamplingParams(repetition_penalty=3.0)):
             scores = apply_penalties(logits, params, history) if params.uses_penalties else logits
             expected = max(allowed_ids, key=lambda t: (float(scores[0, t]), -t))
