@@ -49,17 +49,16 @@ def load_for_cli(source: str | None, path, dtype: str, device: str, check_finite
                  engine_options: dict | None = None, threads: int | None = None):
     """Load `path` (what `check_options` resolved `source` to) with progress and timing on stderr, naming the
     built-in model when no source was given."""
-    import torch
-
     start = time.perf_counter()
     log.info(f"loading {resolve_model(source)[1]} …")
     log.detail(f"checkpoint: {path}")
     model, tokenizer = load(path, dtype=dtype, device=device, progress=log.shows_progress(), check_finite=check_finite,
                             threads=threads, **(engine_options or {}))
     c = model.config.text
-    threads = torch.get_num_threads()
-    kernels = f", CPU kernels: {kernel_path()}, {threads} thread{'s' * (threads != 1)}"
-    kernels = kernels if model.device.type == "cpu" else ""
+    kernels = ""
+    if model.device.type == "cpu":
+        threads = torch.get_num_threads()
+        kernels = f", CPU kernels: {kernel_path()}, {threads} thread{'s' * (threads != 1)}"
     log.info(f"loaded {c.num_hidden_layers}-layer {'MoE ' if c.is_moe else ''}model ({model.dtype}, weights "
              f"{weight_format(model)}) in {time.perf_counter() - start:.1f} s{kernels}")
     log.detail(f"device: {model.device}")
@@ -110,7 +109,7 @@ def sampling_params(options: dict, tokenizer) -> SamplingParams:
 def describe_sampling(params: SamplingParams) -> str:
     """The sampling settings in effect for -v: temperature and max_tokens, and the rest where they are not neutral."""
     neutral = SamplingParams()
-    shown = [f"{name} {getattr(params, name)}" for name in SAMPLING_FIELDS[:-1]
+    shown = [f"{name} {getattr(params, name)}" for name in SAMPLING_FIELDS if name != "regex"
              if name in ("temperature", "max_tokens") or getattr(params, name) != getattr(neutral, name)]
     if params.constraint is not None:
         shown.append(f"constraint {params.constraint.kind}")
@@ -179,12 +178,12 @@ def _opens_thinking(tokenizer, prompt, thinking: bool | None) -> bool | None:
 
 
 def _stream(model, tokenizer, prompt, params, thinking, prefill_chunk, max_context, out: list[str],
-            show_thinking: bool | None = None):
-    """Write the answer to stdout as it streams (the reasoning where `reasoning_destination` says), collecting the
-    deltas in `out`; returns the last response. A prompt that takes more than a second to read gets a progress bar
+            started: bool | None, show_thinking: bool | None = None):
+    """Write the answer to stdout as it streams (the reasoning where `reasoning_destination` says; `started`: what
+    _opens_thinking says of the prompt), collecting the deltas in `out`; returns the last response. A prompt that takes more than a second to read gets a progress bar
     on stderr."""
     last, bar = None, None
-    writer = AnswerWriter(_opens_thinking(tokenizer, prompt, thinking), reasoning_destination(show_thinking))
+    writer = AnswerWriter(started, reasoning_destination(show_thinking))
 
     def progress(done: int, total: int) -> None:
         nonlocal bar
@@ -239,7 +238,8 @@ def run(source: str | None, prompt: str, *, raw: bool, system: str | None, think
     log.detail(describe_sampling(params))
     if not raw:
         prompt = ([{"role": "system", "content": system}] if system else []) + [user_message(prompt, images, videos)]
-    last = _stream(model, tokenizer, prompt, params, thinking, prefill_chunk, max_context, [], show_thinking)
+    last = _stream(model, tokenizer, prompt, params, thinking, prefill_chunk, max_context, [],
+                   _opens_thinking(tokenizer, prompt, thinking), show_thinking)
     sys.stdout.write("\n")
     log.info(stats_line(last))
     done = time.perf_counter()
@@ -262,13 +262,13 @@ def chat(source: str | None, *, system: str | None, thinking: bool | None, dtype
         return params
 
     def answer(messages: list[dict], options: dict, thinking: bool | None) -> dict:
-        parts = []
+        parts, started = [], _opens_thinking(tokenizer, messages, thinking)
         last = _stream(model, tokenizer, messages, resolve(options), thinking, prefill_chunk, max_context, parts,
-                       show_thinking)
+                       started, show_thinking)
         sys.stdout.write("\n")
         if last is not None:
             log.info(stats_line(last))
-        return _assistant_turn(tokenizer, messages, thinking, "".join(parts))
+        return _assistant_turn("".join(parts), started)
 
     log.detail(describe_sampling(resolve(sampling)))
     if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is refused as a turn, not fatal to the session
@@ -276,10 +276,10 @@ def chat(source: str | None, *, system: str | None, thinking: bool | None, dtype
     run_session(Session(dict(sampling), system, thinking), answer, resolve)
 
 
-def _assistant_turn(tokenizer, messages: list[dict], thinking: bool | None, text: str) -> dict:
-    """The answer as the conversation keeps it, reasoning apart, so the template can drop old thinking as it should."""
-    prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=thinking)
-    parsed = parse_completion(text, prompt_text.rstrip().endswith("<think>"))
+def _assistant_turn(text: str, started: bool) -> dict:
+    """The answer as the conversation keeps it, reasoning apart, so the template can drop old thinking as it should
+    (`started`: the prompt opened a <think> block)."""
+    parsed = parse_completion(text, started)
     turn = {"role": "assistant", "content": parsed.content}
     if parsed.reasoning is not None:
         turn["reasoning_content"] = parsed.reasoning

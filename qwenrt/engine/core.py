@@ -649,10 +649,12 @@ class Engine:
             logp = logits.log_softmax(-1)
             targets = ids[len(entries):len(entries) + len(logp)]
             chosen = logp.gather(1, torch.tensor(targets, device=logp.device)[:, None])[:, 0].tolist()  # [r]
-            top = logp.topk(top_n) if top_n else None
-            for r, token in enumerate(targets):
-                best = list(zip(top.indices[r].tolist(), top.values[r].tolist())) if top is not None else []
-                entries.append(TokenLogprob(token, chosen[r], best))
+            if top_n:  # the rows' top entries, converted once per chunk
+                top = logp.topk(top_n)
+                best = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+            else:
+                best = [[] for _ in targets]
+            entries += map(TokenLogprob, targets, chosen, best)
         return entries
 
     def _sample(self, seq: Sequence, logits: torch.Tensor, outputs: list) -> None:

@@ -79,29 +79,32 @@ int64_t argmax_row(const float* row, int64_t V, const uint32_t* allowed) {
 
 }  // namespace
 
-// x [B, V] fp32 -> [B] int64
-at::Tensor argmax_rows(at::Tensor x) {
+namespace {
+
+// x [B, V] fp32, allowed [ceil(V / 32)] int32 packed bits or none -> [B] int64
+at::Tensor argmax_over(const at::Tensor& x, const at::Tensor* allowed, const char* what) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0,
-              "argmax_rows: x must be contiguous fp32 [B, V > 0]");
+              what, ": x must be contiguous fp32 [B, V > 0]");
   const int64_t B = x.size(0), V = x.size(1);
+  const uint32_t* words = nullptr;
+  if (allowed != nullptr) {
+    TORCH_CHECK(allowed->dim() == 1 && allowed->scalar_type() == at::kInt && allowed->is_contiguous() &&
+                allowed->size(0) == (V + 31) / 32, what, ": allowed must be contiguous int32 [ceil(V / 32)]");
+    words = reinterpret_cast<const uint32_t*>(allowed->data_ptr<int32_t>());
+  }
   auto out = at::empty({B}, x.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   const float* X = x.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b) o[b] = argmax_row(X + b * V, V, nullptr);
+  for (int64_t b = 0; b < B; ++b) o[b] = argmax_row(X + b * V, V, words);
   return out;
 }
 
+}  // namespace
+
+// x [B, V] fp32 -> [B] int64
+at::Tensor argmax_rows(at::Tensor x) { return argmax_over(x, nullptr, "argmax_rows"); }
+
 // x [B, V] fp32, allowed [ceil(V / 32)] int32 (packed bits, the same for every row) -> [B] int64
 at::Tensor argmax_allowed_rows(at::Tensor x, at::Tensor allowed) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0,
-              "argmax_allowed_rows: x must be contiguous fp32 [B, V > 0]");
-  const int64_t B = x.size(0), V = x.size(1);
-  TORCH_CHECK(allowed.dim() == 1 && allowed.scalar_type() == at::kInt && allowed.is_contiguous() &&
-              allowed.size(0) == (V + 31) / 32, "argmax_allowed_rows: allowed must be contiguous int32 [ceil(V / 32)]");
-  auto out = at::empty({B}, x.options().dtype(at::kLong));
-  int64_t* o = out.data_ptr<int64_t>();
-  const float* X = x.data_ptr<float>();
-  const auto* words = reinterpret_cast<const uint32_t*>(allowed.data_ptr<int32_t>());
-  for (int64_t b = 0; b < B; ++b) o[b] = argmax_row(X + b * V, V, words);
-  return out;
+  return argmax_over(x, &allowed, "argmax_allowed_rows");
 }

@@ -30,6 +30,7 @@ std::vector<at::Tensor> Projection::Run::operator()(const at::Tensor& x, const s
 std::vector<at::Tensor> Projection::operator()(const at::Tensor& x, const std::string& mode) const {
   TORCH_CHECK(mode != "swiglu" || runs.size() == 1, "Projection: swiglu takes a gate and an up weight of one format");
   auto call = [&](const at::Tensor& rows) {
+    if (runs.size() == 1) return runs[0](rows, mode);  // the common case: no gathering copy
     std::vector<at::Tensor> out;
     for (const Run& run : runs) {
       auto part = run(rows, mode);

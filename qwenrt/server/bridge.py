@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import traceback
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from starlette.concurrency import run_in_threadpool
@@ -76,14 +76,14 @@ class Submission:
 
 
 async def submit(state, requests: list[Request], prompt_field: str | None = None,
-                 max_tokens_field: str = "max_tokens", fields: Mapping[str, str] = ENGINE_FIELDS) -> Submission:
-    """Add requests to the server's engine; raises APIError (400 bad request naming the field: `fields` maps the
-    engine's names to the request's; 429 queue full). The submission is one the server cuts when it stops."""
+                 max_tokens_field: str = "max_tokens") -> Submission:
+    """Add requests to the server's engine; raises APIError (400 bad request naming the field, the engine's names
+    mapped to the request's by ENGINE_FIELDS; 429 queue full). The submission is one the server cuts when it stops."""
     submission = Submission(state.engine, state.metrics)
     try:
         await run_in_threadpool(submission._add, requests)
     except Exception as e:
-        raise from_engine(e, prompt_field, max_tokens_field, fields) from None
+        raise from_engine(e, prompt_field, max_tokens_field, ENGINE_FIELDS) from None
     state.track(submission)
     return submission
 
