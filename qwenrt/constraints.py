@@ -210,6 +210,7 @@ class TokenMask:
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, after: int | None = None):
         self.matcher, self.after = matcher, after
         self.tokens = AllowedTokens(vocab_size)  # refilled at each step
+        self._filled = False  # tokens hold the mask of the matcher's current state
 
     @property
     def active(self) -> bool:
@@ -219,11 +220,17 @@ class TokenMask:
         """The tokens the constraint allows now (valid until it advances); None while it has not started."""
         if not self.active:
             return None
+        if not self._filled:
+            self.fill()
+        return self.tokens
+
+    def fill(self) -> None:
+        """Compute the tokens allowed now, ahead of `allowed`."""
         words = self.tokens.words
         self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
         if self.matcher.is_error():
             raise QwenrtError(f"the output constraint failed: {_one_line(self.matcher.get_error())}")
-        return self.tokens
+        self._filled = True
 
     def drafts(self, proposed: list[int]) -> list[int]:
         """Speculative drafts worth verifying: the tokens the grammar forces from here where it forces more than
@@ -241,5 +248,6 @@ class TokenMask:
             if token == self.after:
                 self.after = None
             return
+        self._filled = False
         if not self.matcher.consume_token(token):
             raise QwenrtError(f"the output constraint failed: {_one_line(self.matcher.get_error())}")

@@ -207,3 +207,46 @@ def test_tool_choice_checks(engine):
     with pytest.raises(QwenrtError, match="cannot be combined"):
         engine.add_request(Request([{"role": "user", "content": "hi"}], SamplingParams(json_object=True),
                                    tools=TOOLS, tool_choice="required"), print)
+
+
+class FailingMatcher:
+    """An llguidance matcher that reports an error once it has taken `after` tokens."""
+
+    def __init__(self, matcher, after: int):
+        self.matcher, self.after, self.taken = matcher, after, 0
+
+    def __getattr__(self, name):
+        return getattr(self.matcher, name)
+
+    def consume_token(self, token: int) -> bool:
+        self.taken += 1
+        return self.matcher.consume_token(token)
+
+    def is_error(self) -> bool:
+        return self.taken >= self.after or self.matcher.is_error()
+
+    def get_error(self) -> str:
+        return "lexer fuel exhausted" if self.taken >= self.after else self.matcher.get_error()
+
+
+def test_a_constraint_failing_mid_batch_ends_only_its_row(engine, monkeypatch):
+    """A step fills its rows' masks before sampling any: a failure there ends its own row with the constraint's
+    error, and the rows beside it go on as alone."""
+    schema = schemas()[1]
+    free, constrained = request(None, 1), request(schema, 2)
+    alone = run_all(engine, [free])
+    make = engine._token_mask
+
+    def failing(req, thinking_started):
+        mask = make(req, thinking_started)
+        if mask is not None:
+            mask.matcher = FailingMatcher(mask.matcher, after=3)
+        return mask
+
+    monkeypatch.setattr(engine, "_token_mask", failing)
+    streams = [engine.submit(r) for r in (free, constrained)]
+    outs = [list(s) for s in streams]
+    assert "".join(o.text for o in outs[0]) == alone[0]
+    assert outs[1][-1].finish_reason == "error"
+    assert outs[1][-1].error == "the output constraint failed: lexer fuel exhausted"
+    assert sum(len(o.token_ids) for o in outs[1]) == 3

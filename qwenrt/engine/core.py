@@ -86,6 +86,18 @@ def _size(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
+def _fill_masks(seqs: list[Sequence]) -> None:
+    """Compute the constrained rows' masks one after another, before sampling any row: the first warms the
+    grammar's tables (cold after the forward) for the others (built-in model, batch 8: 22 us per mask, 40 us
+    interleaved with sampling). A failed fill leaves its mask unfilled: its row's `allowed` raises, in `_sample`."""
+    for seq in seqs:
+        if seq.mask is not None and seq.mask.active:
+            try:
+                seq.mask.fill()
+            except QwenrtError:
+                pass
+
+
 def _pend(seq: Sequence, first: int, rows: torch.Tensor) -> None:
     """Queue pairs for the MTP head: the hidden states rows [n, D] of the inputs at indices first.. (whose next
     tokens are taken). Its next draft runs over them in one call; beyond MAX_PENDING it skips the oldest."""
@@ -492,6 +504,7 @@ class Engine:
             # its next draft, in one call): a head that skipped them would draft a probe from a gapped context
             inputs = [s.prompt_len + len(s.tokens) - 1 for s in seqs]  # each input's index
             logits, hidden = self.runner.decode(seqs)  # [B, V], [B, D]
+            _fill_masks(seqs)
             for b, seq in enumerate(seqs):
                 self._run(outputs, [seq], lambda s=seq, row=logits[b:b + 1]: self._sample(s, row, outputs))
                 if seq.draft_state is not None and seq.finish_reason is None:
