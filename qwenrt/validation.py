@@ -123,7 +123,10 @@ def check_tools(tools: Any) -> None:
         if params is not None and not isinstance(params, Mapping):
             raise QwenrtError(f"tool {fn['name']!r}: 'parameters' must be a JSON-schema object, got "
                               f"{type(params).__name__}", "tools")
-        _check_strings(tool, f"tool {i}")
+        try:
+            _check_strings(tool, f"tool {i}")
+        except QwenrtError as e:
+            raise QwenrtError(str(e), "tools") from None
 
 
 def check_prompt(prompt: Any, vocab_size: int) -> None:

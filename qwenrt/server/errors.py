@@ -67,15 +67,9 @@ def from_engine(e: Exception, prompt_field: str | None = None, max_tokens_field:
         return context_length_error(e.limit, e.prompt_tokens, prompt_field, e.counted)
     if isinstance(e, QwenrtError):
         named = {"max_tokens": max_tokens_field, **fields}
-        param = named.get(e.field, e.field) if e.field else _engine_param(str(e), prompt_field)
+        param = named.get(e.field, e.field) if e.field else prompt_field
         return APIError(400, str(e), param)
     return APIError(500, f"internal error: {type(e).__name__}: {e}")
-
-
-def _engine_param(message: str, prompt_field: str | None) -> str | None:
-    """The field an engine refusal that names none is about, from its wording (qwenrt.validation's checks of each
-    tool's strings); else the prompt's."""
-    return "tools" if message.startswith("tool") else prompt_field
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list"}
