@@ -95,11 +95,16 @@ async def _abort_on_disconnect(receive, submission: Submission) -> None:
     submission.abort()
 
 
-def failure_body(out: RequestOutput) -> dict:
-    """The error event of a request that ended without an answer: failed (500) or cancelled (503)."""
+def failure(out: RequestOutput) -> tuple[int, str]:
+    """(status, message) of a request that ended without an answer: failed (500) or cancelled (503)."""
     if out.finish_reason == "error":
-        return error_body(500, out.error or "generation failed")
-    return error_body(503, out.error or "the request was cancelled")
+        return 500, out.error or "generation failed"
+    return 503, out.error or "the request was cancelled"
+
+
+def failure_body(out: RequestOutput) -> dict:
+    """The error event of a request that ended without an answer."""
+    return error_body(*failure(out))
 
 
 @dataclass
@@ -133,7 +138,7 @@ async def collect(submission: Submission, receive) -> list[Finished]:
         submission.abort()
     for out in last:
         if out.finish_reason in ("error", "abort"):
-            raise APIError(500 if out.finish_reason == "error" else 503, out.error or "the request was cancelled")
+            raise APIError(*failure(out))
     return [Finished("".join(t), o, lp.entries, ids, s)
             for t, o, lp, ids, s in zip(texts, last, logprobs, token_ids, scored)]
 

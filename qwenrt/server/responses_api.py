@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from qwenrt.parsing import THINK_END
-from qwenrt.server.bridge import Submission, collect, event_stream
+from qwenrt.server.bridge import Submission, collect, event_stream, failure
 from qwenrt.server.chat import submit_chat
 from qwenrt.server.errors import APIError
 from qwenrt.server.protocol import (ChatCompletionRequest, FunctionCallInput, FunctionCallOutputInput, InputMessage,
@@ -436,7 +436,7 @@ class _Reply:
         parser, output, token_ids = MessageStream(self.handle.thinking_started, self.tools), _Output(), []
         async for _, out in self.submission.outputs():
             if out.finish_reason in ("error", "abort"):
-                failed = self.response("failed", output.output(), error=out.error or "the request was cancelled")
+                failed = self.response("failed", output.output(), error=failure(out)[1])
                 yield event({"type": "response.failed", "response": failed})
                 return
             token_ids += out.token_ids
