@@ -90,8 +90,8 @@ def read_json(path: Path, limit: int = JSON_LIMIT, what: str = "file", expect=di
 def not_a_directory(path: Path) -> QwenrtError:
     """The error for a model path that is not a checkpoint directory; a GGUF file is named as such."""
     if path.suffix.lower() == ".gguf":
-        return QwenrtError(f"{path}: GGUF files are not supported yet; qwenrt loads safetensors checkpoints (a Hugging "
-                           "Face model directory, or a hub repo id like Qwen/Qwen3.5-0.8B)")
+        return QwenrtError(f"{path}: a GGUF file, not a checkpoint directory (give it as the model: qwenrt.load "
+                           "and every command open it)")
     return QwenrtError(f"{path}: not a directory")
 
 

@@ -33,9 +33,11 @@ def resolve_model_path(source: str | Path, revision: str | None = None) -> Path:
         raise QwenrtError(f"{source}: {e}") from None
     except OSError as e:  # e.g. a path through an unreadable directory, a name too long
         raise QwenrtError(f"{path}: {e.strerror or e}") from None
-    if exists and path.is_dir():
+    if exists and (path.is_dir() or (path.suffix.lower() == ".gguf" and path.is_file())):
         return path
-    if exists or path.suffix.lower() == ".gguf":  # a .gguf name is a file to refuse, never a hub repo id
+    if path.suffix.lower() == ".gguf":  # a .gguf name is a file, never a hub repo id
+        raise QwenrtError(f"GGUF file not found: {path}")
+    if exists:
         raise not_a_directory(path)
     name = str(source)
     if not is_repo_id(name):

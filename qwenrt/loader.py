@@ -13,6 +13,7 @@ from qwenrt.checkpoint import materialize, open_checkpoint, plan_text_tensors
 from qwenrt.config import load_config
 from qwenrt.default_model import resolve_model
 from qwenrt.errors import QwenrtError
+from qwenrt.gguf.reader import GGUFCheckpoint, is_gguf, open_gguf
 from qwenrt.hub import resolve_model_path
 from qwenrt.kernels import cpu_kernels
 from qwenrt.model import Qwen35ForCausalLM
@@ -114,8 +115,12 @@ def verify_checkpoint(path: str | Path):
     missing, unexpected, wrongly shaped or stored in the wrong dtype.
     """
     path = Path(check_path(path))
-    config = load_config(path)
-    ckpt = open_checkpoint(path)
+    if is_gguf(path):
+        ckpt = open_gguf(path)
+        config = ckpt.config
+    else:
+        config = load_config(path)
+        ckpt = open_checkpoint(path)
     plan, aside = plan_text_tensors(ckpt)
     with torch.device("meta"):
         model = Qwen35ForCausalLM(config)
@@ -137,7 +142,10 @@ def check_checkpoint(path: str | Path) -> tuple[tuple, Tokenizer | None]:
     tokenizer's files opened as load opens them (regular files inside the checkpoint, size-capped), parsed, the chat
     template compiled. Returns (verify_checkpoint's tuple, the tokenizer or None when there is no tokenizer.json)."""
     verified = verify_checkpoint(path)
-    return verified, load_tokenizer(path, model_vocab_size=verified[0].text.vocab_size)
+    vocab, ckpt = verified[0].text.vocab_size, verified[1]
+    if isinstance(ckpt, GGUFCheckpoint):
+        return verified, ckpt.tokenizer and Tokenizer(ckpt.tokenizer, model_vocab_size=vocab)
+    return verified, load_tokenizer(path, model_vocab_size=vocab)
 
 
 def scan_finite(where, name: str, tensor: torch.Tensor) -> None:
@@ -267,9 +275,10 @@ def use_threads(threads: int | None) -> None:
 def load(path: str | Path | None = None, dtype="auto", device: str | torch.device = "cpu", revision: str | None = None,
          progress: bool = False, quantize: str | QuantSpec | None = None, check_finite: bool = True,
          threads: int | None = None, **engine_options):
-    """Load a Qwen3.5 checkpoint (a directory or a hub repo id; None: the built-in model): returns (model, tokenizer).
+    """Load a Qwen3.5 checkpoint (a directory, a hub repo id, or a `qwen35`/`qwen35moe` GGUF file; None: the
+    built-in model): returns (model, tokenizer).
 
-    dtype: "auto" (as stored), "float32", "bfloat16", "float16" or a torch.dtype. The tokenizer is None when the
+    dtype: "auto" (as stored; bf16 for a quantized GGUF), "float32", "bfloat16", "float16" or a torch.dtype. The tokenizer is None when the
     checkpoint has no tokenizer.json. quantize: "int8" | "int4" (weight-only, CPU), see `load_model`.
     check_finite=False skips the NaN/Inf scan of the weights. threads: CPU threads of torch and the native kernels
     in this process from now on (torch.set_num_threads; None leaves them: torch's default is the physical cores).

@@ -21,6 +21,10 @@ from qwenrt.validation import (check_flag, check_messages, check_path, check_tex
                                check_tools)
 
 # generation_config.json keys exposed as `Tokenizer.generation_defaults`.
+# Qwen3.5's pre-tokenizer (shared/reference.md §1.4; llama.cpp's `qwen35`): a word takes the space (or other mark)
+# before it, each digit stands alone
+QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 SAMPLING_KEYS = (
     "do_sample", "temperature", "top_k", "top_p", "min_p",
     "repetition_penalty", "presence_penalty", "frequency_penalty",
@@ -56,6 +60,36 @@ _SPLIT_PROBE = ("Hello, world!  It's 2024:\n\n\tfoo_bar(x) -- 'quoted'   end.\r\
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenizerParts:
+    """What a tokenizer is made of: tokenizers' JSON, tokenizer_config.json and generation_config.json's contents
+    and the chat template's source (None: tokenizer_config's, if any), each with where it came from (for errors).
+    Read from a checkpoint directory, or built from a GGUF file's metadata (qwenrt.gguf.metadata)."""
+
+    backend_json: str
+    where: Path
+    config: dict
+    config_where: Path
+    generation: dict
+    generation_where: Path
+    template: str | None = None
+    template_where: Path | None = None
+
+
+def _directory_parts(path: str | Path) -> TokenizerParts:
+    files = CheckpointDir(check_path(path))
+    if not files.exists("tokenizer.json"):
+        raise QwenrtError(f"no tokenizer.json in {files.path}")
+    tok_file = files.file("tokenizer.json")
+    cfg_file, gen_file, template_file = (files.path / n for n in ("tokenizer_config.json", "generation_config.json",
+                                                                   TEMPLATE_FILE))
+    template = (read_text(files.file(TEMPLATE_FILE), 4 * SOURCE_LIMIT, TEMPLATE_FILE)
+                if files.exists(TEMPLATE_FILE) else None)
+    return TokenizerParts(read_text(tok_file, TOKENIZER_LIMIT, "tokenizer.json"), tok_file,
+                          files.optional_json(cfg_file.name) or {}, cfg_file,
+                          files.optional_json(gen_file.name) or {}, gen_file, template, template_file)
+
+
 class Tokenizer:
     """The tokenizer of one checkpoint directory (tokenizer.json plus its config files).
 
@@ -66,25 +100,17 @@ class Tokenizer:
     Every failure of the tokenizers library, a Rust panic included, becomes a QwenrtError.
     """
 
-    def __init__(self, path: str | Path, template_limits: TemplateLimits = TemplateLimits(),
+    def __init__(self, path: str | Path | TokenizerParts, template_limits: TemplateLimits = TemplateLimits(),
                  model_vocab_size: int | None = None):
-        files = CheckpointDir(check_path(path))
-        path = files.path
-        if not files.exists("tokenizer.json"):
-            raise QwenrtError(f"no tokenizer.json in {path}")
-        tok_file = files.file("tokenizer.json")
+        parts = path if isinstance(path, TokenizerParts) else _directory_parts(path)
+        tok_file, cfg_file, gen_file = parts.where, parts.config_where, parts.generation_where
         self._file = tok_file
-        self._tok = _library(f"cannot load {tok_file}", _BackendTokenizer.from_str,
-                             read_text(tok_file, TOKENIZER_LIMIT, "tokenizer.json"))
+        self._tok = _library(f"cannot load {tok_file}", _BackendTokenizer.from_str, parts.backend_json)
         # as transformers encodes by default: the file's padding (a length of 10^12 aborts the process) and
         # truncation (a prompt cut silently) do not apply
         self._tok.no_padding()
         self._tok.no_truncation()
-
-        cfg_file, gen_file, template_file = (path / n for n in ("tokenizer_config.json", "generation_config.json",
-                                                                 TEMPLATE_FILE))
-        config = files.optional_json(cfg_file.name) or {}
-        gen = files.optional_json(gen_file.name) or {}
+        config, gen = parts.config, parts.generation
 
         self._add_declared_tokens(config.get("added_tokens_decoder", {}), cfg_file)
         self._special_tokens = {
@@ -99,8 +125,8 @@ class Tokenizer:
 
         self.template_limits = template_limits
         env = TemplateEnvironment()
-        if files.exists(TEMPLATE_FILE):
-            source, where = read_text(files.file(TEMPLATE_FILE), 4 * SOURCE_LIMIT, TEMPLATE_FILE), template_file
+        if parts.template is not None:
+            source, where = parts.template, parts.template_where
         else:
             source, where = config.get("chat_template"), cfg_file
         self.chat_template = source

@@ -18,6 +18,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as BackendTokenizer
 
 from qwenrt.errors import QwenrtError
+from qwenrt.tokenizer import QWEN35_SPLIT
 
 TEMPLATE_FILE = Path(__file__).with_name("qwen3_5_chat_template.jinja")  # as published with the checkpoints
 
@@ -35,9 +36,7 @@ NOT_SPECIAL = frozenset({"<tool_call>", "</tool_call>", "<tool_response>", "</to
                          "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>",
                          "<|file_sep|>"})
 PRETOKENIZERS = {
-    # Qwen3.5's (shared/reference.md §1.4): a word takes the space (or other mark) before it
-    "qwen3.5": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen3.5": QWEN35_SPLIT,
     # the same, but a capital letter stands alone and nothing joins it: a name has the same tokens after a space, a
     # newline or a '>' (in a question, a tool call's argument, a tool's response), as digits do in Qwen3.5
     "capitals-apart": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|\p{Lu}|[^\r\n\p{L}\p{N}]?[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|\p{N}"

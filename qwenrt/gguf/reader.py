@@ -1,0 +1,241 @@
+"""Open a `qwen35` / `qwen35moe` GGUF file (or a split `-00001-of-0000N.gguf` set) as a checkpoint the loader
+reads like a safetensors one: the config and tokenizer from its metadata, and each of the model's tensors by
+qwenrt's name, dequantized from the memory-mapped file tensor by tensor (gguf.quants) and mapped back through
+llama.cpp's converter transforms (qwenrt.gguf.layout).
+
+Quantized blocks are dequantized to fp32 here; the loader then casts to the load dtype (bf16 for a quantized
+file: a second rounding of each weight, within the blocks' own error).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFValueType
+from gguf import quants
+
+from qwenrt.config import ModelConfig, parse_config
+from qwenrt.errors import QwenrtError
+from qwenrt.gguf.layout import gguf_names, from_gguf
+from qwenrt.gguf.metadata import Metadata, config_dict, tokenizer_parts
+from qwenrt.tokenizer import TokenizerParts
+
+READABLE = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_K, Q.Q4_K, Q.Q6_K, Q.IQ4_XS, Q.IQ4_NL)
+# the float dtype a tensor of each type loads in at dtype "auto": as stored for float files, bf16 for quantized ones
+AUTO_DTYPE = {Q.F32: "F32", Q.F16: "F16", Q.BF16: "BF16"}
+SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+MAX_SPLITS = 1024
+
+
+def is_gguf(path) -> bool:
+    return str(path).lower().endswith(".gguf")
+
+
+def _shard_files(path: Path) -> list[Path]:
+    """The files of a split set named by its first (or any) part; [path] for a single file."""
+    m = SPLIT.match(path.name)
+    if not m:
+        return [path]
+    count = int(m.group(3))
+    if not 1 <= count <= MAX_SPLITS or not 1 <= int(m.group(2)) <= count:
+        raise QwenrtError(f"{path}: a split GGUF name must be NAME-0000i-of-0000N.gguf with 1 <= i <= N")
+    files = [path.with_name(f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise QwenrtError(f"{path}: split GGUF part(s) missing: {', '.join(missing[:4])}")
+    return files
+
+
+class _Reader(GGUFReader):
+    """gguf's reader with metadata arrays read in one view (scalars) or one bounded pass (strings): its own
+    reader takes ~19 s over the 750K strings of a Qwen3.5 vocabulary, and loops without end on an array whose
+    count runs past the file."""
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if raw_type != GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        item_type, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+        if len(item_type) < 1 or len(count) < 1:
+            raise ValueError("a metadata array runs past the end of the file")
+        kind, n, offs = GGUFValueType(int(item_type[0])), int(count[0]), orig_offs + 12
+        left = len(self.data) - offs
+        if kind == GGUFValueType.STRING:
+            if n * 8 > left:
+                raise ValueError(f"a metadata array of {n} strings runs past the end of the file")
+            parts, data = [item_type, count], []
+            raw, plain = memoryview(self.data), self.data.view(np.ndarray)  # plain slices: ~20x a memmap's
+            for _ in range(n):
+                size = int.from_bytes(raw[offs:offs + 8], "little")
+                if offs + 8 + size > len(plain):
+                    raise ValueError("a metadata string runs past the end of the file")
+                parts += [plain[offs:offs + 8], plain[offs + 8:offs + 8 + size]]
+                data.append(len(parts) - 1)
+                offs += 8 + size
+            return offs - orig_offs, parts, data, [GGUFValueType.ARRAY, kind]
+        scalar = self.gguf_scalar_to_np.get(kind)
+        if scalar is None:
+            raise ValueError(f"metadata arrays of {kind.name} are not read")
+        if n * np.dtype(scalar).itemsize > left:
+            raise ValueError(f"a metadata array of {n} {kind.name} runs past the end of the file")
+        values = self._get(offs, scalar, n)
+        return 12 + values.nbytes, [item_type, count, values], [2], [GGUFValueType.ARRAY, kind]
+
+
+def _open(file: Path) -> GGUFReader:
+    """A memory-mapped reader of one file, every tensor's bytes inside the file; a malformed file is one line."""
+    try:
+        reader = _Reader(file, "r")
+    except FileNotFoundError:
+        raise QwenrtError(f"GGUF file not found: {file}") from None
+    except (OSError, ValueError, TypeError, IndexError, KeyError, OverflowError, MemoryError, UnicodeError,
+            AssertionError) as e:
+        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        raise QwenrtError(f"{file}: not a readable GGUF file ({reason})") from None
+    size = file.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+            raise QwenrtError(f"{file}: tensor '{t.name}' lies past the end of the file (truncated?)")
+    return reader
+
+
+@dataclass
+class GGUFCheckpoint:
+    """A GGUF model as qwenrt.checkpoint.Checkpoint's interface has it (names, shapes, dtypes, get), by qwenrt's
+    tensor names. dtypes: the float dtype each loads in at "auto"; file_types: its type in the file."""
+
+    path: Path
+    config: ModelConfig
+    sources: dict[str, tuple]  # qwenrt name -> the reader tensors it is made of
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, str]
+    file_types: dict[str, str]
+    files: list[Path]
+    tokenizer: TokenizerParts | None = field(default=None, repr=False)
+
+    @property
+    def location(self) -> dict[str, Path]:
+        return {name: self.path for name in self.sources}
+
+    def names(self, prefix: str = "") -> list[str]:
+        return [n for n in self.sources if n.startswith(prefix)]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.files)
+
+    def get(self, name: str) -> torch.Tensor:
+        """Tensor `name` as qwenrt lays it out: a float file's in its own dtype, a quantized one's in fp32."""
+        parts = [_tensor(self.path, t) for t in self.sources[name]]
+        if any(p.dtype != parts[0].dtype for p in parts):
+            parts = [p.float() for p in parts]
+        return from_gguf(name, parts, self.config.text)
+
+    def type_summary(self) -> list[str]:
+        """The file's tensor types with their counts, most frequent first: ["Q4_K ×120", "F32 ×60", ...]."""
+        return [f"{kind} ×{n}" for kind, n in Counter(self.file_types.values()).most_common()]
+
+
+def _tensor(path: Path, t) -> torch.Tensor:
+    """One reader tensor in PyTorch's shape (the reverse of GGUF's): floats copied out of the map, quantized blocks
+    dequantized to fp32."""
+    shape = [int(n) for n in reversed(t.shape)]
+    kind = Q(t.tensor_type)
+    if kind == Q.F32:
+        array = np.array(t.data, dtype=np.float32)
+    elif kind == Q.F16:
+        array = np.array(t.data, dtype=np.float16)
+    elif kind == Q.BF16:
+        return torch.from_numpy(np.array(t.data).view(np.int16).reshape(shape)).view(torch.bfloat16)
+    else:
+        try:
+            array = quants.dequantize(t.data, kind)
+        except (ValueError, NotImplementedError) as e:
+            raise QwenrtError(f"{path}: cannot dequantize tensor '{t.name}' ({kind.name}): {e}") from None
+    return torch.from_numpy(array.reshape(shape))
+
+
+def open_gguf(path: str | Path) -> GGUFCheckpoint:
+    """Open and check a GGUF model: its architecture and metadata, every tensor qwenrt needs present (by name,
+    shape and a readable type), none left over."""
+    path = Path(path)
+    if not path.is_file():
+        raise QwenrtError(f"GGUF file not found: {path}")
+    files = _shard_files(path)
+    readers = [_open(f) for f in files]
+    meta = Metadata(readers[0].fields, path)
+    tensors = {}
+    for file, reader in zip(files, readers):
+        for t in reader.tensors:
+            if t.name in tensors:
+                raise QwenrtError(f"{file}: tensor '{t.name}' appears twice in the set")
+            tensors[t.name] = t
+    embed = tensors.get("token_embd.weight")
+    if embed is None:
+        raise QwenrtError(f"{path}: no token_embd.weight tensor (not a language model file?)")
+    config = parse_config(config_dict(meta, int(embed.shape[1]) if len(embed.shape) > 1 else 0,
+                                      "output.weight" not in tensors), where=f"{path} metadata")
+    sources, used = _map_tensors(path, config, tensors)
+    unknown = sorted(set(tensors) - used)
+    if unknown:
+        raise QwenrtError(f"{path}: {len(unknown)} tensor(s) qwenrt does not know: {', '.join(unknown[:6])}")
+    shapes = {name: _shape(name, parts) for name, parts in sources.items()}
+    dtypes = {name: AUTO_DTYPE.get(Q(parts[0].tensor_type), "BF16") for name, parts in sources.items()}
+    file_types = {name: Q(parts[0].tensor_type).name for name, parts in sources.items()}
+    return GGUFCheckpoint(path, config, sources, shapes, dtypes, file_types, files, tokenizer_parts(meta))
+
+
+def _expected_names(config: ModelConfig) -> list[str]:
+    """qwenrt's names of every tensor the file may hold for this config (the MTP head's too)."""
+    from qwenrt.model import Qwen35ForCausalLM
+    from qwenrt.mtp import MTPHead, mtp_state_dict
+
+    with torch.device("meta"):
+        names = [n for n, _ in Qwen35ForCausalLM(config).named_parameters()]
+        names += list(mtp_state_dict(MTPHead(config.text)))
+    if not config.text.tie_word_embeddings and "lm_head.weight" not in names:
+        names.append("lm_head.weight")
+    return names
+
+
+def _map_tensors(path: Path, config: ModelConfig, tensors: dict) -> tuple[dict[str, tuple], set[str]]:
+    """{qwenrt name: its reader tensors}, and the GGUF names used. Every decoder tensor must be there; the MTP
+    head's are taken all or none."""
+    n_layers = config.text.num_hidden_layers
+    sources, missing = {}, {"trunk": [], "mtp": []}
+    for name in _expected_names(config):
+        wanted = gguf_names(name, n_layers)
+        fused = tuple(w.replace("ffn_gate_exps", "ffn_gate_up_exps") for w in wanted[:1])
+        if name.endswith(".mlp.experts.gate_up_proj") and fused[0] in tensors:
+            wanted = fused  # a newer converter's one [E, 2I, D] tensor
+        if wanted and all(w in tensors for w in wanted):
+            sources[name] = tuple(tensors[w] for w in wanted)
+        else:
+            missing["mtp" if name.startswith("mtp.") else "trunk"].append(wanted[0] if wanted else name)
+    if missing["trunk"]:
+        raise QwenrtError(f"{path}: missing {len(missing['trunk'])} tensor(s): {', '.join(missing['trunk'][:6])}")
+    mtp = [n for n in sources if n.startswith("mtp.")]
+    if mtp and missing["mtp"]:
+        raise QwenrtError(f"{path}: the MTP block is incomplete: missing {', '.join(missing['mtp'][:6])}")
+    for t in (t for parts in sources.values() for t in parts):
+        if Q(t.tensor_type) not in READABLE:
+            raise QwenrtError(f"{path}: tensor '{t.name}' is {Q(t.tensor_type).name}, a type qwenrt does not read "
+                              f"(it reads {', '.join(k.name for k in READABLE)})")
+    return sources, {t.name for parts in sources.values() for t in parts}
+
+
+def _shape(name: str, parts: tuple) -> tuple[int, ...]:
+    """The qwenrt shape of tensor `name` from its GGUF parts' shapes (the transforms' reshapes applied)."""
+    shapes = [tuple(int(n) for n in reversed(t.shape)) for t in parts]
+    if name.endswith("mlp.experts.gate_up_proj") and len(shapes) == 2:
+        return (*shapes[0][:-2], shapes[0][-2] + shapes[1][-2], shapes[0][-1])
+    if name.endswith("linear_attn.conv1d.weight"):
+        return (shapes[0][0], 1, math.prod(shapes[0][1:]))
+    if name.endswith("shared_expert_gate.weight"):
+        return (1, math.prod(shapes[0]))
+    return shapes[0]
