@@ -1,0 +1,66 @@
+"""llama.cpp's own Hugging Face -> GGUF converter (convert_hf_to_gguf.py), for checking qwenrt's GGUF support
+against the files llama.cpp users make.
+
+The converter is pure Python. Its source comes from $QWENRT_LLAMA_CPP_SRC (a llama.cpp source tree) or from the
+llama-cpp-python sdist on PyPI (which vendors llama.cpp with Qwen3.5 support), downloaded once into
+~/.cache/qwenrt-tests/ (the converter, its conversion/ package and its gguf-py: ~2 MB of the 76 MB archive).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+SDIST = "llama-cpp-python==0.3.36"
+CACHE = Path.home() / ".cache" / "qwenrt-tests" / "llama.cpp-0.3.36"
+KEEP = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+VENDORED = "vendor/llama.cpp/"
+
+# run the converter; where `pre` is given, answer its pre-tokenizer check with it (the converter recognises a
+# tokenizer by hashing its output on a test text: a small tokenizer with Qwen3.5's rules is not the one it knows)
+RUNNER = """
+import sys
+src, pre = sys.argv[1], sys.argv[2]
+sys.path[:0] = [src, src + "/gguf-py"]
+import conversion.base
+if pre:
+    conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+import convert_hf_to_gguf
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[3:]]
+convert_hf_to_gguf.main()
+"""
+
+
+def converter_source() -> Path:
+    """A directory holding convert_hf_to_gguf.py, conversion/ and gguf-py/."""
+    given = os.environ.get("QWENRT_LLAMA_CPP_SRC")
+    if given:
+        return Path(given)
+    if (CACHE / "convert_hf_to_gguf.py").is_file():
+        return CACHE
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", SDIST,
+                        "-d", tmp], check=True)
+        archive = next(Path(tmp).glob("*.tar.gz"))
+        staging = CACHE.with_name(CACHE.name + ".partial")
+        with tarfile.open(archive) as tar:
+            for member in tar.getmembers():
+                inner = member.name.split("/", 1)[-1]
+                if inner.startswith(VENDORED) and inner[len(VENDORED):].startswith(KEEP) and member.isfile():
+                    member.name = inner[len(VENDORED):]
+                    tar.extract(member, staging, filter="data")
+        staging.rename(CACHE)
+    return CACHE
+
+
+def convert(checkpoint: Path, out: Path, outtype: str, pre: str | None = None, *options: str) -> Path:
+    """Convert checkpoint directory -> GGUF file `out` (outtype f32, f16, bf16 or q8_0) with llama.cpp's converter
+    (options: more of its flags, e.g. --vocab-only)."""
+    src = converter_source()
+    subprocess.run([sys.executable, "-c", RUNNER, str(src), pre or "", str(checkpoint), "--outtype", outtype,
+                    "--outfile", str(out), *options], check=True, capture_output=True, text=True)
+    return out

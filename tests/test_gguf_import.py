@@ -1,0 +1,120 @@
+"""GGUF import checked against files made by llama.cpp's own converter (tests/llama_convert.py): the built-in model
+(dense, Hv > Hk so the V-head reorder is undone, an MTP head) and a random MoE as F32/BF16/Q8_0 files load as
+their safetensors checkpoints do, and a Qwen3.5 tokenizer read from a file's metadata encodes as the original."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import qwenrt
+from qwenrt.default_model import default_model_path
+from qwenrt.engine import Engine, Request
+from qwenrt.gguf.layout import is_one_plus_norm
+from qwenrt.gguf.metadata import Metadata, tokenizer_parts
+from qwenrt.gguf.reader import _Reader, open_gguf
+from qwenrt.sampling import SamplingParams
+from qwenrt.tokenizer import Tokenizer
+from tests.checkpoints import MOE, add_mtp_head, randomize
+from tests.llama_convert import convert
+
+PROMPT = [[5, 77, 301, 12, 9, 450, 33, 2, 101, 260, 17, 88]]  # token ids: the files' tokenizers may split text apart
+
+
+def logits(model, ids=PROMPT) -> torch.Tensor:
+    with torch.inference_mode():
+        out = model(torch.tensor(ids))
+    return (out if isinstance(out, torch.Tensor) else out[0]).float()
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory):
+    """The built-in model (bf16, MTP head) as llama.cpp's converter writes it: {outtype: path}."""
+    out = tmp_path_factory.mktemp("gguf")
+    # its tokenizer follows Qwen3.5's rules but for capitals: the converter is told it is `qwen35`
+    return {t: convert(default_model_path(), out / f"tiny-{t}.gguf", t, "qwen35") for t in ("bf16", "q8_0")}
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    return qwenrt.load()
+
+
+def test_a_bf16_file_is_the_checkpoint(tiny_files, builtin):
+    model, tokenizer = qwenrt.load(tiny_files["bf16"])
+    assert next(model.parameters()).dtype == torch.bfloat16  # "auto": as the file stores it
+    assert model.mtp is not None and tokenizer.vocab_size == builtin[1].vocab_size
+    assert relative(logits(model), logits(builtin[0])) == 0.0
+    # speculative decoding through the file's MTP head gives the checkpoint's greedy tokens
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outs = [list(Engine(m, t, speculative_tokens=2).submit(Request(PROMPT[0], params)))
+            for m, t in ((model, tokenizer), builtin)]
+    assert [i for o in outs[0] for i in o.token_ids] == [i for o in outs[1] for i in o.token_ids]
+
+
+def test_a_q8_0_file_holds_the_weights_to_its_blocks_rounding(tiny_files, builtin):
+    ckpt = open_gguf(tiny_files["q8_0"])
+    assert ckpt.file_types["model.layers.0.linear_attn.in_proj_qkv.weight"] == "Q8_0"
+    assert ckpt.file_types["model.layers.0.linear_attn.A_log"] == "F32"
+    source = dict(builtin[0].named_parameters())
+    for name in ("model.layers.0.linear_attn.in_proj_qkv.weight", "model.layers.2.self_attn.q_proj.weight",
+                 "model.layers.1.linear_attn.out_proj.weight", "model.embed_tokens.weight"):
+        original, loaded = source[name].float(), ckpt.get(name)
+        blocks = original.reshape(-1, 32)
+        step = blocks.abs().amax(1, keepdim=True) / 127  # Q8_0: one fp16 scale d per 32 values, |q| <= 127
+        # half a step, plus the scale's fp16 rounding (2^-11 of d) times |q|
+        assert ((loaded.reshape(-1, 32) - blocks).abs() <= step * (0.5 + 127 / 2048) + 1e-7).all(), name
+    model, _ = qwenrt.load(tiny_files["q8_0"], dtype=torch.float32)
+    assert relative(logits(model), logits(builtin[0])) < 0.05
+
+
+def test_a_moe_file_with_an_mtp_head_matches_its_checkpoint_in_fp32(tmp_path):
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    src, ckpt = tmp_path / "moe", tmp_path / "moe-mtp"
+    config = Qwen3_5MoeTextConfig(**dict(MOE, vocab_size=576, num_hidden_layers=4))
+    randomize(Qwen3_5MoeForCausalLM(config).eval(), 11).save_pretrained(src)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_path() / file, src / file)
+    add_mtp_head(src, ckpt)
+    gguf = convert(ckpt, tmp_path / "moe.gguf", "f32", "qwen35")
+    model, _ = qwenrt.load(gguf, dtype=torch.float32)
+    reference, _ = qwenrt.load(ckpt, dtype=torch.float32)
+    assert model.mtp is not None
+    assert relative(logits(model), logits(reference)) <= 1e-6
+    loaded = dict(model.mtp.named_parameters())
+    for name, p in reference.mtp.named_parameters():
+        if is_one_plus_norm(name):  # stored as 1 + w: the norm multiplies by the same 1 + w, w itself may differ
+            assert torch.equal(1 + loaded[name], 1 + p), name
+        else:
+            assert torch.equal(loaded[name], p), name
+
+
+def test_the_tokenizer_and_template_come_from_the_metadata(tmp_path, chat_ckpt):
+    """A Qwen3.5 tokenizer written by the converter (vocab only) encodes, decodes and renders as the original."""
+    src = tmp_path / "vocab"
+    src.mkdir()
+    for file in chat_ckpt[0].iterdir():
+        if file.suffix in (".json", ".jinja") and file.name != "model.safetensors.index.json":
+            shutil.copy(file, src / file.name)
+    gguf = convert(src, tmp_path / "vocab.gguf", "f32", None, "--vocab-only", "--no-mtp")
+    ours = Tokenizer(tokenizer_parts(Metadata(_Reader(gguf, "r").fields, gguf)), model_vocab_size=248320)
+    original = Tokenizer(chat_ckpt[0])
+    text = ("Hello World! 12345 naïve café — 東京で会いましょう。 def f(x):\n\treturn x**2  \n\n"
+            "<|im_start|>user\nHi<|im_end|>\n<think>\n</think> Ünïcödé 🤖 ")
+    assert ours.encode(text) == original.encode(text)
+    ids = original.encode(text)
+    assert ours.decode(ids) == original.decode(ids) == text
+    assert ours.decode(ids, skip_special_tokens=True) == original.decode(ids, skip_special_tokens=True)
+    assert ours.eos_token_ids[0] in original.eos_token_ids and ours.pad_token_id == original.pad_token_id
+    chat = [{"role": "user", "content": "What is 2 + 2?"}]
+    assert ours.apply_chat_template(chat, add_generation_prompt=True) == \
+        original.apply_chat_template(chat, add_generation_prompt=True)
+    assert ours.generation_defaults["top_k"] == 20 and np.isclose(ours.generation_defaults["top_p"], 0.95)
