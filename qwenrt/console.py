@@ -19,6 +19,7 @@ from qwenrt.files import CheckpointDir, read_json, read_text
 from qwenrt.generate import GenerationResponse, stream_generate
 from qwenrt.config import load_config
 from qwenrt.hub import resolve_model_path
+from qwenrt.gguf.reader import is_gguf, open_gguf
 from qwenrt.kernels import kernel_path
 from qwenrt.loader import load, resolve_device, resolve_dtype
 from qwenrt.parsing import THINK_START, parse_completion
@@ -76,9 +77,15 @@ def check_options(source: str | None, sampling: dict, device: str, dtype: str, m
     for kind, item in media:  # ("image" | "video", source)
         preflight_media(item, DEFAULT_POLICY, kind)
     path = resolve_model_path(resolve_model(source)[0])
-    config = load_config(path)
-    if not CheckpointDir(path).exists("tokenizer.json"):
-        raise QwenrtError(f"{path}: the checkpoint has no tokenizer.json; text prompts need one")
+    if is_gguf(path):
+        gguf = open_gguf(path)
+        config = gguf.config
+        if gguf.tokenizer is None:
+            raise QwenrtError(f"{path}: the file has no tokenizer (tokenizer.ggml.* metadata); text prompts need one")
+    else:
+        config = load_config(path)
+        if not CheckpointDir(path).exists("tokenizer.json"):
+            raise QwenrtError(f"{path}: the checkpoint has no tokenizer.json; text prompts need one")
     if media and not config.is_vlm:
         raise QwenrtError(f"{path}: a text-only model (no vision_config in config.json); --image/--video need a "
                           "vision-language checkpoint")

@@ -10,6 +10,7 @@ import torch
 
 from qwenrt.hub import resolve_model_path
 from qwenrt.checkpoint import DTYPE_BYTES
+from qwenrt.gguf.reader import GGUFCheckpoint
 from qwenrt.loader import check_checkpoint, scan_weights, stored_float_dtype
 from qwenrt.mtp import MTPHead
 from qwenrt.model import Qwen35ForCausalLM
@@ -39,7 +40,7 @@ def inspect_checkpoint(path: str | Path, check_finite: bool = True) -> dict:
     if c.is_moe:  # per token only A of E routed experts run
         per_expert = 3 * c.hidden_size * c.moe_intermediate_size
         active -= c.num_hidden_layers * (c.num_experts - c.num_experts_per_tok) * per_expert
-    stored = sorted({ckpt.dtypes[n] for n in ckpt.location})
+    stored = ckpt.type_summary() if isinstance(ckpt, GGUFCheckpoint) else sorted({ckpt.dtypes[n] for n in ckpt.location})
     compute_bytes = DTYPE_BYTES[stored_float_dtype(ckpt, plan)]
     quantization = config.raw.get("quantization_config")
     n_full, n_linear = len(c.full_attention_layers), len(c.linear_attention_layers)

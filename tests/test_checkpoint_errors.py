@@ -109,15 +109,11 @@ def test_no_weights_and_no_config(tmp_path, ckpt):
     expect_error(tmp_path / "empty", "no config.json")
 
 
-def test_a_gguf_file_is_named_as_not_supported_yet(tmp_path):
+def test_a_gguf_file_is_no_checkpoint_directory(tmp_path):
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF" + bytes(28))
-    for path in (gguf, tmp_path / "Missing.GGUF", "org/model.gguf"):  # the last is no hub repo id to download
-        expect_error(path, f"{path}: GGUF files are not supported yet; qwenrt loads safetensors checkpoints")
-    with pytest.raises(QwenrtError, match="GGUF files are not supported yet"):
-        inspect_checkpoint(gguf)
-    with pytest.raises(QwenrtError, match="GGUF files are not supported yet"):
-        CheckpointDir(gguf)  # where a directory is opened without resolving a source first
+    with pytest.raises(QwenrtError, match="model.gguf: a GGUF file, not a checkpoint directory"):
+        CheckpointDir(gguf)  # where a directory is opened without resolving a source first (tests/test_gguf_errors.py)
 
 
 @pytest.mark.parametrize("changes, fragments", [

@@ -133,7 +133,7 @@ def test_a_missing_tokenizer_media_on_a_text_model_and_gguf_are_refused_before_l
     for media in ("--image", "--video"):
         err = early(capsys, "run", chat_ckpt[0], "hi", media, image)
         assert "a text-only model (no vision_config in config.json); --image/--video need" in err
-    assert f"{gguf}: GGUF files are not supported yet" in early(capsys, "run", gguf, "hi")
+    assert f"{gguf}: not a readable GGUF file" in early(capsys, "run", gguf, "hi")
 
 
 @pytest.mark.parametrize("args, start, guess", [

@@ -44,6 +44,7 @@ from safetensors.torch import load as load_tensors, save as save_tensors
 
 from qwenrt.checkpoint import shard_files
 from qwenrt.errors import QwenrtError
+from qwenrt.gguf.reader import gguf_files, is_gguf
 from qwenrt.files import JSON_LIMIT, CheckpointDir, open_regular, read_bytes
 from qwenrt.validation import check_path
 
@@ -64,10 +65,14 @@ def model_identity(model) -> str:
     path = getattr(model, "checkpoint_path", None)
     if path is None:
         raise QwenrtError("prefix_cache_dir needs a model loaded from a checkpoint directory")
-    where = CheckpointDir(path)  # the files the loader read, confined as it confined them
     h = hashlib.sha256()
-    h.update(read_bytes(where.file("config.json"), JSON_LIMIT, "config.json"))
-    for f in shard_files(where):
+    if is_gguf(path):  # its metadata is its config: the sampled bytes include it
+        files = gguf_files(Path(path))
+    else:
+        where = CheckpointDir(path)  # the files the loader read, confined as it confined them
+        h.update(read_bytes(where.file("config.json"), JSON_LIMIT, "config.json"))
+        files = shard_files(where)
+    for f in files:
         fd = open_regular(f, "weight file")
         try:
             size = os.fstat(fd).st_size

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFReader, GGUFValueType
 from gguf import quants
 
 from qwenrt.config import ModelConfig, parse_config
@@ -31,13 +31,14 @@ READABLE = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_K, Q.Q4_K
 AUTO_DTYPE = {Q.F32: "F32", Q.F16: "F16", Q.BF16: "BF16"}
 SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 MAX_SPLITS = 1024
+MAX_ELEMENTS = 1 << 40  # per tensor: past every Qwen3.5 tensor (the 397B's experts are ~2^36)
 
 
 def is_gguf(path) -> bool:
     return str(path).lower().endswith(".gguf")
 
 
-def _shard_files(path: Path) -> list[Path]:
+def gguf_files(path: Path) -> list[Path]:
     """The files of a split set named by its first (or any) part; [path] for a single file."""
     m = SPLIT.match(path.name)
     if not m:
@@ -87,6 +88,22 @@ class _Reader(GGUFReader):
         return 12 + values.nbytes, [item_type, count, values], [2], [GGUFValueType.ARRAY, kind]
 
 
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        for field in fields:  # each tensor's size in exact integers (numpy's product of the dims can wrap)
+            _, name, _, dims, kind, offset = field.parts
+            name = bytes(name).decode("utf-8", "replace")
+            known = [k for k in GGML_QUANT_SIZES if int(k) == int(kind[0])]
+            if not known:
+                raise ValueError(f"tensor '{name}' has an unknown type {int(kind[0])}")
+            block, block_bytes = GGML_QUANT_SIZES[known[0]]
+            count = math.prod(int(d) for d in dims)
+            if count > MAX_ELEMENTS or count % block:
+                raise ValueError(f"tensor '{name}' has an impossible shape {[int(d) for d in dims]}")
+            if start_offs + int(offset[0]) + count // block * block_bytes > len(self.data):
+                raise ValueError(f"tensor '{name}' lies past the end of the file (truncated?)")
+        super()._build_tensors(start_offs, fields)
+
+
 def _open(file: Path) -> GGUFReader:
     """A memory-mapped reader of one file, every tensor's bytes inside the file; a malformed file is one line."""
     try:
@@ -97,10 +114,6 @@ def _open(file: Path) -> GGUFReader:
             AssertionError) as e:
         reason = " ".join(str(e).split())[:200] or type(e).__name__
         raise QwenrtError(f"{file}: not a readable GGUF file ({reason})") from None
-    size = file.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
-            raise QwenrtError(f"{file}: tensor '{t.name}' lies past the end of the file (truncated?)")
     return reader
 
 
@@ -166,7 +179,7 @@ def open_gguf(path: str | Path) -> GGUFCheckpoint:
     path = Path(path)
     if not path.is_file():
         raise QwenrtError(f"GGUF file not found: {path}")
-    files = _shard_files(path)
+    files = gguf_files(path)
     readers = [_open(f) for f in files]
     meta = Metadata(readers[0].fields, path)
     tensors = {}
