@@ -10,8 +10,10 @@ hyperparameters, never builds the model), runs `llama-quantize --pure` (every te
 Q5_K_M and Q6_K, reads each file back with GGUFReader and compares qwenrt's blocks with llama.cpp's, tensor by
 tensor. The tensors: synthetic kinds (normal, heavy-tailed, offset, bf16-rounded, sparse, zero and constant rows,
 tiny magnitudes down to fp16's subnormals, one huge outlier per row, integer ties) and, unless --no-builtin, every
-matrix of the built-in model qwenrt-tiny (trained weights), flattened to rows of 256. Then qwenrt's throughput per
-type (MB/s of fp32 in, one thread) beside ggml's reference quantizer called directly (libggml-base, one thread).
+matrix of the built-in model qwenrt-tiny (trained weights), flattened to rows of 256. Then a sweep against ggml's
+reference quantizers called directly (libggml-base: the functions llama-quantize runs): random rows of several
+distributions at every magnitude from 1e-45 to 1e38. Then qwenrt's throughput per type (MB/s of fp32 in, CPU time
+of one thread) beside ggml's.
 """
 
 from __future__ import annotations
@@ -148,34 +150,64 @@ def _by_group(result: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
     return groups
 
 
+def ggml_reference(build: Path, reference: str, block_bytes: int):
+    """ggml's quantize_row_*_ref as a function [rows, K] float32 -> [rows, K / 256 * block_bytes] uint8."""
+    function = getattr(ctypes.CDLL(str(build / "libggml-base.so")), reference)
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+
+    def quantize(values: np.ndarray) -> np.ndarray:
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        out = np.empty((len(values), values.shape[1] // 256 * block_bytes), dtype=np.uint8)
+        function(values.ctypes.data, out.ctypes.data, values.size)
+        return out
+
+    return quantize
+
+
+def magnitude_sweep(build: Path, seed: int = 0) -> dict[str, tuple[int, int]]:
+    """type -> (blocks that differ from ggml's own function, blocks) over random rows at magnitudes 1e-45 .. 1e38."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for exponent in range(-45, 39):
+        for draw in (rng.standard_normal, lambda size: rng.standard_t(2, size), lambda size: rng.uniform(0, 1, size)):
+            rows.append(np.clip(draw(256 * 4) * 10.0 ** exponent, -3e38, 3e38))
+    values = np.array(rows, dtype=np.float32)
+    result = {}
+    for name, quantize, block_bytes, reference in TYPES.values():
+        ours = quantize(values).reshape(-1, block_bytes)
+        theirs = ggml_reference(build, reference, block_bytes)(values).reshape(-1, block_bytes)
+        result[name] = (int((ours != theirs).any(axis=1).sum()), len(ours))
+    return result
+
+
 def throughput(build: Path, seconds: float = 3.0) -> list[str]:
     """MB/s of fp32 in, one thread: qwenrt's quantizers beside ggml's reference ones on N(0, 0.02) [2048, 1024]."""
     values = (np.random.default_rng(1).standard_normal((2048, 1024)) * 0.02).astype(np.float32)
-    ggml = ctypes.CDLL(str(build / "libggml-base.so"))
     lines = []
     for name, quantize, block_bytes, reference in TYPES.values():
-        out = np.empty(values.size // 256 * block_bytes, dtype=np.uint8)
-        function = getattr(ggml, reference)
-        function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        ggml_quantize = ggml_reference(build, reference, block_bytes)
         ours = _rate(lambda: quantize(values), values.nbytes, seconds)
-        theirs = _rate(lambda: function(values.ctypes.data, out.ctypes.data, values.size), values.nbytes, seconds)
+        theirs = _rate(lambda: ggml_quantize(values), values.nbytes, seconds)
         lines.append(f"{name}: qwenrt {ours:.1f} MB/s, ggml reference {theirs:.1f} MB/s")
     return lines
 
 
 def _rate(run, nbytes: int, seconds: float) -> float:
+    """MB/s over the best of runs timed in this process's CPU seconds (both sides run on one thread), so that
+    other load on a shared machine does not count."""
     best, spent = float("inf"), 0.0
     while spent < seconds:
-        start = time.perf_counter()
+        start = time.process_time()
         run()
-        elapsed = time.perf_counter() - start
+        elapsed = time.process_time() - start
         best, spent = min(best, elapsed), spent + elapsed
     return nbytes / best / 1e6
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--llama-build", type=Path, required=True, help="llama.cpp's bin/ (llama-quantize, libggml-base.so)")
+    parser.add_argument("--llama-build", type=Path, required=True,
+                        help="llama.cpp's bin/ (llama-quantize, libggml-base.so)")
     parser.add_argument("--rows", type=int, default=64, help="rows of each synthetic tensor")
     parser.add_argument("--width", type=int, default=1024, help="values per row (a multiple of 256)")
     parser.add_argument("--no-builtin", action="store_true", help="leave out the built-in model's weights")
@@ -203,6 +235,9 @@ def main() -> None:
     if args.write_fixture:
         np.savez_compressed(args.write_fixture, **fixture)
         print(f"wrote {args.write_fixture} ({args.write_fixture.stat().st_size:,} bytes)")
+    for name, (differ, blocks) in magnitude_sweep(args.llama_build).items():
+        print(f"{name}: {differ} of {blocks} blocks differ from ggml's own function (magnitudes 1e-45 .. 1e38)")
+        identical &= differ == 0
     if not args.no_timing:
         print("\n".join(throughput(args.llama_build)))
     sys.exit(0 if identical else 1)

@@ -51,10 +51,14 @@ def test_zero_and_constant_rows(qtype):
     assert np.allclose(restored[1], 0.37, rtol=1e-3)
 
 
-def test_shapes():
+def test_shapes_and_refusals():
     experts = np.random.default_rng(0).standard_normal((2, 3, 512)).astype(np.float32)
     blocks = quantize_q6_k(experts)  # [E, N, K] -> [E, N, K / 256 * 210], each expert as its own rows
     assert blocks.shape == (2, 3, 420)
     assert (blocks[1] == quantize_q6_k(experts[1])).all()
     with pytest.raises(ValueError, match="multiple of 256"):
         quantize_q4_k(np.zeros((2, 300), dtype=np.float32))
+    broken = np.zeros((4, 256), dtype=np.float32)
+    broken[2, 7] = np.nan
+    with pytest.raises(ValueError, match="a non-finite value in row 2"):
+        quantize_q5_k(broken)

@@ -1,7 +1,8 @@
 """llama.cpp's K-quantizers without an importance matrix (Q4_K, Q5_K, Q6_K) in numpy, byte for byte as
 `llama-quantize` writes them: ggml-quants.c's quantize_row_q{4,5,6}_K_ref with every float32 operation in C's
 order (sums accumulated left to right, no fused multiply-adds: ggml-base is built for baseline x86-64),
-nearest_int's 1.5·2^23 rounding trick and GGML_FP32_TO_FP16's round to nearest even.
+nearest_int's 1.5·2^23 rounding trick and GGML_FP32_TO_FP16's round to nearest even. Identical for any finite
+input (bench/kquants_check.py; magnitudes from 1e-45 to 1e38 checked against ggml's functions themselves).
 
 The per-sub-block searches (make_qkx2_quants, make_qx_quants) step through their candidate scales once for all
 sub-blocks of a slice of rows at a time: values are held as [n, S] (n = 32 or 16 values of each of S sub-blocks),
@@ -48,8 +49,11 @@ def _quantize(weights: np.ndarray, block_bytes: int, quantize_blocks: Callable) 
     step = max(1, CHUNK // width)
     with np.errstate(all="ignore"):  # flat and all-zero sub-blocks divide by zero, then take C's fallback
         for start in range(0, rows.shape[0], step):
-            blocks = np.asarray(rows[start:start + step], dtype=F32).reshape(-1, QK_K)
-            out[start:start + step] = quantize_blocks(blocks).reshape(-1, out.shape[1])
+            chunk = np.asarray(rows[start:start + step], dtype=F32)
+            if not np.isfinite(chunk).all():  # llama-quantize refuses these too
+                row = start + np.flatnonzero(~np.isfinite(chunk).all(axis=1))[0]
+                raise ValueError(f"a non-finite value in row {row}")
+            out[start:start + step] = quantize_blocks(chunk.reshape(-1, QK_K)).reshape(-1, out.shape[1])
     return out.reshape(*weights.shape[:-1], out.shape[1])
 
 
@@ -71,6 +75,7 @@ def _serial_sum(terms: np.ndarray, from_zero: bool = True) -> np.ndarray:
 
 
 def _to_fp16(values: np.ndarray) -> np.ndarray:
+    """GGML_FP32_TO_FP16: to nearest even, through fp16's subnormals, overflow to inf (numpy's cast does the same)."""
     return values.astype(np.float16)
 
 
@@ -98,7 +103,8 @@ def _q5_k_blocks(blocks: np.ndarray) -> np.ndarray:
     d, dmin, scales, levels = _qkx_blocks(blocks, 31, F32(-0.5), F32(0.1), 15)
     pairs = levels.reshape(-1, 4, 2, 32)
     quants = ((pairs[:, :, 0] & 15) | ((pairs[:, :, 1] & 15) << 4)).reshape(-1, 128)
-    fifth = (pairs >> 4) << np.arange(8, dtype=np.uint8).reshape(1, 4, 2, 1)  # bit 2n (+1) of byte j: chunk n
+    # qh byte j: bit 2n is the fifth bit of value j of 64-chunk n, bit 2n + 1 that of its value 32 + j
+    fifth = (pairs >> 4) << np.arange(8, dtype=np.uint8).reshape(1, 4, 2, 1)
     high = np.bitwise_or.reduce(fifth.reshape(-1, 8, 32), axis=1).astype(np.uint8)
     return np.concatenate([_fp16_bytes(d), _fp16_bytes(dmin), scales, high, quants], axis=1)
 
