@@ -92,6 +92,12 @@ def _quantize(args) -> None:
     print(quantize_checkpoint(args.src, args.dst, args.bits, args.group_size, progress=log.shows_progress()))
 
 
+def _convert(args) -> None:
+    from qwenrt.gguf.export import export_gguf
+
+    print(export_gguf(args.src, args.out, args.type, progress=log.shows_progress()))
+
+
 def _bench(args) -> None:
     from qwenrt.bench import run
 
@@ -223,6 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, help="int4 group size: 32, 64 (default) or 128")
     log.add_options(p, verbose=False)
     p.set_defaults(run=_quantize)
+
+    p = verbs.add_parser("convert", help="write a model as a GGUF file llama.cpp runs")
+    p.add_argument("src", help=f"checkpoint directory, hub repo id, GGUF file or {DEFAULT_MODEL} (the built-in model)")
+    p.add_argument("out", help="the new .gguf file (must not exist)")
+    p.add_argument("--type", default="bf16", choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m"],
+                   help="tensor types: bf16 (default), f16, f32, q8_0, q4_0, or llama.cpp's Q4_K_M mix")
+    log.add_options(p, verbose=False)
+    p.set_defaults(run=_convert)
 
     p = verbs.add_parser("train", help="train a model on chat conversations, or rebuild the built-in model")
     p.add_argument("out", help="output directory: the trained checkpoint, step checkpoints, train_log.jsonl")

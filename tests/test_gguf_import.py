@@ -1,6 +1,7 @@
-"""GGUF import checked against files made by llama.cpp's own converter (tests/llama_convert.py): the built-in model
-(dense, Hv > Hk so the V-head reorder is undone, an MTP head) and a random MoE as F32/BF16/Q8_0 files load as
-their safetensors checkpoints do, and a Qwen3.5 tokenizer read from a file's metadata encodes as the original."""
+"""GGUF import and export checked against files made by llama.cpp's own converter (tests/llama_convert.py): the
+built-in model (dense, Hv > Hk so the V-head reorder is undone, an MTP head) and a random MoE as F32/BF16/Q8_0 files
+load as their safetensors checkpoints do; `qwenrt convert` writes the converter's tensors and metadata; a Qwen3.5
+tokenizer read from a file's metadata encodes as the original."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch
 import qwenrt
 from qwenrt.default_model import default_model_path
 from qwenrt.engine import Engine, Request
+from qwenrt.errors import QwenrtError
+from qwenrt.gguf.export import export_gguf, tensor_type
 from qwenrt.gguf.layout import is_one_plus_norm
 from qwenrt.gguf.metadata import Metadata, tokenizer_parts
 from qwenrt.gguf.reader import _Reader, open_gguf
@@ -75,15 +78,22 @@ def test_a_q8_0_file_holds_the_weights_to_its_blocks_rounding(tiny_files, builti
     assert relative(logits(model), logits(builtin[0])) < 0.05
 
 
-def test_a_moe_file_with_an_mtp_head_matches_its_checkpoint_in_fp32(tmp_path):
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory):
+    """A random MoE over the built-in model's tokenizer, with an MTP head (per-expert names, fp32)."""
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-    src, ckpt = tmp_path / "moe", tmp_path / "moe-mtp"
+    tmp = tmp_path_factory.mktemp("moe")
+    src, ckpt = tmp / "moe", tmp / "moe-mtp"
     config = Qwen3_5MoeTextConfig(**dict(MOE, vocab_size=576, num_hidden_layers=4))
     randomize(Qwen3_5MoeForCausalLM(config).eval(), 11).save_pretrained(src)
-    for file in ("tokenizer.json", "tokenizer_config.json"):
+    for file in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(default_model_path() / file, src / file)
-    add_mtp_head(src, ckpt)
+    return add_mtp_head(src, ckpt)
+
+
+def test_a_moe_file_with_an_mtp_head_matches_its_checkpoint_in_fp32(moe_ckpt, tmp_path):
+    ckpt = moe_ckpt
     gguf = convert(ckpt, tmp_path / "moe.gguf", "f32", "qwen35")
     model, _ = qwenrt.load(gguf, dtype=torch.float32)
     reference, _ = qwenrt.load(ckpt, dtype=torch.float32)
@@ -118,3 +128,79 @@ def test_the_tokenizer_and_template_come_from_the_metadata(tmp_path, chat_ckpt):
     assert ours.apply_chat_template(chat, add_generation_prompt=True) == \
         original.apply_chat_template(chat, add_generation_prompt=True)
     assert ours.generation_defaults["top_k"] == 20 and np.isclose(ours.generation_defaults["top_p"], 0.95)
+
+
+def differences(ours, theirs) -> list[str]:
+    """What differs between two GGUF files: tensors (name, type, shape, bytes) and metadata (the model's name aside)."""
+    a, b = _Reader(ours, "r"), _Reader(theirs, "r")
+    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
+    found = [f"tensors {sorted(set(ta) ^ set(tb))}"] if set(ta) != set(tb) else []
+    found += [f"tensor {n}" for n in ta if n in tb and (ta[n].tensor_type != tb[n].tensor_type or
+              list(ta[n].shape) != list(tb[n].shape) or not np.array_equal(ta[n].data, tb[n].data))]
+    named = {"general.name", "general.size_label", "general.type"}
+    keys = {k for k in set(a.fields) | set(b.fields) if not k.startswith("GGUF.")} - named  # GGUF.*: counts
+    found += [f"key {k}" for k in sorted(keys) if k not in a.fields or k not in b.fields
+              or a.fields[k].types != b.fields[k].types or a.fields[k].contents() != b.fields[k].contents()]
+    return found
+
+
+@pytest.mark.parametrize("kind", ["bf16", "q8_0"])
+def test_convert_writes_what_llama_cpps_converter_writes(tiny_files, kind, tmp_path):
+    ours = export_gguf("qwenrt-tiny", tmp_path / "tiny.gguf", kind)
+    # the built-in model has attention every third layer (both write attention.recurrent_layers; the converter's
+    # interval is the config's default, 4); qwenrt states add_bos/add_eos false where the converter copies
+    # tokenizer_config's flags (this one has none) and its bos token
+    assert differences(ours, tiny_files[kind]) == ["key qwen35.full_attention_interval",
+                                                   "key tokenizer.ggml.add_bos_token",
+                                                   "key tokenizer.ggml.add_eos_token",
+                                                   "key tokenizer.ggml.bos_token_id"]
+    reference = qwenrt.load()[0] if kind == "bf16" else qwenrt.load(tiny_files[kind])[0]
+    assert relative(logits(qwenrt.load(ours)[0]), logits(reference)) == 0.0
+
+
+def test_convert_of_a_moe_with_an_mtp_head_is_the_converters_file(moe_ckpt, tmp_path):
+    ours = export_gguf(moe_ckpt, tmp_path / "ours.gguf", "bf16")
+    assert differences(ours, convert(moe_ckpt, tmp_path / "theirs.gguf", "bf16", "qwen35")) == [
+        "key tokenizer.ggml.add_bos_token", "key tokenizer.ggml.add_eos_token"]  # stated false, see above
+
+
+def test_convert_to_q4_k_m_keeps_the_sensitive_tensors_at_8_bits(tmp_path):
+    out = export_gguf("qwenrt-tiny", tmp_path / "tiny.gguf", "q4_k_m")
+    types = {t.name: t.tensor_type.name for t in _Reader(out, "r").tensors}
+    # the built-in model's rows are 128 wide, not 256-value super-blocks: Q6_K falls back to Q8_0, Q4_K to Q5_0
+    assert types["token_embd.weight"] == types["blk.2.attn_v.weight"] == "Q8_0"  # tied head; every third layer
+    assert types["blk.1.attn_qkv.weight"] == types["blk.1.attn_gate.weight"] == "Q5_0"
+    assert types["blk.1.ssm_out.weight"] == types["blk.1.ssm_alpha.weight"] == "Q8_0"
+    assert types["blk.0.ssm_a"] == types["blk.0.attn_norm.weight"] == "F32"
+    for name, tied, wanted in (("token_embd.weight", True, "Q6_K"), ("token_embd.weight", False, "Q4_K"),
+                               ("output.weight", False, "Q6_K"), ("blk.0.ffn_down_exps.weight", False, "Q6_K"),
+                               ("blk.5.ffn_down_exps.weight", False, "Q4_K"), ("blk.5.attn_q.weight", False, "Q4_K"),
+                               ("blk.5.ssm_beta.weight", False, "Q8_0")):
+        assert tensor_type(name, (512, 256), "q4_k_m", 40, tied).name == wanted, name
+    model, _ = qwenrt.load(out, dtype=torch.float32)
+    reference = qwenrt.load(dtype=torch.float32)[0]
+    assert relative(logits(model), logits(reference)) < 0.2  # 5-bit blocks on a 128-wide model: 0.12
+    assert out.stat().st_size < 0.5 * export_gguf("qwenrt-tiny", tmp_path / "bf16.gguf", "bf16").stat().st_size
+
+
+def test_convert_is_all_or_nothing(tmp_path, monkeypatch):
+    import qwenrt.gguf.export as export
+
+    calls = []
+
+    def failing(t, kind):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return encode(t, kind)
+
+    encode = export.encode
+    monkeypatch.setattr(export, "encode", failing)
+    with pytest.raises(KeyboardInterrupt):
+        export_gguf("qwenrt-tiny", tmp_path / "cut.gguf", "q8_0")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    for bad, message in ((("qwenrt-tiny", tmp_path / "x.gguf", "q3_k"), "unknown GGUF type 'q3_k'"),
+                         (("qwenrt-tiny", tmp_path / "x.bin", "bf16"), "the output's name must end in .gguf")):
+        with pytest.raises(QwenrtError, match=message):
+            export_gguf(*bad)

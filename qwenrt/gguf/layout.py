@@ -12,7 +12,7 @@ Transforms (to GGUF; the inverse on import):
   (head g·r + i) to tiled order (i·Hk + g): the V rows of in_proj_qkv, the rows of in_proj_z, in_proj_a,
   in_proj_b, A_log and dt_bias, the V channels of conv1d, the columns of out_proj;
 - the fused experts gate_up_proj [E, 2I, D] are two tensors, gate [E, I, D] then up;
-- the shared-expert gate [1, D] is stored as [D].
+- the shared-expert gate [1, D] is read as [1, D] from files that store it as [D].
 """
 
 from __future__ import annotations
@@ -154,8 +154,6 @@ def to_gguf(name: str, t: torch.Tensor, config: TextConfig) -> tuple[torch.Tenso
         t = _reorder(rest, t, config, inverse=False)
         if rest == "linear_attn.A_log":
             t = -torch.exp(t.float())
-    if rest == "mlp.shared_expert_gate.weight":
-        t = t.reshape(-1)
     if is_one_plus_norm(name):
         t = t.float() + 1
     return (t,)

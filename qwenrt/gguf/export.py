@@ -1,0 +1,229 @@
+"""`qwenrt convert MODEL out.gguf --type TYPE`: a model qwenrt loads (a checkpoint directory, a hub repo id or a GGUF
+file) written as a `qwen35` / `qwen35moe` GGUF file llama.cpp runs: the tensors and metadata as llama.cpp's converter
+writes them (qwenrt.gguf.layout), streamed tensor by tensor into a hidden file renamed into place at the end.
+
+Types: f32, f16, bf16 (norms, A/dt, conv and routers in F32 as the converter keeps them); q8_0 and q4_0 (every matrix
+whose rows split into 32-value blocks, by gguf.quants); q4_k_m (llama-quantize's mix: Q4_K, Q6_K for the value
+projections and ffn_down of the first and last eighths and every third layer between, Q6_K output and tied
+embedding; the DeltaNet output and a/b projections, which the measured sensitivities in shared/gguf.md single out,
+at Q8_0; rows that are not 256-value blocks fall back to Q5_0/Q8_0 as llama-quantize does).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFValueType, GGUFWriter, quants
+from tqdm import tqdm
+
+from qwenrt.checkpoint import materialize
+from qwenrt.errors import QwenrtError
+from qwenrt.gguf import kquants
+from qwenrt.gguf.layout import F32_SUFFIXES, gguf_names, to_gguf
+from qwenrt.gguf.metadata import SAMPLING, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED, TOKEN_USER_DEFINED
+from qwenrt.hub import resolve_model_path
+from qwenrt.loader import check_checkpoint
+from qwenrt.quant import stored_spec
+
+TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m")
+FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_k_m": 15}  # general.file_type (llama_ftype)
+FLOATS = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16}
+BLOCKED = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
+KQUANTIZE = {Q.Q4_K: kquants.quantize_q4_k, Q.Q6_K: kquants.quantize_q6_k}
+ARRAY_DTYPES = {Q.F32: np.float32, Q.F16: np.float16}  # arrays of values; every other type is written as bytes
+SAMPLING_KEYS = {name: key for key, name in SAMPLING.items()}  # generation_config's -> general.sampling.*
+SENSITIVE = ("ssm_out.weight", "ssm_alpha.weight", "ssm_beta.weight")  # >= 8 bits in the 4-bit mix
+
+
+def _uses_more_bits(layer: int, n_layers: int) -> bool:
+    """llama-quantize's use_more_bits: the first and last eighth of the layers and every third one between."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+def tensor_type(name: str, shape: tuple[int, ...], kind: str, n_layers: int, tied: bool) -> Q:
+    """The GGUF type of tensor `name` (GGUF's name, PyTorch shape) in a file of `kind`."""
+    if len(shape) < 2 or name.endswith(F32_SUFFIXES):
+        return Q.F32
+    if kind in FLOATS:
+        return FLOATS[kind]
+    if kind in BLOCKED:
+        return BLOCKED[kind] if shape[-1] % 32 == 0 else Q.F16
+    wanted = Q.Q4_K
+    if name == "output.weight" or (name == "token_embd.weight" and tied):
+        wanted = Q.Q6_K
+    elif name.endswith(SENSITIVE):
+        wanted = Q.Q8_0
+    elif name.startswith("blk.") and name.endswith(("attn_v.weight", "attn_qkv.weight", "ffn_down.weight",
+                                                     "ffn_down_exps.weight")):
+        if _uses_more_bits(int(name.split(".")[1]), n_layers):
+            wanted = Q.Q6_K
+    if shape[-1] % 256:  # llama-quantize's fallback for rows that are not whole super-blocks
+        wanted = {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}.get(wanted, wanted)
+    return wanted if shape[-1] % 32 == 0 else Q.F16
+
+
+def encode(t: torch.Tensor, kind: Q) -> np.ndarray:
+    """A tensor [..., K] as GGUF stores `kind`: float arrays, or uint8 blocks [..., K / block · block bytes]."""
+    x = t.float().numpy()
+    if kind == Q.F32:
+        return x
+    if kind == Q.F16:
+        return x.astype(np.float16)
+    if kind in KQUANTIZE:
+        return KQUANTIZE[kind](x)
+    return quants.quantize(x, kind)
+
+
+def _metadata(writer: GGUFWriter, config, tokenizer, n_mtp: int, kind: str, name: str) -> None:
+    c = config.text
+    arch = "qwen35moe" if c.is_moe else "qwen35"
+
+    def key(name: str) -> str:
+        return f"{arch}.{name}"
+
+    writer.add_name(name)
+    writer.add_uint32(key("block_count"), c.num_hidden_layers + n_mtp)
+    writer.add_uint32(key("context_length"), c.max_position_embeddings)
+    writer.add_uint32(key("embedding_length"), c.hidden_size)
+    writer.add_uint32(key("attention.head_count"), c.num_attention_heads)
+    writer.add_uint32(key("attention.head_count_kv"), c.num_key_value_heads)
+    writer.add_array(key("rope.dimension_sections"), [*c.mrope_section, *[0] * (4 - len(c.mrope_section))])
+    writer.add_float32(key("rope.freq_base"), c.rope_theta)
+    writer.add_float32(key("attention.layer_norm_rms_epsilon"), c.rms_norm_eps)
+    writer.add_uint32(key("attention.key_length"), c.head_dim)
+    writer.add_uint32(key("attention.value_length"), c.head_dim)
+    writer.add_uint32("general.file_type", FILE_TYPES[kind])
+    if c.is_moe:
+        writer.add_uint32(key("expert_count"), c.num_experts)
+        writer.add_uint32(key("expert_used_count"), c.num_experts_per_tok)
+        writer.add_uint32(key("expert_feed_forward_length"), c.moe_intermediate_size)
+        writer.add_uint32(key("expert_shared_feed_forward_length"), c.shared_expert_intermediate_size)
+    else:
+        writer.add_uint32(key("feed_forward_length"), c.intermediate_size)
+    if n_mtp:
+        writer.add_uint32(key("nextn_predict_layers"), n_mtp)
+    writer.add_uint32(key("ssm.conv_kernel"), c.linear_conv_kernel_dim)
+    writer.add_uint32(key("ssm.state_size"), c.linear_key_head_dim)
+    writer.add_uint32(key("ssm.group_count"), c.linear_num_key_heads)
+    writer.add_uint32(key("ssm.time_step_rank"), c.linear_num_value_heads)
+    writer.add_uint32(key("ssm.inner_size"), c.linear_value_head_dim * c.linear_num_value_heads)
+    writer.add_array(key("attention.recurrent_layers"),
+                     [t == "linear_attention" for t in c.layer_types] + [False] * n_mtp)
+    interval = next((i + 1 for i, t in enumerate(c.layer_types) if t == "full_attention"), 4)
+    writer.add_uint32(key("full_attention_interval"), interval)
+    writer.add_uint32(key("rope.dimension_count"), c.rotary_dim)
+    writer.add_quantization_version(2)
+    if tokenizer is not None:
+        _tokenizer(writer, tokenizer, c.vocab_size)
+
+
+def _tokenizer(writer: GGUFWriter, tokenizer, vocab_rows: int) -> None:
+    """The tokenizer as llama.cpp's converter writes a Qwen3.5 one: gpt2 / qwen35, the list padded to the
+    embedding's rows with [PAD{i}] (unused), added tokens as control (special) or user-defined."""
+    backend = json.loads(tokenizer.backend_json())
+    model = backend["model"]
+    if model.get("type") != "BPE":
+        raise QwenrtError("GGUF export needs a byte-level BPE tokenizer (Qwen3.5's)")
+    tokens, types = [f"[PAD{i}]" for i in range(vocab_rows)], [TOKEN_UNUSED] * vocab_rows
+    for token, i in model["vocab"].items():
+        if i < vocab_rows:
+            tokens[i], types[i] = token, TOKEN_NORMAL
+    for added in backend.get("added_tokens", []):
+        if added["id"] < vocab_rows:
+            tokens[added["id"]] = added["content"]
+            control = added.get("special") or (added["content"].startswith("<|") and added["content"].endswith("|>"))
+            types[added["id"]] = TOKEN_CONTROL if control else TOKEN_USER_DEFINED  # the converter's rule
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen35")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    if tokenizer.eos_token_ids:
+        writer.add_eos_token_id(tokenizer.eos_token_ids[0])
+    if tokenizer.pad_token_id is not None:
+        writer.add_pad_token_id(tokenizer.pad_token_id)
+    writer.add_add_bos_token(False)
+    writer.add_add_eos_token(False)
+    for key, value in tokenizer.generation_defaults.items():
+        if key in SAMPLING_KEYS:
+            writer.add_key_value(SAMPLING_KEYS[key], value, GGUFValueType.INT32 if key == "top_k" else
+                                 GGUFValueType.FLOAT32)
+    if tokenizer.chat_template:
+        writer.add_chat_template(tokenizer.chat_template)
+
+
+def export_gguf(source: str | Path, out: str | Path, kind: str = "bf16", progress: bool = False) -> Path:
+    """Write the model at `source` as GGUF file `out` of type `kind` (see TYPES). Returns out."""
+    if kind not in TYPES:
+        raise QwenrtError(f"unknown GGUF type {kind!r} (use one of: {', '.join(TYPES)})")
+    out = Path(out).expanduser()
+    if not out.name.lower().endswith(".gguf"):
+        raise QwenrtError(f"{out}: the output's name must end in .gguf")
+    if out.exists():
+        raise QwenrtError(f"{out}: already exists")
+    path = resolve_model_path(source)
+    verified, tokenizer = check_checkpoint(path)
+    config, ckpt, plan, _, _ = verified
+    if stored_spec(config.raw):
+        raise QwenrtError(f"{path}: a `qwenrt quantize` checkpoint; convert its full-precision source instead")
+    c = config.text
+    n_mtp = 1 if any(n.startswith("mtp.") for n in plan) else 0
+    tied = c.tie_word_embeddings
+    entries = []  # (gguf name, qwenrt name, part index, shape, type)
+    for name, source_plan in plan.items():
+        names = gguf_names(name, c.num_hidden_layers)
+        shapes = _gguf_shapes(name, source_plan.shape)
+        for i, (gname, shape) in enumerate(zip(names, shapes)):
+            entries.append((gname, name, i, shape, tensor_type(gname, shape, kind, c.num_hidden_layers, tied)))
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    try:
+        writer = GGUFWriter(tmp, "qwen35moe" if c.is_moe else "qwen35")
+        _metadata(writer, config, tokenizer, n_mtp, kind, Path(str(path)).name)
+        for gname, _, _, shape, qtype in entries:
+            writer.add_tensor_info(gname, _stored_shape(shape, qtype), np.dtype(ARRAY_DTYPES.get(qtype, np.uint8)),
+                                   _nbytes(shape, qtype), raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        done: dict[str, tuple] = {}
+        for gname, name, part, shape, qtype in tqdm(entries, desc=f"writing {out.name}", unit="tensor",
+                                                     disable=not progress, file=sys.stderr):
+            if name not in done:
+                done = {name: to_gguf(name, materialize(ckpt, plan[name], torch.float32), c)}
+            writer.write_tensor_data(encode(done[name][part], qtype))
+        writer.close()
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def _gguf_shapes(name: str, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """PyTorch shapes of the GGUF tensor(s) of qwenrt tensor `name` of `shape`."""
+    if name.endswith("mlp.experts.gate_up_proj"):
+        half = (*shape[:-2], shape[-2] // 2, shape[-1])
+        return [half, half]
+    if name.endswith("linear_attn.conv1d.weight"):
+        return [(shape[0], shape[-1])]
+    return [tuple(shape)]
+
+
+def _nbytes(shape: tuple[int, ...], qtype: Q) -> int:
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    return math.prod(shape) // block * block_bytes
+
+
+def _stored_shape(shape: tuple[int, ...], qtype: Q) -> tuple[int, ...]:
+    """The shape add_tensor_info takes: elements for float types, bytes along the last axis for block types."""
+    if qtype in ARRAY_DTYPES:
+        return shape
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    return (*shape[:-1], shape[-1] // block * block_bytes)
