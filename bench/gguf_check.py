@@ -138,12 +138,15 @@ class LlamaCpp:
         cmd = [str(self.bin / "llama-quantize")] + (["--allow-requantize"] if qtype == "F32" else [])
         run_tool(cmd + [str(src), str(out), qtype, "2"], out)
 
-    def logits(self, gguf: Path, prompt: list[int], n_gen: int, log: Path) -> tuple[np.ndarray, list[int]]:
+    def logits(self, gguf: Path, prompt: list[int], n_gen: int, log: Path,
+               follow: list[int] | None = None) -> tuple[np.ndarray, list[int]]:
         """llama.cpp on `gguf`, 2 threads, fp32 KV cache, no flash attention: the prompt's logits at every position,
-        then greedy steps -> (logits [P + n_gen - 1, V], the n_gen greedy tokens)."""
+        then n_gen - 1 steps fed its greedy tokens (or `follow`'s) -> (logits [P + n_gen - 1, V], the n_gen greedy
+        picks)."""
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "logits.npz"
-            job = dict(gguf=str(gguf), prompt=prompt, n_gen=n_gen, out=str(out), bindings=str(self.python))
+            job = dict(gguf=str(gguf), prompt=prompt, n_gen=n_gen, out=str(out), bindings=str(self.python),
+                       follow=follow)
             env = dict(os.environ, LLAMA_CPP_LIB_PATH=str(self.bin))
             with open(log, "a") as err:
                 err.write(f"--- {gguf}\n")
@@ -171,7 +174,8 @@ def last_line(log: Path) -> str:
 
 def llama_worker(job: dict) -> None:
     """In a child process (a llama.cpp abort ends only it): decode job["prompt"] with logits at every position, then
-    job["n_gen"] - 1 greedy steps; save the logits and the greedy tokens to job["out"]."""
+    job["n_gen"] - 1 steps, each fed the greedy pick (or job["follow"]'s token); save the logits and the greedy
+    picks to job["out"]."""
     package = types.ModuleType("llama_cpp")  # the bindings without llama_cpp/__init__ (its high-level API's deps)
     package.__path__ = [str(Path(job["bindings"]) / "llama_cpp")]
     sys.modules["llama_cpp"] = package
@@ -204,11 +208,12 @@ def llama_worker(job: dict) -> None:
                 for i in range(len(tokens))]
 
     rows = decode(prompt, 0)
-    tokens = [int(rows[-1].argmax())]
-    while len(tokens) < n_gen:
-        rows += decode(tokens[-1:], len(prompt) + len(tokens) - 1)
-        tokens.append(int(rows[-1].argmax()))
-    np.savez(job["out"], logits=np.stack(rows), tokens=np.array(tokens))
+    picks = [int(rows[-1].argmax())]
+    fed = job["follow"] or picks  # picks grows as it is read
+    while len(picks) < n_gen:
+        rows += decode([fed[len(picks) - 1]], len(prompt) + len(picks) - 1)
+        picks.append(int(rows[-1].argmax()))
+    np.savez(job["out"], logits=np.stack(rows), tokens=np.array(picks))
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoints
@@ -323,10 +328,10 @@ class Checker:
             self.sources[key] = self.run_qwenrt(checkpoint, ids, mtp)
         return self.sources[key]
 
-    def run_llama(self, gguf: Path, ids: list[int]):
+    def run_llama(self, gguf: Path, ids: list[int], follow: list[int] | None = None):
         start = time.perf_counter()
         try:
-            return self.llama.logits(gguf, ids, self.n_gen, self.log)
+            return self.llama.logits(gguf, ids, self.n_gen, self.log, follow)
         finally:
             self.timer.add("llama.cpp runs", start)
 
@@ -388,7 +393,7 @@ class Checker:
         ref, gen, ids, f32 = self.reference(gguf, qtype, prompt)
         try:
             if qtype != "F32":
-                native, native_gen = self.run_llama(gguf, prompt)
+                native, native_gen = self.run_llama(gguf, prompt, gen)
                 self.rows.append(Row(name, "llama.cpp kernels vs its F32 (info)", qtype, size, rel(native, ref),
                                      agreement(native_gen, gen)))
             ours, ours_mtp = self.run_qwenrt(gguf, ids, mtp)
@@ -443,7 +448,7 @@ class Checker:
                                  own.stat().st_size, rel(own_ref, own_source), greedy(own_source, own_gen,
                                                                                       len(prompt))))
             own.unlink()
-        native, native_gen = self.run_llama(export, prompt)
+        native, native_gen = self.run_llama(export, prompt, gen)
         self.rows.append(Row(name, "(b) llama.cpp kernels on export vs its F32 (info)", label, size,
                              rel(native, ref), agreement(native_gen, gen)))
         ours = self.run_qwenrt(export, ids, False)[0]
