@@ -117,14 +117,14 @@ class LlamaCpp:
     @classmethod
     def find(cls, source: str | None, build: str | None, bindings: str | None) -> "LlamaCpp":
         if not source or not build:
-            sys.exit("gguf_check: no llama.cpp: pass --llama-cpp SRC and --llama-build SRC/build/bin (or set "
+            sys.exit(f"{Path(sys.argv[0]).stem}: no llama.cpp: pass --llama-cpp SRC and --llama-build SRC/build/bin (or set "
                      f"LLAMA_CPP_DIR and LLAMA_CPP_BUILD); build it with: {BUILD_COMMAND}")
         found = cls(Path(source), Path(build), Path(bindings) if bindings else Path(source).parents[1])
         missing = [p for p in (found.source / "convert_hf_to_gguf.py", found.source / "gguf-py",
                                found.bin / "llama-quantize", found.bin / "libllama.so",
                                found.python / "llama_cpp" / "llama_cpp.py") if not p.exists()]
         if missing:
-            sys.exit(f"gguf_check: no {missing[0]}: build llama.cpp with: {BUILD_COMMAND} (the bindings: "
+            sys.exit(f"{Path(sys.argv[0]).stem}: no {missing[0]}: build llama.cpp with: {BUILD_COMMAND} (the bindings: "
                      "--llama-python DIR holding llama_cpp/)")
         return found
 
@@ -172,15 +172,22 @@ def last_line(log: Path) -> str:
     return lines[-1] if lines else "(no output)"
 
 
+def llama_bindings(directory: Path):
+    """llama-cpp-python's ctypes module (llama_cpp.llama_cpp) from `directory`, without running llama_cpp/__init__
+    (its high-level API needs packages this check does not); the library comes from $LLAMA_CPP_LIB_PATH."""
+    package = types.ModuleType("llama_cpp")
+    package.__path__ = [str(directory / "llama_cpp")]
+    sys.modules["llama_cpp"] = package
+    from llama_cpp import llama_cpp
+
+    return llama_cpp
+
+
 def llama_worker(job: dict) -> None:
     """In a child process (a llama.cpp abort ends only it): decode job["prompt"] with logits at every position, then
     job["n_gen"] - 1 steps, each fed the greedy pick (or job["follow"]'s token); save the logits and the greedy
     picks to job["out"]."""
-    package = types.ModuleType("llama_cpp")  # the bindings without llama_cpp/__init__ (its high-level API's deps)
-    package.__path__ = [str(Path(job["bindings"]) / "llama_cpp")]
-    sys.modules["llama_cpp"] = package
-    from llama_cpp import llama_cpp as lc
-
+    lc = llama_bindings(Path(job["bindings"]))
     lc.llama_backend_init()
     model = lc.llama_model_load_from_file(job["gguf"].encode(), lc.llama_model_default_params())
     if not model:
