@@ -116,15 +116,16 @@ class LlamaCpp:
 
     @classmethod
     def find(cls, source: str | None, build: str | None, bindings: str | None) -> "LlamaCpp":
+        prog = Path(sys.argv[0]).stem
         if not source or not build:
-            sys.exit(f"{Path(sys.argv[0]).stem}: no llama.cpp: pass --llama-cpp SRC and --llama-build SRC/build/bin (or set "
+            sys.exit(f"{prog}: no llama.cpp: pass --llama-cpp SRC and --llama-build SRC/build/bin (or set "
                      f"LLAMA_CPP_DIR and LLAMA_CPP_BUILD); build it with: {BUILD_COMMAND}")
-        found = cls(Path(source), Path(build), Path(bindings) if bindings else Path(source).parents[1])
+        found = cls(Path(source), Path(build), Path(bindings) if bindings else Path(source).resolve().parent.parent)
         missing = [p for p in (found.source / "convert_hf_to_gguf.py", found.source / "gguf-py",
                                found.bin / "llama-quantize", found.bin / "libllama.so",
                                found.python / "llama_cpp" / "llama_cpp.py") if not p.exists()]
         if missing:
-            sys.exit(f"{Path(sys.argv[0]).stem}: no {missing[0]}: build llama.cpp with: {BUILD_COMMAND} (the bindings: "
+            sys.exit(f"{prog}: no {missing[0]}: build llama.cpp with: {BUILD_COMMAND} (the bindings: "
                      "--llama-python DIR holding llama_cpp/)")
         return found
 
