@@ -184,13 +184,32 @@ def llama_bindings(directory: Path):
     return llama_cpp
 
 
+def warnings_to_stderr(lc):
+    """Send llama.cpp's warnings and errors (not its info and debug lines) to stderr -> the callback, which the
+    caller must hold."""
+    shown = [False]
+
+    def log(level: int, text: bytes, _) -> None:
+        if level != 5:  # GGML_LOG_LEVEL_CONT continues the previous line
+            shown[0] = level >= 3  # WARN, ERROR
+        if shown[0]:
+            sys.stderr.write(text.decode(errors="replace"))
+
+    callback = lc.llama_log_callback(log)
+    lc.llama_log_set(callback, None)
+    return callback
+
+
 def llama_worker(job: dict) -> None:
     """In a child process (a llama.cpp abort ends only it): decode job["prompt"] with logits at every position, then
     job["n_gen"] - 1 steps, each fed the greedy pick (or job["follow"]'s token); save the logits and the greedy
     picks to job["out"]."""
     lc = llama_bindings(Path(job["bindings"]))
+    log = warnings_to_stderr(lc)  # noqa: F841 (held: llama.cpp keeps the pointer)
     lc.llama_backend_init()
-    model = lc.llama_model_load_from_file(job["gguf"].encode(), lc.llama_model_default_params())
+    model_params = lc.llama_model_default_params()
+    model_params.load_mtp = True  # else llama.cpp skips the nextn block unchecked ("unused tensor ... ignoring")
+    model = lc.llama_model_load_from_file(job["gguf"].encode(), model_params)
     if not model:
         sys.exit(f"llama.cpp could not load {job['gguf']}")
     prompt, n_gen = job["prompt"], job["n_gen"]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gguf_check import LlamaCpp, llama_bindings  # noqa: E402
+from bench.gguf_check import LlamaCpp, llama_bindings, warnings_to_stderr  # noqa: E402
 from qwenrt.errors import QwenrtError  # noqa: E402
 
 GIB = 1 << 30
@@ -95,8 +95,7 @@ def llama_sample(llama: LlamaCpp, path: Path, args) -> dict:
 def load_worker(job: dict) -> None:
     """llama.cpp's load time: the model and a context for the benchmark's tokens (what llama-bench does first)."""
     lc = llama_bindings(Path(job["bindings"]))
-    quiet = lc.llama_log_callback(lambda level, text, data: None)  # held: llama.cpp keeps the pointer
-    lc.llama_log_set(quiet, None)
+    log = warnings_to_stderr(lc)  # noqa: F841 (held: llama.cpp keeps the pointer)
     lc.llama_backend_init()
     start = time.perf_counter()
     model = lc.llama_model_load_from_file(job["gguf"].encode(), lc.llama_model_default_params())
