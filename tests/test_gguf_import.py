@@ -18,7 +18,7 @@ from qwenrt.errors import QwenrtError
 from qwenrt.gguf.export import export_gguf, tensor_type
 from qwenrt.gguf.layout import is_one_plus_norm
 from qwenrt.gguf.metadata import Metadata, tokenizer_parts
-from qwenrt.gguf.reader import _Reader, open_gguf
+from qwenrt.gguf.reader import FileReader, open_gguf
 from qwenrt.sampling import SamplingParams
 from qwenrt.tokenizer import Tokenizer
 from tests.checkpoints import MOE, add_mtp_head, randomize
@@ -115,7 +115,7 @@ def test_the_tokenizer_and_template_come_from_the_metadata(tmp_path, chat_ckpt):
         if file.suffix in (".json", ".jinja") and file.name != "model.safetensors.index.json":
             shutil.copy(file, src / file.name)
     gguf = convert(src, tmp_path / "vocab.gguf", "f32", None, "--vocab-only", "--no-mtp")
-    ours = Tokenizer(tokenizer_parts(Metadata(_Reader(gguf, "r").fields, gguf)), model_vocab_size=248320)
+    ours = Tokenizer(tokenizer_parts(Metadata(FileReader(gguf, "r").fields, gguf)), model_vocab_size=248320)
     original = Tokenizer(chat_ckpt[0])
     text = ("Hello World! 12345 naïve café — 東京で会いましょう。 def f(x):\n\treturn x**2  \n\n"
             "<|im_start|>user\nHi<|im_end|>\n<think>\n</think> Ünïcödé 🤖 ")
@@ -132,7 +132,7 @@ def test_the_tokenizer_and_template_come_from_the_metadata(tmp_path, chat_ckpt):
 
 def differences(ours, theirs) -> list[str]:
     """What differs between two GGUF files: tensors (name, type, shape, bytes) and metadata (the model's name aside)."""
-    a, b = _Reader(ours, "r"), _Reader(theirs, "r")
+    a, b = FileReader(ours, "r"), FileReader(theirs, "r")
     ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
     found = [f"tensors {sorted(set(ta) ^ set(tb))}"] if set(ta) != set(tb) else []
     found += [f"tensor {n}" for n in ta if n in tb and (ta[n].tensor_type != tb[n].tensor_type or
@@ -166,7 +166,7 @@ def test_convert_of_a_moe_with_an_mtp_head_is_the_converters_file(moe_ckpt, tmp_
 
 def test_convert_to_q4_k_m_keeps_the_sensitive_tensors_at_8_bits(tmp_path):
     out = export_gguf("qwenrt-tiny", tmp_path / "tiny.gguf", "q4_k_m")
-    types = {t.name: t.tensor_type.name for t in _Reader(out, "r").tensors}
+    types = {t.name: t.tensor_type.name for t in FileReader(out, "r").tensors}
     # the built-in model's rows are 128 wide, not 256-value super-blocks: Q6_K falls back to Q8_0, Q4_K to Q5_0
     assert types["token_embd.weight"] == types["blk.2.attn_v.weight"] == "Q8_0"  # tied head; every third layer
     assert types["blk.1.attn_qkv.weight"] == types["blk.1.attn_gate.weight"] == "Q5_0"

@@ -141,7 +141,7 @@ def tokenizer_parts(meta: Metadata) -> TokenizerParts | None:
     if not meta.has("tokenizer.ggml.tokens"):
         return None
     model, pre = meta.str("tokenizer.ggml.model"), meta.str("tokenizer.ggml.pre", "default")
-    if model != "gpt2" or pre not in ("qwen35", "qwen2"):
+    if model != "gpt2" or pre != "qwen35":
         raise QwenrtError(f"{meta.where}: tokenizer {model!r} with pre-tokenizer {pre!r} is not supported (Qwen3.5 "
                           "files have gpt2 / qwen35)")
     tokens, types = meta.strings("tokenizer.ggml.tokens"), meta.ints("tokenizer.ggml.token_type")

@@ -53,7 +53,7 @@ def gguf_files(path: Path) -> list[Path]:
     return files
 
 
-class _Reader(GGUFReader):
+class FileReader(GGUFReader):
     """gguf's reader with metadata arrays read in one view (scalars) or one bounded pass (strings): its own
     reader takes ~19 s over the 750K strings of a Qwen3.5 vocabulary, and loops without end on an array whose
     count runs past the file."""
@@ -89,8 +89,8 @@ class _Reader(GGUFReader):
 
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
-        for field in fields:  # each tensor's size in exact integers (numpy's product of the dims can wrap)
-            _, name, _, dims, kind, offset = field.parts
+        for info in fields:  # each tensor's size in exact integers (numpy's product of the dims can wrap)
+            _, name, _, dims, kind, offset = info.parts
             name = bytes(name).decode("utf-8", "replace")
             known = [k for k in GGML_QUANT_SIZES if int(k) == int(kind[0])]
             if not known:
@@ -107,7 +107,7 @@ class _Reader(GGUFReader):
 def _open(file: Path) -> GGUFReader:
     """A memory-mapped reader of one file, every tensor's bytes inside the file; a malformed file is one line."""
     try:
-        reader = _Reader(file, "r")
+        reader = FileReader(file, "r")
     except FileNotFoundError:
         raise QwenrtError(f"GGUF file not found: {file}") from None
     except (OSError, ValueError, TypeError, IndexError, KeyError, OverflowError, MemoryError, UnicodeError,
