@@ -10,26 +10,16 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
-import qwenrt
 from qwenrt.default_model import default_model_path
 from qwenrt.errors import QwenrtError
 from qwenrt.inspect import inspect_checkpoint
 from tests.llama_convert import convert
+from tests.test_checkpoint_errors import expect_error
 
 
 @pytest.fixture(scope="module")
 def good(tmp_path_factory):
     return convert(default_model_path(), tmp_path_factory.mktemp("gguf") / "tiny.gguf", "f32", "qwen35")
-
-
-def expect_error(path, *fragments) -> str:
-    with pytest.raises(QwenrtError) as info:
-        qwenrt.load(path)
-    message = str(info.value)
-    assert "\n" not in message
-    for fragment in fragments:
-        assert fragment in message, message
-    return message
 
 
 def rewrite(src, dst, drop=(), fields=None, tensor_types=None):
