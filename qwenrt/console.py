@@ -78,7 +78,7 @@ def check_options(source: str | None, sampling: dict, device: str, dtype: str, m
         preflight_media(item, DEFAULT_POLICY, kind)
     path = resolve_model_path(resolve_model(source)[0])
     if is_gguf(path):
-        gguf = open_gguf(path)
+        gguf = open_gguf(path, blocks=False)
         config = gguf.config
         if gguf.tokenizer is None:
             raise QwenrtError(f"{path}: the file has no tokenizer (tokenizer.ggml.* metadata); text prompts need one")

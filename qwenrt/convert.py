@@ -72,7 +72,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int, group_size:
     if dst.exists() or dst.is_symlink():
         raise QwenrtError(f"{dst}: already exists")
     src = resolve_model_path(src)
-    config, ckpt, plan, aside, model = verify_checkpoint(src)
+    config, ckpt, plan, aside, model = verify_checkpoint(src, blocks=False)  # a GGUF source's blocks as floats
     if stored_spec(config.raw):
         raise QwenrtError(f"{src}: already quantized")
     units, kept = plan_units(model, spec)

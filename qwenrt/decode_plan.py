@@ -42,11 +42,12 @@ for _hook in (nn.modules.module.register_module_module_registration_hook,
 
 
 def _format(module: nn.Module) -> tuple | None:
-    """What a GEMV call takes `module` as: ("bf16", None), ("q8" | "q4", its QuantSpec); None where none does."""
+    """What a GEMV call takes `module` as: ("bf16", None), ("q8" | "q4" | "q8g" | "q4g", its QuantSpec); None where
+    none does."""
     if type(module) is Linear and module.weight.dtype == torch.bfloat16:
         return "bf16", None
     if type(module) is QuantLinear and module.qweight.dim() == 2 and not module.torch_int4:
-        return f"q{module.spec.bits}", module.spec
+        return module.spec.kernel_format, module.spec
     return None
 
 
@@ -56,9 +57,8 @@ def _bind_run(kernels, fmt: tuple, modules: list[nn.Module]):
     if kind == "bf16":
         return kernels.Projection("bf16", [m.weight for m in modules], [], [], 0)
     qs, scales = [m.qweight for m in modules], [m.scales for m in modules]
-    if kind == "q8":
-        return kernels.Projection("q8", qs, scales, [], 0)
-    return kernels.Projection("q4", qs, scales, [m.zeros for m in modules], spec.group_size)
+    zeros = [m.zeros for m in modules if m.zeros is not None]
+    return kernels.Projection(kind, qs, scales, zeros, spec.group_size or 0)
 
 
 def _bind(kernels, modules: list[nn.Module], one_format: bool = False):
@@ -83,8 +83,8 @@ def _bind_lookup(kernels, embed: nn.Module):
     if type(embed) is not QuantEmbedding or embed.dtype != torch.bfloat16:
         return None
     t, spec = embed.stored, embed.spec
-    zeros = [t["zeros"]] if spec.bits == 4 else []
-    return kernels.Projection(f"q{spec.bits}", [t["qweight"]], [t["scales"]], zeros, spec.group_size or 0)
+    zeros = [t["zeros"]] if "zeros" in t else []
+    return kernels.Projection(spec.kernel_format, [t["qweight"]], [t["scales"]], zeros, spec.group_size or 0)
 
 
 class _Layer(NamedTuple):

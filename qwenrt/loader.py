@@ -18,7 +18,7 @@ from qwenrt.hub import resolve_model_path
 from qwenrt.kernels import cpu_kernels
 from qwenrt.model import Qwen35ForCausalLM
 from qwenrt.mtp import PREFIX as MTP_PREFIX, MTPHead
-from qwenrt.quant import LoadQuantizer, QuantSpec, install_placeholders, stored_spec
+from qwenrt.quant import LoadQuantizer, QuantLinear, QuantSpec, install_placeholders, install_stored, stored_spec
 from qwenrt.tokenizer import Tokenizer, load_tokenizer
 from qwenrt.validation import check_flag, check_path
 from qwenrt.writer import DTYPE_NAMES
@@ -45,6 +45,8 @@ def stored_float_dtype(ckpt, plan) -> str:
     """The dtype the checkpoint stores its full-precision weights in: the embedding's, or where a quantized one does
     not store it, the first other weight's but a norm's (qwenrt-tiny stores its norms in fp32: its int4 copy loaded
     in fp32, off the native decode path)."""
+    if isinstance(ckpt, GGUFCheckpoint):
+        return ckpt.float_dtype
     name = "model.embed_tokens.weight"
     if name not in plan:
         name = next((n for n in plan if n.endswith(".weight") and "norm" not in n.split(".")[-2]), "model.norm.weight")
@@ -108,15 +110,16 @@ def _check_vision(path: Path, config, ckpt) -> None:
     check_dtypes(path, ckpt, {n: Source((name,), ckpt.shapes[name]) for n, name in stored.items()}, {})
 
 
-def verify_checkpoint(path: str | Path):
+def verify_checkpoint(path: str | Path, blocks: bool = True):
     """Config plus strict tensor accounting from the headers alone, nothing read.
 
     Returns (config, checkpoint, plan, names set aside, the model on `meta`). Raises QwenrtError listing what is
-    missing, unexpected, wrongly shaped or stored in the wrong dtype.
+    missing, unexpected, wrongly shaped or stored in the wrong dtype. blocks: a GGUF file's quantized blocks held as
+    they are where qwenrt has their format (the CPU); False: dequantized.
     """
     path = Path(check_path(path))
     if is_gguf(path):
-        ckpt = open_gguf(path)
+        ckpt = open_gguf(path, blocks)
         config = ckpt.config
     else:
         config = load_config(path)
@@ -128,6 +131,8 @@ def verify_checkpoint(path: str | Path):
             model.mtp = MTPHead(config.text)
     stored = stored_spec(config.raw)
     quantized = install_placeholders(model, *stored) if stored else {}  # stored quantized weights: their pieces
+    if isinstance(ckpt, GGUFCheckpoint):
+        quantized = install_stored(model, {name.rpartition(".")[0]: spec for name, (_, spec, _) in ckpt.pieces.items()})
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()} | quantized  # a tied head once
     if config.text.tie_word_embeddings:
         plan.pop("lm_head.weight", None)  # some exports store the tied head too; the reference ignores it
@@ -137,11 +142,11 @@ def verify_checkpoint(path: str | Path):
     return config, ckpt, plan, aside, model
 
 
-def check_checkpoint(path: str | Path) -> tuple[tuple, Tokenizer | None]:
+def check_checkpoint(path: str | Path, blocks: bool = True) -> tuple[tuple, Tokenizer | None]:
     """Everything `load` checks before it reads a weight, and `inspect` with it: `verify_checkpoint`, then the
     tokenizer's files opened as load opens them (regular files inside the checkpoint, size-capped), parsed, the chat
     template compiled. Returns (verify_checkpoint's tuple, the tokenizer or None when there is no tokenizer.json)."""
-    verified = verify_checkpoint(path)
+    verified = verify_checkpoint(path, blocks)
     vocab, ckpt = verified[0].text.vocab_size, verified[1]
     if isinstance(ckpt, GGUFCheckpoint):
         return verified, ckpt.tokenizer and Tokenizer(ckpt.tokenizer, model_vocab_size=vocab)
@@ -177,14 +182,14 @@ def resolve_device(device) -> torch.device:
 
 
 def _quantizer(model, config, quantize, dtype, device) -> LoadQuantizer | None:
-    stored = stored_spec(config.raw)
+    stored = next((m.spec for m in model.modules() if isinstance(m, QuantLinear)), None)  # placeholders
     if stored and quantize:
-        raise QwenrtError(f"the checkpoint is already quantized ({stored[0]}): load it without quantize=")
+        raise QwenrtError(f"the checkpoint is already quantized ({stored}): load it without quantize=")
     if not (stored or quantize):
         return None
     if torch.device(device).type != "cpu":
         raise QwenrtError(f"weight-only quantization runs on the CPU, not on {device}")
-    return LoadQuantizer(model, stored[0] if stored else QuantSpec.parse(quantize), stored is not None, dtype)
+    return LoadQuantizer(model, None if stored else QuantSpec.parse(quantize), dtype)
 
 
 def prepare_kernels(progress: bool) -> None:
@@ -231,7 +236,8 @@ def load_model(path: str | Path, dtype="auto", device: str | torch.device = "cpu
     NaN/Inf (one pass over the weights; False skips it).
     """
     device = resolve_device(device)
-    return _load_verified(path, verify_checkpoint(path), dtype, device, progress, quantize, check_finite)
+    return _load_verified(path, verify_checkpoint(path, device.type == "cpu"), dtype, device, progress, quantize,
+                          check_finite)
 
 
 def _load_verified(path, verified: tuple, dtype, device: torch.device, progress: bool, quantize,
@@ -290,7 +296,7 @@ def load(path: str | Path | None = None, dtype="auto", device: str | torch.devic
     use_threads(threads)
     device = resolve_device(device)
     path = resolve_model_path(resolve_model(path)[0], revision)
-    verified, tokenizer = check_checkpoint(path)  # the tokenizer too, before any weight is read
+    verified, tokenizer = check_checkpoint(path, device.type == "cpu")  # the tokenizer too, before any weight is read
     model = _load_verified(path, verified, dtype, device, progress, quantize, check_finite)
     model.engine_options = engine_options
     return model, tokenizer

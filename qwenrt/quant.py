@@ -9,6 +9,11 @@ dequantized per matrix for prefill's GEMM (to fp32, a slice at a time, where bf1
 the native kernels int4 is repacked into torch's CPU layout for `_weight_int4pack_mm_for_cpu`.
 Norms, A_log, dt_bias, conv1d, the MoE router and the shared-expert gate stay in full precision, and so does the
 embedding lookup of an untied model (a tied one reads the quantized head's rows, see `QuantEmbedding`).
+
+fp32 groups (`QuantSpec.fp32_groups`): GGUF's quantized blocks as they are (qwenrt.gguf.blocks), no value rounded:
+    int8  qweight int8 [*E, N, K];    scales (, zeros) fp32 [*E, N, K/G], G = 16 or 32   W = q·s + z
+    int4  qweight uint8 [*E, N, K/2]; scales, zeros fp32 [*E, N, K/32] (the int4 layout)  W = q·s + z
+The native kernels multiply them at decode; prefill and fp32 activations multiply by fp32 slices of them (exact).
 """
 
 from __future__ import annotations
@@ -43,14 +48,24 @@ TINY = 1e-12  # scale floor for all-zero rows / groups
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """bits 8 (per output channel) or 4 (per group of `group_size` input columns)."""
+    """bits 8 (per output channel) or 4 (per group of `group_size` input columns), bf16 scales: qwenrt's own.
+    fp32_groups: a GGUF block type held exactly, fp32 scales per group of 16 or 32 (int8) or 32 (int4) and fp32
+    zeros (int4 always, int8 where `zeros`), W = q·s + z."""
 
     bits: int
     group_size: int | None = None
+    fp32_groups: bool = False
+    zeros: bool = False
 
     def __post_init__(self):
         if type(self.bits) is not int or self.bits not in BITS:
             raise QwenrtError(f"quantization bits must be 8 or 4, got {self.bits!r}")
+        if self.fp32_groups:
+            if self.group_size not in ((16, 32) if self.bits == 8 else (32,)) or (self.zeros and self.bits == 4):
+                raise QwenrtError(f"no fp32-group format int{self.bits} g{self.group_size}")
+            return
+        if self.zeros:
+            raise QwenrtError("zeros are part of the int4 and fp32-group formats only")
         if self.bits == 4 and self.group_size not in GROUP_SIZES:
             sizes = ", ".join(map(str, GROUP_SIZES))
             raise QwenrtError(f"int4 group size must be one of {sizes}, got {self.group_size!r}")
@@ -76,9 +91,22 @@ class QuantSpec:
     @property
     def pieces(self) -> tuple[str, ...]:
         """Names of the stored tensors of one quantized weight."""
-        return ("qweight", "scales") if self.bits == 8 else ("qweight", "scales", "zeros")
+        return ("qweight", "scales", "zeros") if self.bits == 4 or self.zeros else ("qweight", "scales")
+
+    @property
+    def kernel_format(self) -> str:
+        """The native kernels' name of the format: q8 | q4 (bf16 scales), q8g | q4g (fp32 groups)."""
+        return f"q{self.bits}" + ("g" if self.fp32_groups else "")
+
+    @property
+    def short(self) -> str:
+        """"int4 g64", "int8", "int8 g16 fp32": for load lines."""
+        return f"int{self.bits}" + (f" g{self.group_size}" if self.group_size else "") + \
+            (" fp32" if self.fp32_groups else "")
 
     def __str__(self) -> str:
+        if self.fp32_groups:
+            return f"int{self.bits} (fp32-scaled groups of {self.group_size})"
         return f"int{self.bits}" + (f" (groups of {self.group_size})" if self.group_size else "")
 
 
@@ -101,6 +129,10 @@ def stored_spec(raw_config: dict) -> tuple[QuantSpec, list[str]] | None:
 def storage_entries(shape: tuple[int, ...], spec: QuantSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Stored tensors of a quantized weight [*E, N, K]: suffix -> (shape, dtype)."""
     *lead, N, K = shape
+    if spec.fp32_groups:
+        groups = (*lead, N, K // spec.group_size)
+        codes = ((*lead, N, K), torch.int8) if spec.bits == 8 else ((*lead, N, K // 2), torch.uint8)
+        return {"qweight": codes, **{piece: (groups, torch.float32) for piece in spec.pieces[1:]}}
     if spec.bits == 8:
         return {"qweight": ((*lead, N, K), torch.int8), "scales": ((*lead, N), torch.bfloat16)}
     groups = (*lead, N, K // spec.group_size)
@@ -126,6 +158,8 @@ def _quantize_rows(w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
 
 def quantize_weight(w: torch.Tensor, spec: QuantSpec, name: str = "weight") -> dict[str, torch.Tensor]:
     """W [*E, N, K] in any float dtype -> its stored tensors {'qweight', 'scales'(, 'zeros')}."""
+    if spec.fp32_groups:
+        raise QwenrtError(f"{spec} is read from GGUF files, not written by qwenrt's quantizer")
     K = w.shape[-1]
     if spec.bits == 4 and K % spec.group_size:
         raise QwenrtError(f"int4 group size {spec.group_size} does not divide the {K} input features of {name}")
@@ -147,6 +181,12 @@ def _unpack_int4(qweight: torch.Tensor, group_size: int) -> torch.Tensor:
 def dequantize_weight(stored: dict[str, torch.Tensor], spec: QuantSpec) -> torch.Tensor:
     """The stored tensors -> W [*E, N, K] fp32, exactly what the kernels multiply by."""
     s = stored["scales"].float()
+    if spec.fp32_groups:
+        q = stored["qweight"].float() if spec.bits == 8 else _unpack_int4(stored["qweight"], spec.group_size).float()
+        w = q.reshape(*s.shape, spec.group_size) * s[..., None]  # [..., N, K/G, G]
+        if "zeros" in stored:
+            w += stored["zeros"][..., None]
+        return w.flatten(-2)
     if spec.bits == 8:
         return stored["qweight"].float() * s[..., None]
     q = _unpack_int4(stored["qweight"], spec.group_size).float()
@@ -193,11 +233,15 @@ class QuantLinear(nn.Module):
     @property
     def torch_int4(self) -> bool:
         """int4 held in torch's packed layout (no zeros buffer: they sit in `scales`)."""
-        return self.spec.bits == 4 and self.zeros is None
+        return self.spec.bits == 4 and self.zeros is None and not self.spec.fp32_groups
 
     @classmethod
     def from_stored(cls, stored: dict[str, torch.Tensor], spec: QuantSpec, dtype: torch.dtype) -> QuantLinear:
         q = stored["qweight"]
+        if spec.fp32_groups:  # as stored, whatever the kernels: the fallback multiplies by fp32 slices of it
+            K = q.shape[-1] * (2 if spec.bits == 4 else 1)
+            return cls(q.contiguous(), stored["scales"].contiguous(), spec, K,
+                       stored["zeros"].contiguous() if "zeros" in stored else None)
         if spec.bits == 8:
             return cls(_aligned(q.contiguous()), stored["scales"].contiguous(), spec, q.shape[-1])
         lead, (N, half) = q.shape[:-2], q.shape[-2:]
@@ -228,6 +272,11 @@ class QuantLinear(nn.Module):
             y = by_row_groups(lambda part: self._native(kernels, part, [(w, s, z)], "bf16"), x2)
             if y is not None:
                 return y[0].reshape(*x.shape[:-1], self.out_features)
+        if self.spec.fp32_groups:  # fp32 slices of the exact weight through torch's fp32 GEMM, rounded once
+            def fill(n0: int, n1: int, out: torch.Tensor) -> None:
+                part = {"qweight": w[n0:n1], "scales": s[n0:n1]} | ({} if z is None else {"zeros": z[n0:n1]})
+                out.copy_(dequantize_weight(part, self.spec))
+            return fp32_gemm(x2, self.out_features, fill).reshape(*x.shape[:-1], self.out_features)
         if self.torch_int4:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, w, self.spec.group_size, s.to(x.dtype))
         elif self.spec.bits == 8 and x2.shape[0] <= SMALL_M:
@@ -254,6 +303,12 @@ class QuantLinear(nn.Module):
         (the kernels take bf16 activations; fp32 ones go through torch's kernels, exact to the dequantized weight)."""
         if x2.dtype != torch.bfloat16:
             return None
+        if self.spec.fp32_groups:
+            qs, scales = [w for w, _, _ in weights], [s for _, s, _ in weights]
+            zeros = [z for _, _, z in weights if z is not None]
+            if self.spec.bits == 8:
+                return kernels.gemv_q8g(x2, qs, scales, zeros, self.spec.group_size, mode)
+            return kernels.gemv_q4g(x2, qs, scales, zeros, mode)
         if self.spec.bits == 8:
             return kernels.gemv_q8(x2, [w for w, _, _ in weights], [s for _, s, _ in weights], mode)
         if not self.torch_int4:
@@ -310,16 +365,16 @@ class QuantEmbedding(nn.Module):
         q = self.stored["qweight"]
         flat = ids.reshape(-1).long().contiguous()
         out = torch.empty(flat.numel(), q.shape[-1] * (2 if self.spec.bits == 4 else 1), dtype=self.dtype)
-        kernels.dequantize_rows(flat, q, self.stored["scales"], self.stored.get("zeros"), self.spec.group_size or 0,
-                                out)
+        rows = kernels.dequantize_group_rows if self.spec.fp32_groups else kernels.dequantize_rows
+        rows(flat, q, self.stored["scales"], self.stored.get("zeros"), self.spec.group_size or 0, out)
         return out.reshape(*ids.shape, -1)
 
 
 def weight_format(model: nn.Module) -> str:
     """How the model holds its linear weights, for load lines: "int4 g64", "int8", or the dtype ("bf16")."""
-    spec = next((m.spec for m in model.modules() if isinstance(m, QuantLinear)), None)
-    if spec is not None:
-        return f"int{spec.bits}" + (f" g{spec.group_size}" if spec.group_size else "")
+    specs = list(dict.fromkeys(m.spec for m in model.modules() if isinstance(m, QuantLinear)))
+    if specs:
+        return " + ".join(spec.short for spec in specs)
     return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(model.dtype, str(model.dtype))
 
 
@@ -376,22 +431,42 @@ def install(model: nn.Module, path: str, weights: dict[str, QuantLinear]) -> Non
     setattr(model.get_submodule(parent), attr, module)
 
 
+def quantizable_weights(model: nn.Module) -> dict[str, str]:
+    """The weights `default_predicate` quantizes, whatever the format: weight path -> its parameter's name (a tied
+    head's is the embedding's)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {p: names[id(w)] for path, module in model.named_modules()
+            if isinstance(module, (nn.Linear, Experts)) and default_predicate(path, module)
+            for p, w in _weights(path, module).items()}
+
+
 def install_placeholders(model: nn.Module, spec: QuantSpec, not_converted: list[str]) -> dict[str, tuple[int, ...]]:
     """Swap in meta placeholders for a checkpoint stored quantized; returns its stored names -> shapes.
 
     A tied embedding is looked up in the quantized head unless the checkpoint keeps it (older files list it as
     not converted)."""
     units, _ = plan_units(model, spec, lambda path, _: path not in not_converted)
+    return install_stored(model, {p: spec for weights in units.values() for p in weights},
+                          "model.embed_tokens" in not_converted)
+
+
+def install_stored(model: nn.Module, specs: dict[str, QuantSpec], embedding_kept: bool = False
+                   ) -> dict[str, tuple[int, ...]]:
+    """Swap in meta placeholders for the weights stored quantized, each in its own format (specs: weight path ->
+    spec, every weight of a module listed); returns the stored names -> shapes. A tied embedding is looked up in a
+    quantized head unless `embedding_kept`."""
     stored = {}
-    for path, weights in units.items():
-        install(model, path, {p: QuantLinear.placeholder(shape, spec) for p, (_, shape) in weights.items()})
-        stored.update({f"{p}.{key}": shape for p, (_, w_shape) in weights.items()
-                       for key, (shape, _) in storage_entries(w_shape, spec).items()})
-    if tied_head(model, units) and "model.embed_tokens" not in not_converted:
+    for path, module in list(model.named_modules()):
+        weights = _weights(path, module) if isinstance(module, (nn.Linear, Experts)) else {}
+        if not weights or not all(p in specs for p in weights):
+            continue
+        install(model, path, {p: QuantLinear.placeholder(tuple(w.shape), specs[p]) for p, w in weights.items()})
+        stored.update({f"{p}.{key}": shape for p, w in weights.items()
+                       for key, (shape, _) in storage_entries(tuple(w.shape), specs[p]).items()})
+    if "lm_head" in specs and model.config.text.tie_word_embeddings and not embedding_kept:
         head = model.lm_head  # its meta buffers stand for the table until the loader builds the real lookup
-        model.model.embed_tokens = QuantEmbedding({"qweight": head.qweight, "scales": head.scales, "zeros": head.zeros}
-                                                  if spec.bits == 4 else {"qweight": head.qweight, "scales": head.scales},
-                                                  spec, model.dtype)
+        model.model.embed_tokens = QuantEmbedding({key: getattr(head, key) for key in head.spec.pieces}, head.spec,
+                                                  model.dtype)
     return stored
 
 
@@ -415,20 +490,21 @@ def quantize_model(model: nn.Module, bits: int | str = 8, group_size: int | None
 class LoadQuantizer:
     """The loader's side: builds QuantLinears while a checkpoint is read, from stored pieces or by quantizing.
 
-    stored: the model holds placeholders (see `install_placeholders`) and the checkpoint their pieces;
-    otherwise each unit's full-precision source weight is quantized as it is read. Every claimed tensor is
+    spec None: the model holds placeholders (see `install_stored`), each with its format, and the checkpoint their
+    pieces; otherwise each unit's full-precision source weight is quantized to `spec` as it is read. Every claimed tensor is
     consumed here (a tied embedding included: its lookup reads the quantized head).
     """
 
-    def __init__(self, model: nn.Module, spec: QuantSpec, stored: bool, dtype: torch.dtype):
-        self.spec, self.stored, self.dtype = spec, stored, dtype
-        if stored:
-            paths = [path for path, m in model.named_modules() if isinstance(m, QuantLinear)]
-            self.units = {path: {path: None} for path in paths}
-            self.claimed = {f"{path}.{key}": path for path in paths for key in spec.pieces}
+    def __init__(self, model: nn.Module, spec: QuantSpec | None, dtype: torch.dtype):
+        self.stored, self.dtype = spec is None, dtype
+        if self.stored:  # each placeholder's own format
+            self.specs = {path: m.spec for path, m in model.named_modules() if isinstance(m, QuantLinear)}
+            self.units = {path: {path: None} for path in self.specs}
+            self.claimed = {f"{path}.{key}": path for path, spec in self.specs.items() for key in spec.pieces}
             self.lookup = isinstance(model.model.embed_tokens, QuantEmbedding)
         else:
             self.units, _ = plan_units(model, spec)
+            self.specs = {p: spec for weights in self.units.values() for p in weights}
             self.claimed = {}
             for weights in self.units.values():
                 for path, (src, _) in weights.items():
@@ -448,14 +524,14 @@ class LoadQuantizer:
             path = self.claimed[name]
             pieces = self.pieces.setdefault(path, {})
             pieces[name[len(path) + 1:]] = tensor
-            if len(pieces) == len(self.spec.pieces):
+            if len(pieces) == len(self.specs[path].pieces):
                 self._build(path, self.pieces.pop(path))
             return
         for path in self.claimed[name]:
-            self._build(path, quantize_weight(tensor, self.spec, path))
+            self._build(path, quantize_weight(tensor, self.specs[path], path))
 
     def _build(self, path: str, stored: dict[str, torch.Tensor]) -> None:
-        self.ready[path] = QuantLinear.from_stored(stored, self.spec, self.dtype)
+        self.ready[path] = QuantLinear.from_stored(stored, self.specs[path], self.dtype)
         if path == "lm_head" and self.lookup:
             self.head = stored
 
@@ -464,4 +540,4 @@ class LoadQuantizer:
         for path, weights in self.units.items():
             install(model, path, {p: self.ready.pop(p) for p in weights})
         if self.lookup:
-            model.model.embed_tokens = QuantEmbedding(self.head, self.spec, self.dtype)
+            model.model.embed_tokens = QuantEmbedding(self.head, self.specs["lm_head"], self.dtype)

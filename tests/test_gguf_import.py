@@ -18,11 +18,15 @@ from qwenrt.errors import QwenrtError
 from qwenrt.gguf.export import export_gguf, tensor_type
 from qwenrt.gguf.layout import is_one_plus_norm
 from qwenrt.gguf.metadata import Metadata, tokenizer_parts
+from qwenrt.decode_plan import DecodePlan
 from qwenrt.gguf.reader import FileReader, open_gguf
+from qwenrt.loader import _load_verified, verify_checkpoint
+from qwenrt.quant import QuantExperts, QuantLinear, dequantize_weight, weight_format
 from qwenrt.sampling import SamplingParams
 from qwenrt.tokenizer import Tokenizer
-from tests.checkpoints import MOE, add_mtp_head, randomize
+from tests.checkpoints import DENSE, MOE, add_mtp_head, randomize
 from tests.llama_convert import convert
+from tests.numerics import teacher_forced_logits
 
 PROMPT = [[5, 77, 301, 12, 9, 450, 33, 2, 101, 260, 17, 88]]  # token ids: the files' tokenizers may split text apart
 
@@ -76,6 +80,65 @@ def test_a_q8_0_file_holds_the_weights_to_its_blocks_rounding(tiny_files, builti
         assert ((loaded.reshape(-1, 32) - blocks).abs() <= step * (0.5 + 127 / 2048) + 1e-7).all(), name
     model, _ = qwenrt.load(tiny_files["q8_0"], dtype=torch.float32)
     assert relative(logits(model), logits(builtin[0])) < 0.05
+
+
+@pytest.fixture(scope="module")
+def wide_ckpt(tmp_path_factory):
+    """A random dense model whose matrices have 256 or 512 columns (K-quants take whole 256-column super-blocks) and
+    DeltaNet value heads of 32 (the output projection's head reorder moves whole groups), with an MTP head."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    tmp = tmp_path_factory.mktemp("wide")
+    config = Qwen3_5TextConfig(**dict(DENSE, vocab_size=576, hidden_size=256, intermediate_size=512,
+                                      num_hidden_layers=4, linear_key_head_dim=32, linear_value_head_dim=32))
+    randomize(Qwen3_5ForCausalLM(config).eval(), 12).save_pretrained(tmp / "wide")
+    for file in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(default_model_path() / file, tmp / "wide" / file)
+    return add_mtp_head(tmp / "wide", tmp / "wide-mtp")
+
+
+def dequantized(path) -> torch.nn.Module:
+    """The GGUF model with every block dequantized to fp32 (as qwenrt loaded quantized files before it held them)."""
+    cpu = torch.device("cpu")
+    return _load_verified(path, verify_checkpoint(path, blocks=False), torch.float32, cpu, False, None, True)
+
+
+def check_blocks_held_exactly(path, formats: str) -> torch.nn.Module:
+    """qwenrt.load holds the file's blocks as they are: each quantized weight is bit for bit its dequantized value,
+    and in fp32 the logits are the dequantized model's. Returns the model loaded at "auto" (bf16)."""
+    native, _ = qwenrt.load(path, dtype=torch.float32)
+    reference = dequantized(path)
+    assert weight_format(native) == formats
+    dense = dict(reference.named_parameters())
+    held = {path: m for path, m in native.named_modules() if isinstance(m, QuantLinear)}
+    for name, m in held.items():
+        weight = dense.get(f"{name}.weight", dense.get(name, dense.get("model.embed_tokens.weight")))
+        pieces = {key: getattr(m, key) for key in m.spec.pieces}
+        assert torch.equal(dequantize_weight(pieces, m.spec), weight), name
+    assert relative(logits(native), logits(reference)) <= 1e-6
+    return qwenrt.load(path)[0]
+
+
+def test_q4_k_m_blocks_are_held_as_they_are_and_decode_natively(wide_ckpt, tmp_path):
+    """Q4_K (int4, fp32 scale and zero per 32), Q6_K (int8 per 16) and Q8_0 (int8 per 32) in one file. At "auto"
+    the model is bf16 and decodes through the native GEMVs of those formats: the one-call decode plan gives the
+    modules' logits, and speculative decoding through the file's MTP head the plain greedy tokens."""
+    gguf = export_gguf(wide_ckpt, tmp_path / "wide-q4_k_m.gguf", "q4_k_m")
+    model = check_blocks_held_exactly(gguf, "int4 g32 fp32 + int8 g32 fp32 + int8 g16 fp32")
+    ids = torch.randint(0, 576, (2, 20), generator=torch.Generator().manual_seed(3))
+    assert DecodePlan.for_model(model).stack is not None
+    assert torch.equal(teacher_forced_logits(model, ids, 12), teacher_forced_logits(model, ids, 12, modules=True))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    tokenizer = qwenrt.load(gguf)[1]
+    outs = [[i for o in Engine(model, tokenizer, speculative_tokens=k).submit(Request(PROMPT[0], params))
+             for i in o.token_ids] for k in (0, 2)]
+    assert outs[0] == outs[1]
+
+
+def test_q4_0_and_moe_q8_0_blocks_are_held_as_they_are(wide_ckpt, moe_ckpt, tmp_path):
+    check_blocks_held_exactly(export_gguf(wide_ckpt, tmp_path / "wide-q4_0.gguf", "q4_0"), "int4 g32 fp32")
+    model = check_blocks_held_exactly(export_gguf(moe_ckpt, tmp_path / "moe-q8_0.gguf", "q8_0"), "int8 g32 fp32")
+    assert isinstance(model.model.layers[0].mlp.experts, QuantExperts) and model.mtp is not None
 
 
 @pytest.fixture(scope="module")

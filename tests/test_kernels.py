@@ -109,6 +109,69 @@ def test_quantized_gemv_matches_its_dequantized_weight(M, spec):
                 assert rel_err(y, x.double() @ w.t()) < 5e-5, (N, K)
 
 
+def fp32_group_pieces(N: int, K: int, spec: QuantSpec, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random stored tensors of a GGUF block format (`QuantSpec.fp32_groups`): codes over their whole range, scales
+    fp16 numbers as GGUF's are (so code·scale is exact in fp32), zeros of ~0.02."""
+    groups = (N, K // spec.group_size)
+    codes = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8) if spec.bits == 8 else \
+        torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+    pieces = {"qweight": codes, "scales": (torch.rand(groups, generator=g) * 2e-4).half().float()}
+    if "zeros" in spec.pieces:
+        pieces["zeros"] = torch.randn(groups, generator=g) * 0.02
+    return pieces
+
+
+@needs_kernels
+@pytest.mark.parametrize("M", [1, 2, 3, 8])
+@pytest.mark.parametrize("spec", [QuantSpec(8, 32, fp32_groups=True), QuantSpec(8, 16, fp32_groups=True),
+                                  QuantSpec(8, 32, fp32_groups=True, zeros=True), QuantSpec(4, 32, fp32_groups=True)],
+                         ids=str)
+def test_gguf_block_gemv_matches_its_exact_weight(M, spec):
+    """GGUF blocks held exactly (int8 codes with fp32 scales per 16 or 32 columns, zeros or not; int4 with fp32
+    scales and zeros): the GEMVs against x·W in fp64, with the bounds of the int8 and int4 GEMVs above (int4 below
+    avx512bf16 takes x in 8 bits per group). Several weights in one call, each with its own result."""
+    g = torch.Generator().manual_seed(M * spec.group_size + spec.bits)
+    kernels = cpu_kernels()
+    for N, K in SHAPES:
+        if K % 32:
+            continue
+        x = torch.randn(M, K, generator=g).bfloat16()
+        pieces = [fp32_group_pieces(n, K, spec, g) for n in (N, 16)]
+        qs, scales = [p["qweight"] for p in pieces], [p["scales"] for p in pieces]
+        zeros = [p["zeros"] for p in pieces if "zeros" in p]
+        if spec.bits == 8:
+            outs = kernels.gemv_q8g(x, qs, scales, zeros, spec.group_size, "fp32")
+        else:
+            outs = kernels.gemv_q4g(x, qs, scales, zeros, "fp32")
+        for p, y in zip(pieces, outs):
+            w = dequantize_weight(p, spec).double()
+            if spec.bits == 4 and cpu_level() != "avx512bf16":
+                int4_within_8bit_rounding(y, x, w, spec.group_size)
+            else:
+                assert rel_err(y, x.double() @ w.t()) < 5e-5, (N, K)
+
+
+@needs_kernels
+@pytest.mark.parametrize("spec", [QuantSpec(8, 16, fp32_groups=True), QuantSpec(8, 32, fp32_groups=True, zeros=True),
+                                  QuantSpec(4, 32, fp32_groups=True)], ids=str)
+def test_gguf_block_rows_and_slices_are_the_exact_weight(spec):
+    """A token lookup in a table of GGUF blocks (the native rows and the torch path) and QuantLinear's prefill /
+    fp32 path (fp32 slices of the weight) give q·s + z exactly."""
+    g = torch.Generator().manual_seed(7)
+    pieces = fp32_group_pieces(96, 256, spec, g)
+    w = dequantize_weight(pieces, spec)
+    ids = torch.tensor([5, 0, 95, 5])
+    out = torch.empty(4, 256)
+    cpu_kernels().dequantize_group_rows(ids, pieces["qweight"], pieces["scales"], pieces.get("zeros"),
+                                        spec.group_size, out)
+    assert torch.equal(out, w[ids])
+    lookup = qwenrt.quant.QuantEmbedding(pieces, spec, torch.bfloat16)
+    assert torch.equal(lookup(ids[None])[0], w[ids].bfloat16())
+    layer = qwenrt.quant.QuantLinear.from_stored(pieces, spec, torch.float32)
+    x = torch.randn(20, 256, generator=g)
+    assert torch.equal(layer(x), x @ w.t())
+
+
 PREFILL_SHAPES = [(1, 16, 256), (7, 37, 384), (70, 100, 640), (129, 33, 1024), (9, 4200, 1024)]  # M, N, K: rows
 # past whole tiles, columns past whole panels and blocks, more weight rows than one packed slice holds (4096 at 1024)
 

@@ -169,7 +169,7 @@ def export_gguf(source: str | Path, out: str | Path, kind: str = "bf16", progres
     if out.exists():
         raise QwenrtError(f"{out}: already exists")
     path = resolve_model_path(source)
-    verified, tokenizer = check_checkpoint(path)
+    verified, tokenizer = check_checkpoint(path, blocks=False)  # a GGUF source's blocks as floats
     config, ckpt, plan, _, _ = verified
     if stored_spec(config.raw):
         raise QwenrtError(f"{path}: a `qwenrt quantize` checkpoint; convert its full-precision source instead")

@@ -129,12 +129,12 @@ def _reorder(rest: str, t: torch.Tensor, config: TextConfig, inverse: bool) -> t
     if rest in ("linear_attn.in_proj_a.weight", "linear_attn.in_proj_b.weight", "linear_attn.A_log",
                 "linear_attn.dt_bias"):
         return reorder_v_heads(t, 0, config, 1, inverse)
-    if rest == "linear_attn.out_proj.weight":
-        return reorder_v_heads(t, 1, config, dv, inverse)
+    if rest == "linear_attn.out_proj.weight":  # columns [Hv·dv], or a quantized piece's [Hv·dv/G] (its groups)
+        return reorder_v_heads(t, 1, config, t.shape[1] // config.linear_num_value_heads, inverse)
     return t
 
 
-def _layer_part(name: str) -> str:
+def layer_part(name: str) -> str:
     """`linear_attn.A_log` of `model.layers.3.linear_attn.A_log`; the name itself where it is not a layer's."""
     for prefix in ("model.layers.", "mtp.layers."):
         if name.startswith(prefix):
@@ -144,7 +144,7 @@ def _layer_part(name: str) -> str:
 
 def to_gguf(name: str, t: torch.Tensor, config: TextConfig) -> tuple[torch.Tensor, ...]:
     """qwenrt tensor `name` -> the GGUF tensor(s) `gguf_names` gives, in its order (fp32 math, the input's dtype)."""
-    rest = _layer_part(name)
+    rest = layer_part(name)
     if rest == GATE_UP:
         half = t.shape[-2] // 2
         return t[..., :half, :].contiguous(), t[..., half:, :].contiguous()
@@ -161,7 +161,7 @@ def to_gguf(name: str, t: torch.Tensor, config: TextConfig) -> tuple[torch.Tenso
 
 def from_gguf(name: str, parts: list[torch.Tensor], config: TextConfig) -> torch.Tensor:
     """The GGUF tensor(s) of qwenrt tensor `name` (as `gguf_names` lists them, fp32) -> that tensor."""
-    rest = _layer_part(name)
+    rest = layer_part(name)
     if rest == GATE_UP:
         return torch.cat(parts, dim=-2)
     t = parts[0]

@@ -3,8 +3,10 @@ reads like a safetensors one: the config and tokenizer from its metadata, and ea
 qwenrt's name, dequantized from the memory-mapped file tensor by tensor (gguf.quants) and mapped back through
 llama.cpp's converter transforms (qwenrt.gguf.layout).
 
-Quantized blocks are dequantized to fp32 here; the loader then casts to the load dtype (bf16 for a quantized
-file: a second rounding of each weight, within the blocks' own error).
+A linear weight in a block type qwenrt holds exactly (qwenrt.gguf.blocks) is offered as the stored pieces of a
+quantized checkpoint (`…qweight`, `…scales`, `…zeros`, as `qwenrt quantize` writes them), which the loader takes as
+they are: no value rounded a second time. Other quantized tensors are dequantized to fp32 here and cast to the load
+dtype (bf16 for a quantized file).
 """
 
 from __future__ import annotations
@@ -22,13 +24,16 @@ from gguf import quants
 
 from qwenrt.config import ModelConfig, parse_config
 from qwenrt.errors import QwenrtError
-from qwenrt.gguf.layout import gguf_names, from_gguf
+from qwenrt.gguf.blocks import SPECS, stored_blocks
+from qwenrt.gguf.layout import GATE_UP, from_gguf, gguf_names, layer_part
 from qwenrt.gguf.metadata import Metadata, config_dict, tokenizer_parts
+from qwenrt.quant import QuantSpec, quantizable_weights, storage_entries
 from qwenrt.tokenizer import TokenizerParts
 
 READABLE = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_K, Q.Q4_K, Q.Q6_K, Q.IQ4_XS, Q.IQ4_NL)
 # the float dtype a tensor of each type loads in at dtype "auto": as stored for float files, bf16 for quantized ones
 AUTO_DTYPE = {Q.F32: "F32", Q.F16: "F16", Q.BF16: "BF16"}
+PIECE_DTYPES = {torch.int8: "I8", torch.uint8: "U8", torch.float32: "F32"}
 SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 MAX_SPLITS = 1024
 MAX_ELEMENTS = 1 << 40  # per tensor: past every Qwen3.5 tensor (the 397B's experts are ~2^36)
@@ -120,44 +125,62 @@ def _open(file: Path) -> GGUFReader:
 @dataclass
 class GGUFCheckpoint:
     """A GGUF model as qwenrt.checkpoint.Checkpoint's interface has it (names, shapes, dtypes, get), by qwenrt's
-    tensor names. dtypes: the float dtype each loads in at "auto"; file_types: its type in the file."""
+    tensor names: float tensors by the parameter's name, weights held as blocks by their stored pieces' names.
+    dtypes: what each loads as at "auto" (a piece: its own dtype); file_types: each parameter's type in the file."""
 
     path: Path
     config: ModelConfig
-    sources: dict[str, tuple]  # qwenrt name -> the reader tensors it is made of
+    sources: dict[str, tuple]  # qwenrt parameter name -> the reader tensors it is made of
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, str]
     file_types: dict[str, str]
     files: list[Path]
     tokenizer: TokenizerParts | None = field(default=None, repr=False)
+    pieces: dict[str, tuple[str, QuantSpec, str]] = field(default_factory=dict)  # name -> (parameter, spec, piece)
+    float_dtype: str = "BF16"  # the load dtype at "auto": the embedding's for a float file, bf16 for a quantized one
+    _decoded: tuple = field(default=(None, {}), repr=False)  # the last parameter's pieces: read one after another
 
     @property
     def location(self) -> dict[str, Path]:
-        return {name: self.path for name in self.sources}
+        return {name: self.path for name in self.shapes}
 
     def names(self, prefix: str = "") -> list[str]:
-        return [n for n in self.sources if n.startswith(prefix)]
+        return [n for n in self.shapes if n.startswith(prefix)]
 
     @property
     def total_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.files)
 
     def get(self, name: str) -> torch.Tensor:
-        """Tensor `name` as qwenrt lays it out: a float file's in its own dtype, a quantized one's in fp32."""
+        """Tensor `name` as qwenrt lays it out: a float file's in its own dtype, a quantized one's in fp32, a
+        stored piece as the blocks hold it."""
+        if name in self.pieces:
+            return self._piece(*self.pieces[name])
         parts = [_tensor(self.path, t) for t in self.sources[name]]
         if any(p.dtype != parts[0].dtype for p in parts):
             parts = [p.float() for p in parts]
         return from_gguf(name, parts, self.config.text)
+
+    def _piece(self, parameter: str, spec: QuantSpec, piece: str) -> torch.Tensor:
+        if self._decoded[0] != parameter:
+            parts = [stored_blocks(Q(t.tensor_type), t.data, _torch_shape(t))[1] for t in self.sources[parameter]]
+            self._decoded = (parameter, {key: from_gguf(parameter, [p[key] for p in parts], self.config.text)
+                                         for key in spec.pieces})
+        return self._decoded[1][piece]
 
     def type_summary(self) -> list[str]:
         """The file's tensor types with their counts, most frequent first: ["Q4_K ×120", "F32 ×60", ...]."""
         return [f"{kind} ×{n}" for kind, n in Counter(self.file_types.values()).most_common()]
 
 
+def _torch_shape(t) -> tuple[int, ...]:
+    return tuple(int(n) for n in reversed(t.shape))
+
+
 def _tensor(path: Path, t) -> torch.Tensor:
     """One reader tensor in PyTorch's shape (the reverse of GGUF's): floats copied out of the map, quantized blocks
     dequantized to fp32."""
-    shape = [int(n) for n in reversed(t.shape)]
+    shape = list(_torch_shape(t))
     kind = Q(t.tensor_type)
     if kind == Q.F32:
         array = np.array(t.data, dtype=np.float32)
@@ -173,9 +196,10 @@ def _tensor(path: Path, t) -> torch.Tensor:
     return torch.from_numpy(array.reshape(shape))
 
 
-def open_gguf(path: str | Path) -> GGUFCheckpoint:
+def open_gguf(path: str | Path, blocks: bool = True) -> GGUFCheckpoint:
     """Open and check a GGUF model: its architecture and metadata, every tensor qwenrt needs present (by name,
-    shape and a readable type), none left over."""
+    shape and a readable type), none left over. blocks: offer the linear weights whose block type qwenrt holds
+    exactly as stored pieces (for the CPU); False: every tensor as a float one."""
     path = Path(path)
     if not path.is_file():
         raise QwenrtError(f"GGUF file not found: {path}")
@@ -200,16 +224,55 @@ def open_gguf(path: str | Path) -> GGUFCheckpoint:
     shapes = {name: _shape(name, parts) for name, parts in sources.items()}
     dtypes = {name: AUTO_DTYPE.get(Q(parts[0].tensor_type), "BF16") for name, parts in sources.items()}
     file_types = {name: Q(parts[0].tensor_type).name for name, parts in sources.items()}
-    return GGUFCheckpoint(path, config, sources, shapes, dtypes, file_types, files, tokenizer_parts(meta))
+    quantized = any(Q(t.tensor_type) not in AUTO_DTYPE for parts in sources.values() for t in parts)
+    ckpt = GGUFCheckpoint(path, config, sources, shapes, dtypes, file_types, files, tokenizer_parts(meta),
+                          float_dtype="BF16" if quantized else dtypes["model.embed_tokens.weight"])
+    if blocks:
+        _offer_blocks(ckpt)
+    return ckpt
+
+
+def _block_spec(name: str, parts: tuple, config: ModelConfig) -> QuantSpec | None:
+    """The exact qwenrt format of parameter `name`'s blocks, or None where it has none: a float or unmapped type,
+    parts of two types, or the DeltaNet output's head reorder cutting through its groups."""
+    kinds = {Q(t.tensor_type) for t in parts}
+    spec = SPECS.get(kinds.pop()) if len(kinds) == 1 else None
+    if spec is not None and layer_part(name) == "linear_attn.out_proj.weight" \
+            and config.text.linear_value_head_dim % spec.group_size:
+        return None
+    return spec
+
+
+def _offer_blocks(ckpt: GGUFCheckpoint) -> None:
+    """Replace each linear weight held exactly as blocks by its stored pieces (names, shapes, dtypes)."""
+    for weight, parameter in quantizable_weights(_meta_model(ckpt.config)).items():
+        spec = _block_spec(parameter, ckpt.sources[parameter], ckpt.config) if parameter in ckpt.sources else None
+        if spec is None:
+            continue
+        del ckpt.shapes[parameter], ckpt.dtypes[parameter]
+        for key, (shape, dtype) in storage_entries(_shape(parameter, ckpt.sources[parameter]), spec).items():
+            ckpt.pieces[f"{weight}.{key}"] = (parameter, spec, key)
+            ckpt.shapes[f"{weight}.{key}"] = shape
+            ckpt.dtypes[f"{weight}.{key}"] = PIECE_DTYPES[dtype]
+
+
+def _meta_model(config: ModelConfig):
+    """The model of this config with an MTP head, on `meta`."""
+    from qwenrt.model import Qwen35ForCausalLM
+    from qwenrt.mtp import MTPHead
+
+    with torch.device("meta"):
+        model = Qwen35ForCausalLM(config)
+        model.mtp = MTPHead(config.text)
+    return model
 
 
 def _expected_names(config: ModelConfig) -> list[str]:
     """qwenrt's names of every tensor the file may hold for this config (the MTP head's too)."""
-    from qwenrt.model import Qwen35ForCausalLM
     from qwenrt.mtp import MTPHead, mtp_state_dict
 
     with torch.device("meta"):
-        names = [n for n, _ in Qwen35ForCausalLM(config).named_parameters()]
+        names = [n for n, _ in _meta_model(config).named_parameters() if not n.startswith("mtp.")]
         names += list(mtp_state_dict(MTPHead(config.text)))
     if not config.text.tie_word_embeddings and "lm_head.weight" not in names:
         names.append("lm_head.weight")

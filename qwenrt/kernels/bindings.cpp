@@ -29,6 +29,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("x"), arg("qs"), arg("scales"), arg("mode"));
   m.def("gemv_q4", &gemv_q4, "x [M<=8, K] bf16 · each int4 W (stored layout, groups of G) -> [M, N] per weight",
         arg("x"), arg("qs"), arg("scales"), arg("zeros"), arg("G"), arg("mode"));
+  m.def("gemv_q8g", &gemv_q8g, "x [M<=8, K] bf16 · each int8 W [N, K]ᵀ in fp32-scaled groups of G (16, 32), "
+        "zeros optional (GGUF blocks) -> [M, N] per weight",
+        arg("x"), arg("qs"), arg("scales"), arg("zeros"), arg("G"), arg("mode"));
+  m.def("gemv_q4g", &gemv_q4g, "x [M<=8, K] bf16 · each int4 W (stored layout) in fp32-scaled groups of 32 with zeros "
+        "(GGUF blocks) -> [M, N] per weight",
+        arg("x"), arg("qs"), arg("scales"), arg("zeros"), arg("mode"));
   m.def("gemm_bf16", &gemm_bf16, "x [M, K] bf16 · bf16 W [N, K]ᵀ -> [M, N] bf16: prefill, fp32 products and sums",
         arg("x"), arg("w"));
   m.def("gemm_q8", &gemm_q8, "x [M, K] bf16 · int8 W [N, K]ᵀ (bf16 row scales) -> [M, N] bf16: prefill, int32 sums",
@@ -40,6 +46,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("q"), arg("scales"), arg("zeros"), arg("G"), arg("out"));
   m.def("dequantize_rows", &dequantize_rows, "rows ids [N] of an int8 or int4 (stored layout) weight, dequantized "
         "into out [N, K] (bf16 or fp32): a token lookup in a quantized table",
+        arg("ids"), arg("q"), arg("scales"), arg("zeros"), arg("G"), arg("out"));
+  m.def("dequantize_group_rows", &dequantize_group_rows, "rows ids [N] of an int8 or int4 weight in fp32-scaled "
+        "groups, dequantized into out [N, K] (bf16 or fp32): a token lookup in a GGUF-quantized table",
         arg("ids"), arg("q"), arg("scales"), arg("zeros"), arg("G"), arg("out"));
   m.def("attention_decode_step", &attention_decode_step,
         "q/k norm, RoPE, KV write, attention and output gate for one new token per sequence");

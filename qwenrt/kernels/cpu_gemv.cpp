@@ -211,29 +211,84 @@ std::vector<at::Tensor> gemv_q8(at::Tensor x, std::vector<at::Tensor> qs, std::v
   return outs.results;
 }
 
-// x [M, K] bf16 · int4 q_i [N_i, K/2] with bf16 scales/zeros [N_i, K/G] (qwenrt's stored layout); K % G == 0
-std::vector<at::Tensor> gemv_q4(at::Tensor x, std::vector<at::Tensor> qs, std::vector<at::Tensor> scales,
-                                   std::vector<at::Tensor> zeros, int64_t G, std::string mode) {
-  TORCH_CHECK(!qs.empty() && qs.size() == scales.size() && qs.size() == zeros.size(), "gemv_q4: pieces per weight");
+namespace {
+
+// Point each segment at its weight's scales and zeros [N_i, K/G], checked: bf16 ones (`scales`, `zeros`) or fp32
+// ones (`fscales`, `fzeros`: GGUF blocks; zeros optional for int8).
+void set_groups(std::vector<Segment>& segs, const std::vector<at::Tensor>& scales,
+                const std::vector<at::Tensor>& zeros, int64_t K, int64_t G, bool fp32, const char* what) {
+  TORCH_CHECK(scales.size() == segs.size() && (zeros.empty() || zeros.size() == segs.size()), what,
+              ": scales (and zeros) per weight");
+  const auto dtype = fp32 ? at::kFloat : at::kBFloat16;
+  for (size_t i = 0; i < segs.size(); ++i) {
+    std::vector<const at::Tensor*> pieces{&scales[i]};
+    if (!zeros.empty()) pieces.push_back(&zeros[i]);
+    for (const auto* t : pieces)
+      TORCH_CHECK(t->scalar_type() == dtype && t->is_contiguous() && t->numel() == segs[i].N * (K / G), what,
+                  fp32 ? ": fp32" : ": bf16", " scales and zeros [N, K/G]");
+    if (fp32) {
+      segs[i].fscales = scales[i].data_ptr<float>();
+      segs[i].fzeros = zeros.empty() ? nullptr : zeros[i].data_ptr<float>();
+    } else {
+      segs[i].scales = reinterpret_cast<const uint16_t*>(scales[i].data_ptr<at::BFloat16>());
+      segs[i].zeros = reinterpret_cast<const uint16_t*>(zeros[i].data_ptr<at::BFloat16>());
+    }
+  }
+}
+
+std::vector<at::Tensor> q4_call(const at::Tensor& x, const std::vector<at::Tensor>& qs,
+                                const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& zeros, int64_t G,
+                                const std::string& mode, bool fp32) {
+  const char* what = fp32 ? "gemv_q4g" : "gemv_q4";
+  TORCH_CHECK(!qs.empty() && zeros.size() == qs.size(), what, ": pieces per weight");
   const int64_t K = 2 * qs[0].size(1);
   check_x(x, K);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "gemv_q4: bf16 input");
-  TORCH_CHECK((G == 32 || G == 64 || G == 128) && K % G == 0, "gemv_q4: group size / K");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, what, ": bf16 input");
+  TORCH_CHECK((G == 32 || G == 64 || G == 128) && K % G == 0, what, ": group size / K");
+  for (const auto& q : qs)
+    TORCH_CHECK(q.scalar_type() == at::kByte && 2 * q.size(1) == K, what, ": uint8 weights [N, K/2]");
   Outputs outs(x, qs, mode);
-  auto& segs = outs.segs;
-  for (size_t i = 0; i < qs.size(); ++i) {
-    const int64_t N = qs[i].size(0);
-    TORCH_CHECK(qs[i].scalar_type() == at::kByte && 2 * qs[i].size(1) == K, "gemv_q4: uint8 weights [N, K/2]");
-    for (const auto* t : {&scales[i], &zeros[i]})
-      TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->numel() == N * (K / G),
-                  "gemv_q4: bf16 scales and zeros [N, K/G]");
-    segs[i].scales = reinterpret_cast<const uint16_t*>(scales[i].data_ptr<at::BFloat16>());
-    segs[i].zeros = reinterpret_cast<const uint16_t*>(zeros[i].data_ptr<at::BFloat16>());
-  }
+  set_groups(outs.segs, scales, zeros, K, G, fp32, what);
   const Q4Input in = q4_input(x, G);
   dispatch_m(x.size(0), [&](auto m) {
     run_blocks(outs, K * m, [&](const Segment& s, int64_t n0, int64_t n1) {
       q4_rows<decltype(m)::value>(in, s, K, G, n0, n1);
+    });
+  });
+  return outs.results;
+}
+
+}  // namespace
+
+// x [M, K] bf16 · int4 q_i [N_i, K/2] with bf16 scales/zeros [N_i, K/G] (qwenrt's stored layout); K % G == 0
+std::vector<at::Tensor> gemv_q4(at::Tensor x, std::vector<at::Tensor> qs, std::vector<at::Tensor> scales,
+                                std::vector<at::Tensor> zeros, int64_t G, std::string mode) {
+  return q4_call(x, qs, scales, zeros, G, mode, false);
+}
+
+// x [M, K] bf16 · int4 q_i [N_i, K/2] with fp32 scales and zeros [N_i, K/32]: W = q·s + z (GGUF's 4-bit blocks)
+std::vector<at::Tensor> gemv_q4g(at::Tensor x, std::vector<at::Tensor> qs, std::vector<at::Tensor> scales,
+                                 std::vector<at::Tensor> zeros, std::string mode) {
+  return q4_call(x, qs, scales, zeros, 32, mode, true);
+}
+
+// x [M, K] bf16 · int8 q_i [N_i, K] with fp32 scales (and zeros, or none) [N_i, K/G], G = 16 or 32: W = q·s + z
+// (GGUF's 8-, 6- and 5-bit blocks); K % 32 == 0
+std::vector<at::Tensor> gemv_q8g(at::Tensor x, std::vector<at::Tensor> qs, std::vector<at::Tensor> scales,
+                                 std::vector<at::Tensor> zeros, int64_t G, std::string mode) {
+  TORCH_CHECK(!qs.empty(), "gemv_q8g: no weights");
+  const int64_t K = qs[0].size(1);
+  check_x(x, K);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "gemv_q8g: bf16 input");
+  TORCH_CHECK((G == 16 || G == 32) && K % 32 == 0, "gemv_q8g: group size 16 or 32, K a multiple of 32");
+  for (const auto& q : qs) TORCH_CHECK(q.scalar_type() == at::kChar && q.size(1) == K, "gemv_q8g: int8 weights [N, K]");
+  Outputs outs(x, qs, mode);
+  set_groups(outs.segs, scales, zeros, K, G, true, "gemv_q8g");
+  const FixedPoint in = to_fixed_point(x, kQ8Block);
+  const std::vector<float> xsums = zeros.empty() ? std::vector<float>() : group_sums(x, G);
+  dispatch_m(x.size(0), [&](auto m) {
+    run_blocks(outs, K * m, [&](const Segment& s, int64_t n0, int64_t n1) {
+      q8g_rows<decltype(m)::value>(in, xsums.data(), s, K, G, n0, n1);
     });
   });
   return outs.results;
@@ -321,6 +376,50 @@ at::Tensor dequantize_rows(at::Tensor ids, at::Tensor q, at::Tensor scales, c10:
         const int8_t* qi = q.data_ptr<int8_t>() + I[i] * K;
         const float sc = bf16_to_float(S[I[i]]);
         for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(qi[k]) * sc;
+      }
+      store_row(row.data(), out, i, K);
+    }
+  });
+  return out;
+}
+
+// Rows `ids` of a weight in fp32-scaled groups (GGUF blocks held exactly): int8 q [V, K] (G = 16 or 32) or int4
+// q [V, K/2] (G = 32), fp32 scales and zeros (none: 0) [V, K/G], W = q·s + z, into out [N, K] (bf16 or fp32):
+// the token lookup of a table held so.
+at::Tensor dequantize_group_rows(at::Tensor ids, at::Tensor q, at::Tensor scales, c10::optional<at::Tensor> zeros,
+                                 int64_t G, at::Tensor out) {
+  const bool q4 = q.scalar_type() == at::kByte;
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
+              "dequantize_group_rows: int64 ids [N]");
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && (q4 || q.scalar_type() == at::kChar) && (G == 16 || G == 32) &&
+              (!q4 || G == 32), "dequantize_group_rows: int8 [V, K] or uint8 [V, K/2] weights, groups of 16 or 32");
+  const int64_t N = ids.size(0), V = q.size(0), K = q4 ? 2 * q.size(1) : q.size(1), groups = K / G;
+  for (const at::Tensor* t : {&scales, zeros ? &*zeros : &scales})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == V * groups && K % G == 0,
+                "dequantize_group_rows: fp32 scales (and zeros) [V, K/G]");
+  check_out(out, N, K, "dequantize_group_rows");
+  const int64_t* I = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i)
+    TORCH_CHECK(I[i] >= 0 && I[i] < V, "dequantize_group_rows: id ", I[i], " outside the table's ", V, " rows");
+  const float* S = scales.data_ptr<float>();
+  const float* Z = zeros ? zeros->data_ptr<float>() : nullptr;
+  qwenrt::parallel_for_work(0, N, K, [&](int64_t i0, int64_t i1) {
+    std::vector<float> row(K);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t v = I[i];
+      for (int64_t g = 0; g < groups; ++g) {
+        const float sc = S[v * groups + g], z = Z ? Z[v * groups + g] : 0.f;
+        float* r = row.data() + g * G;
+        if (q4) {
+          const uint8_t* bytes = q.data_ptr<uint8_t>() + v * (K / 2) + g * (G / 2);
+          for (int64_t o = 0; o < G / 2; ++o) {
+            r[o] = static_cast<float>(bytes[o] & 15) * sc + z;
+            r[o + G / 2] = static_cast<float>(bytes[o] >> 4) * sc + z;
+          }
+        } else {
+          const int8_t* codes = q.data_ptr<int8_t>() + v * K + g * G;
+          for (int64_t o = 0; o < G; ++o) r[o] = static_cast<float>(codes[o]) * sc + z;
+        }
       }
       store_row(row.data(), out, i, K);
     }

@@ -13,7 +13,8 @@ Projection::Projection(std::string format, std::vector<at::Tensor> weights, std:
                        std::vector<at::Tensor> zeros, int64_t group_size)
     : runs{{std::move(format), std::move(weights), std::move(scales), std::move(zeros), group_size}} {
   const std::string& f = runs[0].format;
-  TORCH_CHECK(f == "bf16" || f == "q8" || f == "q4", "Projection: format bf16, q8 or q4");
+  TORCH_CHECK(f == "bf16" || f == "q8" || f == "q4" || f == "q8g" || f == "q4g",
+              "Projection: format bf16, q8, q4, q8g or q4g");
 }
 
 Projection::Projection(const std::vector<Projection>& parts) {
@@ -24,6 +25,8 @@ Projection::Projection(const std::vector<Projection>& parts) {
 std::vector<at::Tensor> Projection::Run::operator()(const at::Tensor& x, const std::string& mode) const {
   if (format == "bf16") return gemv_bf16(x, weights, mode);
   if (format == "q8") return gemv_q8(x, weights, scales, mode);
+  if (format == "q8g") return gemv_q8g(x, weights, scales, zeros, group_size, mode);
+  if (format == "q4g") return gemv_q4g(x, weights, scales, zeros, mode);
   return gemv_q4(x, weights, scales, zeros, group_size, mode);
 }
 
@@ -61,6 +64,12 @@ at::Tensor Projection::rows(const at::Tensor& ids) const {
   TORCH_CHECK(runs.size() == 1 && runs[0].weights.size() == 1, "Projection.rows: one weight");
   const Run& run = runs[0];
   if (run.format == "bf16") return run.weights[0].index_select(0, ids);
+  if (run.format == "q8g" || run.format == "q4g") {
+    const int64_t K = run.format == "q4g" ? 2 * run.weights[0].size(1) : run.weights[0].size(1);
+    const auto zeros = run.zeros.empty() ? c10::nullopt : c10::optional<at::Tensor>(run.zeros[0]);
+    return dequantize_group_rows(ids, run.weights[0], run.scales[0], zeros, run.group_size,
+                                 at::empty({ids.size(0), K}, run.scales[0].options().dtype(at::kBFloat16)));
+  }
   const int64_t K = run.format == "q4" ? 2 * run.weights[0].size(1) : run.weights[0].size(1);
   const auto zeros = run.format == "q4" ? c10::optional<at::Tensor>(run.zeros[0]) : c10::nullopt;
   return dequantize_rows(ids, run.weights[0], run.scales[0], zeros, run.group_size,

@@ -6,6 +6,7 @@
 //   bf16  products exact in fp32 (vdpbf16ps), fp32 sums.
 //   int8  x in 16-bit fixed point per block of 256 columns (gemv_common.h); int16 x int8 products summed exactly in
 //         int32 (vpdpwssd) and each block's sum scaled in fp32.
+//   int8 in fp32-scaled groups (GGUF blocks): the same VNNI sums per 32 columns, scaled per group in fp32.
 //   int4  A nibble n becomes the bf16 number 128 + n (its byte next to 128's exponent byte), so products with bf16 x
 //         are exact in fp32; Σ (128 + n)·x·s then loses its offset through a per-group term.
 //         (~32 GB/s: bound by the nibble unpacking and vdpbf16ps issue rate, not memory; a VNNI variant with x in
@@ -124,6 +125,58 @@ void q8_rows(const FixedPoint& in, const Segment& s, int64_t K, int64_t n0, int6
   });
 }
 
+// ---- int8 in fp32-scaled groups ---------------------------------------------------------------------------------
+// Per 32 columns one VNNI sum (lane j: columns 2j, 2j+1) converted to fp32 and scaled lane by lane by its group's
+// scale (G = 32: one; G = 16: lanes 0-7 and 8-15 each theirs), summed per activation block, whose power-of-two scale
+// then applies. Zeros enter as Σ_g z·Σx per group. K % 32 == 0.
+
+template <int M>
+void q8g_rows(const FixedPoint& in, const float* xsums, const Segment& s, int64_t K, int64_t G, int64_t n0,
+              int64_t n1) {
+  const int64_t blocks = in.Kp / kQ8Block, groups = K / G;
+  const auto* Q = reinterpret_cast<const int8_t*>(s.w);
+  const __m512i lane_group = _mm512_maskz_set1_epi32(G == 16 ? 0xFF00 : 0, 1);  // lane j's group in the step
+  const __mmask16 two = 0x3;  // the scales a 32-column step reads (the second unused where G = 32)
+  over_rows<M <= 2 ? 4 : (M <= 4 ? 2 : 1)>(n0, n1, [&](auto rows, int64_t n) {
+    constexpr int R = decltype(rows)::value;
+    __m512 acc[M][R];
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+    const uint8_t* block_start = s.w + n * K;
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512 bacc[M][R];
+      for (int m = 0; m < M; ++m)
+        for (int r = 0; r < R; ++r) bacc[m][r] = _mm512_setzero_ps();
+      const int64_t end = std::min(K, (b + 1) * kQ8Block);
+      for (int64_t k = b * kQ8Block; k < end; k += 32) {
+        if (k % 64 == 0) prefetch_ahead(block_start + (k / 64) * R * 64, R * 64);
+        __m512i xv[M];
+        for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_si512(in.q.data() + m * in.Kp + k);
+        for (int r = 0; r < R; ++r) {
+          const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(Q + (n + r) * K + k)));
+          const __m512 ws = _mm512_permutexvar_ps(lane_group,
+                                                  _mm512_maskz_loadu_ps(two, s.fscales + (n + r) * groups + k / G));
+          for (int m = 0; m < M; ++m)
+            bacc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), wv, xv[m])),
+                                         ws, bacc[m][r]);
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        const __m512 xs = _mm512_set1_ps(in.scale[m * blocks + b]);
+        for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(bacc[m][r], xs, acc[m][r]);
+      }
+    }
+    store_rows<M, R>(acc, s.out, s.N, n, nullptr);
+    if (s.fzeros)
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < M; ++m) {
+          float offset = 0.f;
+          for (int64_t g = 0; g < groups; ++g) offset += s.fzeros[(n + r) * groups + g] * xsums[m * groups + g];
+          s.out[m * s.N + n + r] += offset;
+        }
+  });
+}
+
 // ---- int4 -------------------------------------------------------------------------------------------------------
 // Per 64 weight bytes (128 columns): low and high nibbles, each unpacked with the byte 0x43 into bf16 words
 // 0x43nn = 128 + n. Unpacking works within 16-byte lanes, so x is stored in the matching column order (per call).
@@ -179,18 +232,19 @@ void q4_rows(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64_t 
     __m512 acc[M][R];
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-    // per-group offsets: Σ_g (z - 136·s)·Σx, since each weight enters as (128 + n)·s; and the fp32 scales
+    // per-group offsets: Σ_g (z - (128 + zero code)·s)·Σx, since each weight enters as (128 + n)·s; and the fp32
+    // scales. bf16 scales and zeros: W = (n - 8)·s + z; fp32 ones (GGUF blocks): W = n·s + z.
     for (int r = 0; r < R; ++r) {
-      const uint16_t* sr = s.scales + (n + r) * groups;
-      const uint16_t* zr = s.zeros + (n + r) * groups;
       for (int64_t g = 0; g < groups; g += 16) {
         const __mmask16 mask = static_cast<__mmask16>(groups - g >= 16 ? 0xFFFF : (1u << (groups - g)) - 1);
-        const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, sr + g)), 16));
-        const __m512 zv = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, zr + g)), 16));
+        const int64_t at = (n + r) * groups + g;
+        auto bf16s = [&](const uint16_t* p) {
+          return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+        };
+        const __m512 sv = s.fscales ? _mm512_maskz_loadu_ps(mask, s.fscales + at) : bf16s(s.scales + at);
+        const __m512 zv = s.fscales ? _mm512_maskz_loadu_ps(mask, s.fzeros + at) : bf16s(s.zeros + at);
         _mm512_mask_storeu_ps(sc.data() + r * groups + g, mask, sv);
-        const __m512 coef = _mm512_fnmadd_ps(sv, _mm512_set1_ps(136.f), zv);
+        const __m512 coef = _mm512_fnmadd_ps(sv, _mm512_set1_ps(s.fscales ? 128.f : 136.f), zv);
         for (int m = 0; m < M; ++m)
           acc[m][r] = _mm512_fmadd_ps(coef, _mm512_maskz_loadu_ps(mask, in.sums.data() + m * groups + g), acc[m][r]);
       }

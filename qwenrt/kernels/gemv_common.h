@@ -23,6 +23,10 @@ struct Segment {  // one weight matrix of a call and where its rows go
   const uint16_t* zeros;   // int4 [N, K/G]
   int64_t N;
   float* out;  // [M, N] fp32 (rounded to bf16 afterwards when asked)
+  // fp32 groups (GGUF blocks held exactly): scales and zeros [N, K/G] in fp32, W = q·s + z; zeros may be absent
+  // for int8 (then z = 0). Where these are set, `scales` and `zeros` are not.
+  const float* fscales = nullptr;
+  const float* fzeros = nullptr;
 };
 
 // The hardware prefetchers stop at 4 KB pages; the weight stream is linear, so ask for what comes 16 KB later.
@@ -51,6 +55,20 @@ inline float bf16_to_float(uint16_t v) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
+}
+
+// Σ x per row and group of G columns, in fp32: [M, K/G] (+ 16 zeros, for whole-vector reads), through which the
+// zeros of a grouped format enter: Σ_g z_g·Σ_{k in g} x_k.
+inline std::vector<float> group_sums(const at::Tensor& x, int64_t G) {
+  const int64_t M = x.size(0), K = x.size(1), groups = K / G;
+  const auto* X = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  std::vector<float> sums(M * groups + 16, 0.f);
+  for (int64_t i = 0; i < M * groups; ++i) {
+    float sum = 0.f;
+    for (int64_t k = 0; k < G; ++k) sum += bf16_to_float(X[i * G + k]);
+    sums[i] = sum;
+  }
+  return sums;
 }
 
 // The largest |x| of n bf16 values; a NaN is skipped (a NaN lane keeps the largest so far, as std::max would).

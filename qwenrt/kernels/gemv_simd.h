@@ -4,6 +4,7 @@
 //         fp32 (no shuffles), multiplied by x's even and odd columns, split once per call. Exact products, fp32 sums.
 //   int8  x in 16-bit fixed point per block of 256 columns (gemv_common.h); int8 widened to int16 and multiplied by
 //         it with vpmaddwd: int32 sums, exact; each block's sum scaled in fp32.
+//   int8 in fp32-scaled groups (GGUF blocks): the same int32 sums per vector, scaled per group in fp32.
 //   int4  x in 8 bits per row and group (to_int8: q = round(127·x/amax), d = amax/127, as llama.cpp's Q8_0 x for
 //         its Q4_0 products, and as the int4 prefill GEMM takes it). A mask and a shift give the packed bytes' low
 //         and high nibbles as unsigned bytes; x is stored in the matching column order (per call). vpmaddubsw sums
@@ -126,6 +127,56 @@ void q8_rows(const FixedPoint& in, const Segment& s, int64_t K, int64_t n0, int6
   });
 }
 
+// ---- int8 in fp32-scaled groups ---------------------------------------------------------------------------------
+// As int8, with each widened vector's int32 sums (lane j: columns 2j, 2j+1) converted to fp32 and scaled lane by
+// lane by their group's scale (G = 16 or 32), summed per activation block, whose scale then applies. Zeros enter as
+// Σ_g z·Σx per group. K % kQ8Step == 0.
+
+template <int M>
+void q8g_rows(const FixedPoint& in, const float* xsums, const Segment& s, int64_t K, int64_t G, int64_t n0,
+              int64_t n1) {
+  const int64_t blocks = in.Kp / kQ8Block, groups = K / G;
+  std::array<int32_t, kLanes> lanes;
+  for (int j = 0; j < kLanes; ++j) lanes[j] = static_cast<int32_t>(2 * j / G);
+  I lane_group;
+  std::memcpy(&lane_group, lanes.data(), sizeof lane_group);
+  constexpr int kRows = block_rows(M, 1, 2, 5);
+  std::vector<float> sc(kRows * groups + kLanes, 0.f);  // the block's rows' scales, padded for whole-vector reads
+  over_rows<kRows>(n0, n1, [&](auto rows, int64_t n) {
+    constexpr int R = decltype(rows)::value;
+    std::memcpy(sc.data(), s.fscales + n * groups, R * groups * sizeof(float));
+    const uint8_t* block = s.w + n * K;
+    F acc[M][R];
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) acc[m][r] = zero();
+    for (int64_t b = 0; b < blocks; ++b) {
+      F bacc[M][R];
+      for (int m = 0; m < M; ++m)
+        for (int r = 0; r < R; ++r) bacc[m][r] = zero();
+      const int64_t end = std::min(K, (b + 1) * kQ8Block);
+      for (int64_t k = b * kQ8Block; k < end; k += kQ8Step) {
+        if (k % 64 == 0) prefetch_ahead(block + k * R, 64 * R);
+        for (int r = 0; r < R; ++r) {
+          const I w = widen_i8(reinterpret_cast<const int8_t*>(block + r * K + k));
+          const F ws = permute(load(sc.data() + r * groups + k / G), lane_group);
+          for (int m = 0; m < M; ++m)
+            bacc[m][r] = fmadd(to_float(madd_i16(w, load_i(in.q.data() + m * in.Kp + k))), ws, bacc[m][r]);
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        const F xs = set1(in.scale[m * blocks + b]);
+        for (int r = 0; r < R; ++r) acc[m][r] = fmadd(bacc[m][r], xs, acc[m][r]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) {
+        float offset = 0.f;
+        for (int64_t g = 0; s.fzeros && g < groups; ++g) offset += s.fzeros[(n + r) * groups + g] * xsums[m * groups + g];
+        s.out[m * s.N + n + r] = reduce_add(acc[m][r]) + offset;
+      }
+  });
+}
+
 // ---- int4 -------------------------------------------------------------------------------------------------------
 
 constexpr int64_t kQ4UnitBytes = 4 * kLanes;    // packed bytes per vector load
@@ -175,7 +226,8 @@ inline Q4Input q4_input(const at::Tensor& x, int64_t G) {
     int32_t sum = 0;
     for (int64_t b = std::max(g * G / 2, from); b < (g + 1) * G / 2; ++b)
       sum += int32_t{row[b] & 15} * q[g * G + b % (G / 2)] + int32_t{row[b] >> 4} * q[g * G + G / 2 + b % (G / 2)];
-    total += static_cast<float>(sum) * (in.q8.scale[m * in.groups + g] * bf16_to_float(s.scales[n * in.groups + g]));
+    const float scale = s.fscales ? s.fscales[n * in.groups + g] : bf16_to_float(s.scales[n * in.groups + g]);
+    total += static_cast<float>(sum) * (in.q8.scale[m * in.groups + g] * scale);
   }
   return total;
 }
@@ -219,14 +271,16 @@ void q4_periods(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64
   over_rows<kRows>(n0, n1, [&](auto rows, int64_t n) {
     constexpr int R = decltype(rows)::value;
     float offset[M][R];  // Σ_g (z - 8·s)·d·Σq: each weight enters the integer sums as its code c = w/s - z/s + 8
+    // bf16 scales and zeros: W = (c - 8)·s + z; fp32 ones (GGUF blocks): W = c·s + z
+    const float zero_code = s.fscales ? 0.f : 8.f;
     for (int r = 0; r < R; ++r) {
-      const uint16_t* sr = s.scales + (n + r) * groups;
-      const uint16_t* zr = s.zeros + (n + r) * groups;
+      const int64_t row = (n + r) * groups;
       F off[M];
       for (int m = 0; m < M; ++m) off[m] = zero();
       int64_t g = 0;
       for (; g + kLanes <= groups; g += kLanes) {
-        const F sv = load_bf16(sr + g), coef = fnmadd(sv, set1(8.f), load_bf16(zr + g));
+        const F sv = s.fscales ? load(s.fscales + row + g) : load_bf16(s.scales + row + g);
+        const F coef = fnmadd(sv, set1(zero_code), s.fscales ? load(s.fzeros + row + g) : load_bf16(s.zeros + row + g));
         for (int m = 0; m < M; ++m) {
           store(sc.data() + (m * kRows + r) * groups + g, mul(sv, load(xscale + m * groups + g)));
           off[m] = fmadd(coef, load(xsums + m * groups + g), off[m]);
@@ -234,10 +288,11 @@ void q4_periods(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64
       }
       for (int m = 0; m < M; ++m) offset[m][r] = reduce_add(off[m]);
       for (; g < groups; ++g) {
-        const float sv = bf16_to_float(sr[g]);
+        const float sv = s.fscales ? s.fscales[row + g] : bf16_to_float(s.scales[row + g]);
+        const float zv = s.fscales ? s.fzeros[row + g] : bf16_to_float(s.zeros[row + g]);
         for (int m = 0; m < M; ++m) {
           sc[(m * kRows + r) * groups + g] = sv * xscale[m * groups + g];
-          offset[m][r] += (bf16_to_float(zr[g]) - 8.f * sv) * xsums[m * groups + g];
+          offset[m][r] += (zv - zero_code * sv) * xsums[m * groups + g];
         }
       }
     }

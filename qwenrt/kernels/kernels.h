@@ -12,12 +12,18 @@ std::vector<at::Tensor> gemv_q8(at::Tensor x, std::vector<at::Tensor> qs, std::v
                                 std::string mode);
 std::vector<at::Tensor> gemv_q4(at::Tensor x, std::vector<at::Tensor> qs, std::vector<at::Tensor> scales,
                                 std::vector<at::Tensor> zeros, int64_t G, std::string mode);
+std::vector<at::Tensor> gemv_q8g(at::Tensor x, std::vector<at::Tensor> qs, std::vector<at::Tensor> scales,
+                                 std::vector<at::Tensor> zeros, int64_t G, std::string mode);
+std::vector<at::Tensor> gemv_q4g(at::Tensor x, std::vector<at::Tensor> qs, std::vector<at::Tensor> scales,
+                                 std::vector<at::Tensor> zeros, std::string mode);
 at::Tensor gemm_bf16(at::Tensor x, at::Tensor w);
 at::Tensor gemm_q8(at::Tensor x, at::Tensor q, at::Tensor scales);
 at::Tensor gemm_q4(at::Tensor x, at::Tensor q, at::Tensor scales, at::Tensor zeros, int64_t G);
 at::Tensor dequantize_q4(at::Tensor q, at::Tensor scales, at::Tensor zeros, int64_t G, at::Tensor out);
 at::Tensor dequantize_rows(at::Tensor ids, at::Tensor q, at::Tensor scales, c10::optional<at::Tensor> zeros,
                            int64_t G, at::Tensor out);
+at::Tensor dequantize_group_rows(at::Tensor ids, at::Tensor q, at::Tensor scales, c10::optional<at::Tensor> zeros,
+                                 int64_t G, at::Tensor out);
 at::Tensor gdn_decode_step(at::Tensor mixed, at::Tensor conv_state, at::Tensor conv_w, at::Tensor a, at::Tensor b,
                            at::Tensor A_log, at::Tensor dt_bias, at::Tensor state, at::Tensor z, at::Tensor norm_w,
                            int64_t num_k_heads, double eps, bool bf16);
