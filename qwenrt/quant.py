@@ -272,11 +272,12 @@ class QuantLinear(nn.Module):
             y = by_row_groups(lambda part: self._native(kernels, part, [(w, s, z)], "bf16"), x2)
             if y is not None:
                 return y[0].reshape(*x.shape[:-1], self.out_features)
-        if self.spec.fp32_groups:  # fp32 slices of the exact weight through torch's fp32 GEMM, rounded once
-            def fill(n0: int, n1: int, out: torch.Tensor) -> None:
-                part = {"qweight": w[n0:n1], "scales": s[n0:n1]} | ({} if z is None else {"zeros": z[n0:n1]})
-                out.copy_(dequantize_weight(part, self.spec))
-            return fp32_gemm(x2, self.out_features, fill).reshape(*x.shape[:-1], self.out_features)
+        if self.spec.fp32_groups:
+            if kernels is not None and self.spec.bits == 4 and x2.dtype == torch.bfloat16:  # prefill, x in 8 bits
+                y = kernels.gemm_q4g(x2, w, s, z)  # per group as llama.cpp's blocks take it (kernels/cpu_gemm.cpp)
+            else:  # fp32 slices of the exact weight through torch's fp32 GEMM, rounded once
+                y = fp32_gemm(x2, self.out_features, self._fill_fp32(kernels, w, s, z))
+            return y.reshape(*x.shape[:-1], self.out_features)
         if self.torch_int4:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, w, self.spec.group_size, s.to(x.dtype))
         elif self.spec.bits == 8 and x2.shape[0] <= SMALL_M:
@@ -297,6 +298,16 @@ class QuantLinear(nn.Module):
         else:  # prefill: dequantize this one matrix and use the GEMM (about 2.5x the int8 kernel at M = 512)
             y = F.linear(x2, w * s.to(x.dtype)[:, None])  # int8 · bf16 promotes to bf16 in one pass, exactly
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _fill_fp32(self, kernels, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None):
+        """fp32_gemm's fill for fp32 groups: rows [n0, n1) of the weight, q·s + z exactly, natively where it can."""
+        def fill(n0: int, n1: int, out: torch.Tensor) -> None:
+            if kernels is not None and w.is_cpu:
+                kernels.dequantize_group_rows(torch.arange(n0, n1), w, s, z, self.spec.group_size, out)
+            else:
+                part = {"qweight": w[n0:n1], "scales": s[n0:n1]} | ({} if z is None else {"zeros": z[n0:n1]})
+                out.copy_(dequantize_weight(part, self.spec))
+        return fill
 
     def _native(self, kernels, x2: torch.Tensor, weights: list[tuple], mode: str) -> list[torch.Tensor] | None:
         """x2 [M <= 8, K] through each (qweight, scales, zeros) with the native kernel, or None where it has none

@@ -154,9 +154,10 @@ def test_gguf_block_gemv_matches_its_exact_weight(M, spec):
 @needs_kernels
 @pytest.mark.parametrize("spec", [QuantSpec(8, 16, fp32_groups=True), QuantSpec(8, 32, fp32_groups=True, zeros=True),
                                   QuantSpec(4, 32, fp32_groups=True)], ids=str)
-def test_gguf_block_rows_and_slices_are_the_exact_weight(spec):
-    """A token lookup in a table of GGUF blocks (the native rows and the torch path) and QuantLinear's prefill /
-    fp32 path (fp32 slices of the weight) give q·s + z exactly."""
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_gguf_block_rows_and_slices_are_the_exact_weight(spec, native, monkeypatch):
+    """A token lookup in a table of GGUF blocks and QuantLinear's prefill / fp32 path (fp32 slices of the weight)
+    give q·s + z exactly, natively and through torch ops."""
     g = torch.Generator().manual_seed(7)
     pieces = fp32_group_pieces(96, 256, spec, g)
     w = dequantize_weight(pieces, spec)
@@ -165,6 +166,8 @@ def test_gguf_block_rows_and_slices_are_the_exact_weight(spec):
     cpu_kernels().dequantize_group_rows(ids, pieces["qweight"], pieces["scales"], pieces.get("zeros"),
                                         spec.group_size, out)
     assert torch.equal(out, w[ids])
+    if not native:
+        torch_paths_only(monkeypatch)
     lookup = qwenrt.quant.QuantEmbedding(pieces, spec, torch.bfloat16)
     assert torch.equal(lookup(ids[None])[0], w[ids].bfloat16())
     layer = qwenrt.quant.QuantLinear.from_stored(pieces, spec, torch.float32)
@@ -206,6 +209,11 @@ def test_int4_prefill_gemm_sums_8bit_activations_exactly(G):
         y = kernels.gemm_q4(x, stored["qweight"], stored["scales"], stored["zeros"], G)
         assert y.dtype == torch.bfloat16 and y.shape == (M, N)
         int4_within_8bit_rounding(y, x, dequantize_weight(stored, QuantSpec(4, G)).double(), G)
+        if G == 32:  # GGUF's 4-bit blocks: fp32 scales and zeros, W = code·s + z
+            spec = QuantSpec(4, 32, fp32_groups=True)
+            pieces = fp32_group_pieces(N, K, spec, g)
+            y = kernels.gemm_q4g(x, pieces["qweight"], pieces["scales"], pieces["zeros"])
+            int4_within_8bit_rounding(y, x, dequantize_weight(pieces, spec).double(), G)
 
 
 @needs_kernels

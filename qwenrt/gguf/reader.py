@@ -12,6 +12,7 @@ dtype (bf16 for a quantized file).
 from __future__ import annotations
 
 import math
+import mmap
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -157,6 +158,8 @@ class GGUFCheckpoint:
         if name in self.pieces:
             return self._piece(*self.pieces[name])
         parts = [_tensor(self.path, t) for t in self.sources[name]]
+        for t in self.sources[name]:
+            _release(t)
         if any(p.dtype != parts[0].dtype for p in parts):
             parts = [p.float() for p in parts]
         return from_gguf(name, parts, self.config.text)
@@ -164,6 +167,8 @@ class GGUFCheckpoint:
     def _piece(self, parameter: str, spec: QuantSpec, piece: str) -> torch.Tensor:
         if self._decoded[0] != parameter:
             parts = [stored_blocks(Q(t.tensor_type), t.data, _torch_shape(t))[1] for t in self.sources[parameter]]
+            for t in self.sources[parameter]:
+                _release(t)
             self._decoded = (parameter, {key: from_gguf(parameter, [p[key] for p in parts], self.config.text)
                                          for key in spec.pieces})
         return self._decoded[1][piece]
@@ -171,6 +176,16 @@ class GGUFCheckpoint:
     def type_summary(self) -> list[str]:
         """The file's tensor types with their counts, most frequent first: ["Q4_K ×120", "F32 ×60", ...]."""
         return [f"{kind} ×{n}" for kind, n in Counter(self.file_types.values()).most_common()]
+
+
+def _release(t) -> None:
+    """Drop the file's pages under tensor t from this process (they were copied out): a load's resident memory is
+    then what it keeps, plus one tensor, not the whole file besides."""
+    mapping = getattr(t.data, "_mmap", None)
+    if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+    mapping.madvise(mmap.MADV_DONTNEED, start, min(len(mapping), t.data_offset + t.n_bytes) - start)
 
 
 def _torch_shape(t) -> tuple[int, ...]:

@@ -42,6 +42,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_q4", &gemm_q4, "x [M, K] bf16 · int4 W (stored layout, groups of G) -> [M, N] bf16: prefill, x in 8 bits "
         "per group",
         arg("x"), arg("q"), arg("scales"), arg("zeros"), arg("G"));
+  m.def("gemm_q4g", &gemm_q4g, "x [M, K] bf16 · int4 W (stored layout) in fp32-scaled groups of 32 with zeros (GGUF "
+        "blocks) -> [M, N] bf16: prefill, x in 8 bits per group",
+        arg("x"), arg("q"), arg("scales"), arg("zeros"));
   m.def("dequantize_q4", &dequantize_q4, "int4 stored layout -> the dense weight written into out (bf16 or fp32)",
         arg("q"), arg("scales"), arg("zeros"), arg("G"), arg("out"));
   m.def("dequantize_rows", &dequantize_rows, "rows ids [N] of an int8 or int4 (stored layout) weight, dequantized "

@@ -258,28 +258,22 @@ inline void unpack_q4_row(const uint8_t* __restrict bytes, int64_t K, int64_t G,
     }
 }
 
-// x [M, K] bf16 · int4 q [N, K/2] (stored layout, groups of G) with bf16 scales/zeros [N, K/G] -> [M, N] bf16,
-// x in 8 bits per row and group (to_int8)
-at::Tensor gemm_q4(at::Tensor x, at::Tensor q, at::Tensor scales, at::Tensor zeros, int64_t G) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous(), "gemm_q4: uint8 weights [N, K/2]");
-  const int64_t N = q.size(0), K = 2 * q.size(1), groups = K / std::max<int64_t>(G, 1);
-  check_x(x, K, "gemm_q4");
-  TORCH_CHECK((G == 32 || G == 64 || G == 128) && K % G == 0, "gemm_q4: group size / K");
-  for (const auto* t : {&scales, &zeros})
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->numel() == N * groups,
-                "gemm_q4: bf16 scales and zeros [N, K/G]");
+namespace {
+
+// x [M, K] bf16 · int4 q [N, K/2] (stored layout, groups of G) -> [M, N] bf16, x in 8 bits per row and group
+// (to_int8); scale_zero(n, g, s, z) gives row n's group g scale s and z - c0·s (c0: the code whose value is z).
+template <typename ScaleZero>
+at::Tensor q4_gemm(const at::Tensor& x, const at::Tensor& q, int64_t G, ScaleZero&& scale_zero) {
+  const int64_t N = q.size(0), K = 2 * q.size(1), groups = K / G;
   const Int8Rows in = to_int8(x, G);
   const uint8_t* Q = q.data_ptr<uint8_t>();
-  const auto* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
-  const auto* Z = reinterpret_cast<const uint16_t*>(zeros.data_ptr<at::BFloat16>());
-  // per panel, its rows' scales and z - 8·s by group: [panels][groups][kNR] fp32 (zero past N); W = code·s + z - 8·s
+  // per panel, its rows' scales and zero terms by group: [panels][groups][kNR] fp32 (zero past N)
   const int64_t panels = (N + kNR - 1) / kNR;
   std::vector<float> panel_s(panels * groups * kNR, 0.f), panel_z(panels * groups * kNR, 0.f);
   for (int64_t n = 0; n < N; ++n)
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t at = (n / kNR * groups + g) * kNR + n % kNR;
-      panel_s[at] = bf16_to_float(S[n * groups + g]);
-      panel_z[at] = bf16_to_float(Z[n * groups + g]) - 8.f * panel_s[at];
+      scale_zero(n, g, panel_s[at], panel_z[at]);
     }
   return run_panels<uint8_t, kMR8>(
       x, N, K * kNR, K,
@@ -315,4 +309,41 @@ at::Tensor gemm_q4(at::Tensor x, at::Tensor q, at::Tensor scales, at::Tensor zer
             });
         });
       });
+}
+
+void check_q4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros, int64_t G,
+              at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous(), name, ": uint8 weights [N, K/2]");
+  const int64_t N = q.size(0), K = 2 * q.size(1);
+  check_x(x, K, name);
+  TORCH_CHECK((G == 32 || G == 64 || G == 128) && K % G == 0, name, ": group size / K");
+  for (const auto* t : {&scales, &zeros})
+    TORCH_CHECK(t->scalar_type() == dtype && t->is_contiguous() && t->numel() == N * (K / G), name,
+                dtype == at::kFloat ? ": fp32" : ": bf16", " scales and zeros [N, K/G]");
+}
+
+}  // namespace
+
+// x [M, K] bf16 · int4 q [N, K/2] (stored layout, groups of G) with bf16 scales/zeros [N, K/G] -> [M, N] bf16,
+// x in 8 bits per row and group (to_int8). W = (code - 8)·s + z.
+at::Tensor gemm_q4(at::Tensor x, at::Tensor q, at::Tensor scales, at::Tensor zeros, int64_t G) {
+  check_q4(x, q, scales, zeros, G, at::kBFloat16, "gemm_q4");
+  const int64_t groups = 2 * q.size(1) / G;
+  const auto* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  const auto* Z = reinterpret_cast<const uint16_t*>(zeros.data_ptr<at::BFloat16>());
+  return q4_gemm(x, q, G, [&](int64_t n, int64_t g, float& s, float& z) {
+    s = bf16_to_float(S[n * groups + g]);
+    z = bf16_to_float(Z[n * groups + g]) - 8.f * s;
+  });
+}
+
+// The same for fp32 scales and zeros [N, K/32] (GGUF's 4-bit blocks): W = code·s + z.
+at::Tensor gemm_q4g(at::Tensor x, at::Tensor q, at::Tensor scales, at::Tensor zeros) {
+  check_q4(x, q, scales, zeros, 32, at::kFloat, "gemm_q4g");
+  const int64_t groups = 2 * q.size(1) / 32;
+  const float *S = scales.data_ptr<float>(), *Z = zeros.data_ptr<float>();
+  return q4_gemm(x, q, 32, [&](int64_t n, int64_t g, float& s, float& z) {
+    s = S[n * groups + g];
+    z = Z[n * groups + g];
+  });
 }
