@@ -10,7 +10,6 @@ file: a second rounding of each weight, within the blocks' own error).
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,12 +23,12 @@ from qwenrt.config import ModelConfig, parse_config
 from qwenrt.errors import QwenrtError
 from qwenrt.gguf.layout import gguf_names, from_gguf
 from qwenrt.gguf.metadata import Metadata, config_dict, tokenizer_parts
+from qwenrt.gguf.names import SPLIT
 from qwenrt.tokenizer import TokenizerParts
 
 READABLE = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_K, Q.Q4_K, Q.Q6_K, Q.IQ4_XS, Q.IQ4_NL)
 # the float dtype a tensor of each type loads in at dtype "auto": as stored for float files, bf16 for quantized ones
 AUTO_DTYPE = {Q.F32: "F32", Q.F16: "F16", Q.BF16: "BF16"}
-SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 MAX_SPLITS = 1024
 MAX_ELEMENTS = 1 << 40  # per tensor: past every Qwen3.5 tensor (the 397B's experts are ~2^36)
 
