@@ -10,7 +10,7 @@ from qwenrt.default_model import DEFAULT_MODEL, default_model_path
 from qwenrt.errors import QwenrtError
 from qwenrt.files import CheckpointDir
 from qwenrt.gguf.names import hub_gguf
-from qwenrt.hub import ALLOW_PATTERNS, download, download_gguf, is_repo_id
+from qwenrt.hub import ALLOW_PATTERNS, download, download_gguf, is_repo_id, refuse_gguf_repo
 from qwenrt.units import human
 
 
@@ -92,6 +92,8 @@ def pull(name: str, revision: str | None = None) -> str:
     if not is_repo_id(name):
         raise QwenrtError(f"{name}: not a hub repo id like 'Qwen/Qwen3.5-0.8B' (or OWNER/REPO:TAG for a GGUF file)")
     kind, supported = _model_type(download(name, revision, ["config.json"])), _supported_types()
+    if kind is None:
+        refuse_gguf_repo(name, revision)
     if kind not in supported:
         found = "no config.json" if kind is None else f"model_type {kind!r}"
         raise QwenrtError(f"{name}: {found}, not a model qwenrt runs (model_type {', '.join(sorted(supported))})")

@@ -11,7 +11,7 @@ from pathlib import Path
 from qwenrt.default_model import DEFAULT_MODEL, default_model_path
 from qwenrt.errors import QwenrtError
 from qwenrt.files import not_a_directory
-from qwenrt.gguf.names import HubGGUF, hub_gguf, pick
+from qwenrt.gguf.names import HubGGUF, hub_gguf, pick, quant_tags
 from qwenrt.validation import check_path
 
 REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -51,7 +51,10 @@ def resolve_model_path(source: str | Path, revision: str | None = None) -> Path:
     name = str(source)
     if not is_repo_id(name):
         raise QwenrtError(f"{name}: no such directory (and not a hub repo id like 'Qwen/Qwen3.5-0.8B')")
-    return download(name, revision)
+    path = download(name, revision)
+    if not any(path.glob("*.safetensors")):
+        refuse_gguf_repo(name, revision)
+    return path
 
 
 def is_repo_id(name: str) -> bool:
@@ -69,6 +72,16 @@ def download(name: str, revision: str | None = None, patterns: list[str] = ALLOW
 
     with hub_errors(name):
         return Path(snapshot_download(name, revision=revision, allow_patterns=patterns, local_files_only=offline()))
+
+
+def refuse_gguf_repo(name: str, revision: str | None = None) -> None:
+    """Refuse hub repo `name` in one line naming its quantization tags when it holds GGUF model files (and no
+    checkpoint: checked by the caller)."""
+    with hub_errors(name):
+        tags = quant_tags(repo_files(name, revision)[0])
+    if tags:
+        raise QwenrtError(f"{name} holds GGUF files, not a checkpoint: name one as {name}:QUANT (it has "
+                          f"{', '.join(tags)})")
 
 
 def download_gguf(spec: HubGGUF, name: str, revision: str | None = None) -> list[Path]:

@@ -14,6 +14,7 @@ import torch
 from gguf import GGUFValueType, GGUFWriter
 
 import qwenrt
+from qwenrt.catalog import pull
 from qwenrt.default_model import default_model_path
 from qwenrt.errors import QwenrtError
 from qwenrt.gguf.names import HubGGUF, hub_gguf, pick
@@ -134,8 +135,14 @@ def fake_hub(tiny_gguf, tmp_path, monkeypatch):
         (snapshot / filename).parent.mkdir(parents=True, exist_ok=True)
         return str(shutil.copyfile(sources[filename], snapshot / filename))
 
+    def snapshot_download(repo, revision=None, allow_patterns=None, local_files_only=False):
+        (snapshot / "config.json").write_text("{}")  # as some GGUF repos have one
+        return str(snapshot)
+
     monkeypatch.setattr(huggingface_hub, "list_repo_files", list_repo_files)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    snapshot.mkdir()
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     return fetched
 
@@ -151,9 +158,13 @@ def test_a_tag_downloads_that_file_only_and_loads_it(fake_hub, whole):
     fake_hub.clear()
     qwenrt.load(f"{REPO}/{PARTS[1]}", dtype=torch.float32)
     assert fake_hub == [(PARTS[0], None, False), (PARTS[1], None, False)]
+    fake_hub.clear()
+    pulled = pull(f"{REPO}:Q8_0")
+    assert fake_hub == [("Qwen3.5-Tiny-Q8_0.gguf", None, False)]
+    assert pulled.startswith(f"{REPO}:Q8_0: ") and pulled.endswith("/snapshot/Qwen3.5-Tiny-Q8_0.gguf")
 
 
-def test_a_missing_tag_or_file_is_one_line_and_downloads_nothing(fake_hub):
+def test_a_missing_tag_or_file_or_a_gguf_repo_alone_is_one_line_and_downloads_nothing(fake_hub):
     with pytest.raises(QwenrtError, match=f"^{REPO} has no GGUF file tagged IQ4_XS; it has BF16, Q4_K_M"):
         qwenrt.load(f"{REPO}:IQ4_XS")
     with pytest.raises(QwenrtError, match=f"^{REPO} has no file Q8_0/x.gguf; its GGUF files: "):
@@ -163,6 +174,11 @@ def test_a_missing_tag_or_file_is_one_line_and_downloads_nothing(fake_hub):
         qwenrt.load("models/tiny/x.gguf")
     with pytest.raises(QwenrtError, match="^someone/nothing:Q8_0: no such repository on the hub"):
         qwenrt.load("someone/nothing:Q8_0")
+    with pytest.raises(QwenrtError, match=rf"^{REPO} holds GGUF files, not a checkpoint: name one as {REPO}:QUANT "
+                                          r"\(it has BF16, Q4_K_M, Q4_K_S, Q4_K_XL, Q6_K, Q8_0\)$"):
+        qwenrt.load(REPO)  # the repo alone: its checkpoint, which it does not have
+    with pytest.raises(QwenrtError, match=f"^{REPO} holds GGUF files, not a checkpoint"):
+        pull(REPO)
     assert fake_hub == []
 
 

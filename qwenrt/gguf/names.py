@@ -20,7 +20,7 @@ LISTED = 20  # names an error message shows at most
 
 @dataclass(frozen=True)
 class HubGGUF:
-    """A GGUF model on the hub: repo's file tagged `tag`, or its file `file`."""
+    """A GGUF model on the hub: the file of `repo` tagged `tag`, or its file at path `file`."""
 
     repo: str
     tag: str | None = None
@@ -30,7 +30,7 @@ class HubGGUF:
 def hub_gguf(name: str) -> HubGGUF | None:
     """`OWNER/REPO:TAG` or `OWNER/REPO/PATH.gguf` parsed; None for any other name."""
     m = HUB_GGUF.match(name)
-    return m and HubGGUF(m.group(1), m.group(2), m.group(3))
+    return HubGGUF(m.group(1), m.group(2), m.group(3)) if m else None
 
 
 def _base(path: str) -> str:
@@ -38,6 +38,7 @@ def _base(path: str) -> str:
 
 
 def is_model_file(path: str) -> bool:
+    """Whether `path` is a .gguf file of a model, not one of the files beside it (SIDECARS)."""
     base = _base(path).lower()
     return base.endswith(".gguf") and not any(s in base for s in SIDECARS)
 
@@ -58,6 +59,11 @@ def quant_tag(path: str) -> str:
     split = SPLIT.match(base)
     tag = TAG.search(split.group(1) if split else base[:-len(".gguf")])
     return tag.group(1).upper() if tag else base
+
+
+def quant_tags(files: list[str]) -> list[str]:
+    """The tags of the model files among `files` (vision projectors and other sidecars aside), sorted."""
+    return sorted({quant_tag(first) for first in split_sets([f for f in files if is_model_file(f)])})
 
 
 def is_tagged(path: str, tag: str) -> bool:
@@ -86,8 +92,7 @@ def pick(spec: HubGGUF, files: list[str], where: str = "") -> list[str]:
         raise QwenrtError(f"{spec.repo} has no GGUF model files{where}")
     chosen = [first for first in sets if is_tagged(first, spec.tag)]
     if not chosen:
-        tags = sorted({quant_tag(first) for first in sets})
-        raise QwenrtError(f"{spec.repo} has no GGUF file tagged {spec.tag}{where}; it has {_some(tags)}")
+        raise QwenrtError(f"{spec.repo} has no GGUF file tagged {spec.tag}{where}; it has {_some(quant_tags(files))}")
     if len(chosen) > 1:
         raise QwenrtError(f"{spec.repo}: {len(chosen)} GGUF files are tagged {spec.tag}{where} ({_some(chosen)}); "
                           f"name one as {spec.repo}/PATH")
