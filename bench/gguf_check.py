@@ -114,8 +114,21 @@ class LlamaCpp:
     bin: Path  # llama-quantize, libllama.so
     python: Path  # the directory holding the llama_cpp bindings package
 
+    @staticmethod
+    def add_options(p: argparse.ArgumentParser) -> None:
+        """The options naming llama.cpp's tree, build and bindings, which `find` reads."""
+        p.add_argument("--llama-cpp", default=os.environ.get("LLAMA_CPP_DIR"),
+                       help="llama.cpp source tree (convert_hf_to_gguf.py, gguf-py/); default $LLAMA_CPP_DIR")
+        p.add_argument("--llama-build", default=os.environ.get("LLAMA_CPP_BUILD"),
+                       help="its build's bin/ (llama-quantize, libllama.so); default $LLAMA_CPP_BUILD")
+        p.add_argument("--llama-python", default=os.environ.get("LLAMA_CPP_PYTHON"),
+                       help="the directory holding the llama_cpp bindings package; default: the sdist around "
+                            "--llama-cpp")
+
     @classmethod
-    def find(cls, source: str | None, build: str | None, bindings: str | None) -> "LlamaCpp":
+    def find(cls, args: argparse.Namespace) -> "LlamaCpp":
+        """The llama.cpp that `add_options`' options name, every file the checks use there."""
+        source, build, bindings = args.llama_cpp, args.llama_build, args.llama_python
         prog = Path(sys.argv[0]).stem
         if not source or not build:
             sys.exit(f"{prog}: no llama.cpp: pass --llama-cpp SRC and --llama-build SRC/build/bin (or set "
@@ -507,12 +520,7 @@ def print_table(rows: list[Row]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--llama-cpp", default=os.environ.get("LLAMA_CPP_DIR"),
-                   help="llama.cpp source tree (convert_hf_to_gguf.py, gguf-py/); default $LLAMA_CPP_DIR")
-    p.add_argument("--llama-build", default=os.environ.get("LLAMA_CPP_BUILD"),
-                   help="its build's bin/ (llama-quantize, libllama.so); default $LLAMA_CPP_BUILD")
-    p.add_argument("--llama-python", default=os.environ.get("LLAMA_CPP_PYTHON"),
-                   help="the directory holding the llama_cpp bindings package; default: the sdist around --llama-cpp")
+    LlamaCpp.add_options(p)
     p.add_argument("--models", default=",".join(MODELS), help=f"of {','.join(MODELS)}")
     p.add_argument("--types", default=",".join(CONVERTER_TYPES + QUANTIZED_TYPES), help="GGUF types for (a)")
     p.add_argument("--tokens", type=int, default=16, help="greedy tokens after the prompt")
@@ -523,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.llama_worker:
         llama_worker(json.loads(args.llama_worker))
         return 0
-    llama = LlamaCpp.find(args.llama_cpp, args.llama_build, args.llama_python)
+    llama = LlamaCpp.find(args)
     models = [m for m in args.models.split(",") if m]
     qtypes = [t.upper() for t in args.types.split(",") if t]
     bad = [m for m in models if m not in MODELS] + [t for t in qtypes if t not in CONVERTER_TYPES + QUANTIZED_TYPES]

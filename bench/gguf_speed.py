@@ -109,9 +109,7 @@ def load_worker(job: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--llama-cpp", default=os.environ.get("LLAMA_CPP_DIR"), help="default $LLAMA_CPP_DIR")
-    p.add_argument("--llama-build", default=os.environ.get("LLAMA_CPP_BUILD"), help="default $LLAMA_CPP_BUILD")
-    p.add_argument("--llama-python", default=os.environ.get("LLAMA_CPP_PYTHON"))
+    LlamaCpp.add_options(p)
     p.add_argument("--types", default="Q8_0,Q4_K_M")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
@@ -123,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.load_worker:
         load_worker(json.loads(args.load_worker))
         return 0
-    llama = LlamaCpp.find(args.llama_cpp, args.llama_build, args.llama_python)
+    llama = LlamaCpp.find(args)
     from qwenrt.bench import cache_dir
 
     work = args.workdir or cache_dir() / "gguf-speed"

@@ -9,7 +9,8 @@ from pathlib import Path
 from qwenrt.default_model import DEFAULT_MODEL, default_model_path
 from qwenrt.errors import QwenrtError
 from qwenrt.files import CheckpointDir
-from qwenrt.hub import ALLOW_PATTERNS, download, is_repo_id
+from qwenrt.gguf.names import hub_gguf
+from qwenrt.hub import ALLOW_PATTERNS, download, download_gguf, is_repo_id, refuse_gguf_repo
 from qwenrt.units import human
 
 
@@ -80,12 +81,19 @@ def format_models(models: list[Model]) -> str:
 
 def pull(name: str, revision: str | None = None) -> str:
     """Fetch hub repo `name` into the Hugging Face cache (its config first: a model qwenrt cannot run is not
-    downloaded); returns the closing line."""
+    downloaded), or the GGUF file of a hub repo it names (`OWNER/REPO:TAG`, `OWNER/REPO/PATH.gguf`); returns the
+    closing line."""
     if name == DEFAULT_MODEL:
         return f"{DEFAULT_MODEL} is built in ({default_model_path()}): nothing to download"
+    spec = hub_gguf(name)
+    if spec is not None:
+        files = download_gguf(spec, name, revision)
+        return f"{name}: {human(sum(f.stat().st_size for f in files), 'B')} in {files[0]}"
     if not is_repo_id(name):
-        raise QwenrtError(f"{name}: not a hub repo id like 'Qwen/Qwen3.5-0.8B'")
+        raise QwenrtError(f"{name}: not a hub repo id like 'Qwen/Qwen3.5-0.8B' (or OWNER/REPO:TAG for a GGUF file)")
     kind, supported = _model_type(download(name, revision, ["config.json"])), _supported_types()
+    if kind is None:
+        refuse_gguf_repo(name, revision)
     if kind not in supported:
         found = "no config.json" if kind is None else f"model_type {kind!r}"
         raise QwenrtError(f"{name}: {found}, not a model qwenrt runs (model_type {', '.join(sorted(supported))})")

@@ -11,6 +11,7 @@ import sys
 from qwenrt import log
 from qwenrt.default_model import DEFAULT_MODEL
 from qwenrt.errors import QwenrtError
+from qwenrt.hub import MODEL_HELP
 from qwenrt.units import add_speculative_option
 from qwenrt.server.main import add_parser as add_serve_parser
 
@@ -119,8 +120,7 @@ RUN_DESCRIPTION = ("Answer one prompt, streamed to stdout. On a terminal a think
 
 
 def _generation_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", help="checkpoint directory or hub repo id (e.g. Qwen/Qwen3.5-0.8B); "
-                   "default: the built-in model qwenrt-tiny")
+    p.add_argument("model", nargs="?", help=f"{MODEL_HELP}; default: the built-in model {DEFAULT_MODEL}")
     p.add_argument("--system", help="system message")
     think = p.add_mutually_exclusive_group()
     think.add_argument("--thinking", dest="thinking", action="store_true", default=None, help="think before answering")
@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser("inspect", help="describe a checkpoint and check it against its config")
     p.add_argument("path", nargs="?", default=DEFAULT_MODEL,
-                   help=f"checkpoint directory or hub repo id (default: the built-in model {DEFAULT_MODEL})")
+                   help=f"{MODEL_HELP} (default: the built-in model {DEFAULT_MODEL})")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-finite-check", dest="finite_check", action="store_false",
                    help="skip the NaN/Inf scan of the weights (a read of every weight, as load does)")
@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_quantize)
 
     p = verbs.add_parser("convert", help="write a model as a GGUF file llama.cpp runs")
-    p.add_argument("src", help=f"checkpoint directory, hub repo id, GGUF file or {DEFAULT_MODEL} (the built-in model)")
+    p.add_argument("src", help=f"{MODEL_HELP}, or {DEFAULT_MODEL} (the built-in model)")
     p.add_argument("out", help="the new .gguf file (must not exist)")
     p.add_argument("--type", default="bf16", choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m"],
                    help="tensor types: bf16 (default), f16, f32, q8_0, q4_0, or llama.cpp's Q4_K_M mix")
@@ -276,8 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_train)
 
     p = verbs.add_parser("bench", help="prefill / decode speed, time to first token, peak RSS, GB/s")
-    p.add_argument("model", nargs="?", help="checkpoint directory or hub repo id (default, without --shape: the "
-                   f"built-in model {DEFAULT_MODEL})")
+    p.add_argument("model", nargs="?", help=f"{MODEL_HELP} (default, without --shape: the built-in model "
+                   f"{DEFAULT_MODEL})")
     p.add_argument("--shape", help="random weights at a published shape: 0.8b, 2b, 4b, 9b, 27b, 35b-a3b")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=128, help="greedy decode steps (no stop at EOS)")
@@ -303,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_list)
 
     p = verbs.add_parser("pull", help="download a hub checkpoint into the Hugging Face cache ahead of time")
-    p.add_argument("repo_id", help="hub repo id, e.g. Qwen/Qwen3.5-0.8B")
+    p.add_argument("repo_id", help="hub repo id, e.g. Qwen/Qwen3.5-0.8B, or a GGUF file of a hub repo: "
+                   "OWNER/REPO:QUANT or OWNER/REPO/PATH.gguf")
     p.add_argument("--revision", help="branch, tag or commit (default: main)")
     p.set_defaults(run=_pull)
     return parser

@@ -1,14 +1,17 @@
 """llama.cpp's own Hugging Face -> GGUF converter (convert_hf_to_gguf.py), for checking qwenrt's GGUF support
-against the files llama.cpp users make.
+against the files llama.cpp users make, and llama.cpp's tokenizer test data for Qwen3.5 (models/ggml-vocab-qwen35.gguf:
+a vocabulary-only file, with the test's texts in .inp and llama.cpp's token ids for them in .out).
 
 The converter is pure Python. Its source comes from $QWENRT_LLAMA_CPP_SRC (a llama.cpp source tree) or from the
 llama-cpp-python sdist on PyPI (which vendors llama.cpp with Qwen3.5 support), downloaded once into
-~/.cache/qwenrt-tests/ (the converter, its conversion/ package and its gguf-py: ~2 MB of the 76 MB archive).
+~/.cache/qwenrt-tests/ (the converter, its conversion/ package, its gguf-py and the vocabulary test files: ~8 MB of
+the 76 MB archive).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -17,7 +20,8 @@ from pathlib import Path
 
 SDIST = "llama-cpp-python==0.3.36"
 CACHE = Path.home() / ".cache" / "qwenrt-tests" / "llama.cpp-0.3.36"
-KEEP = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+VOCAB = "models/ggml-vocab-qwen35.gguf"  # and its .inp and .out beside it
+KEEP = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", VOCAB)
 VENDORED = "vendor/llama.cpp/"
 
 # run the converter; where `pre` is given, answer its pre-tokenizer check with it (the converter recognises a
@@ -36,12 +40,18 @@ convert_hf_to_gguf.main()
 
 
 def converter_source() -> Path:
-    """A directory holding convert_hf_to_gguf.py, conversion/ and gguf-py/."""
+    """A directory holding convert_hf_to_gguf.py, conversion/, gguf-py/ and models/ggml-vocab-qwen35.gguf*."""
     given = os.environ.get("QWENRT_LLAMA_CPP_SRC")
     if given:
         return Path(given)
-    if (CACHE / "convert_hf_to_gguf.py").is_file():
-        return CACHE
+    if not all((CACHE / name).is_file() for name in ("convert_hf_to_gguf.py", VOCAB + ".out")):
+        _fetch()
+    return CACHE
+
+
+def _fetch() -> None:
+    """KEEP's files of the sdist into CACHE: a new cache whole, an older one (from before the vocabulary files)
+    given only what it lacks, as other test runs may be reading it."""
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", SDIST,
                         "-d", tmp], check=True)
@@ -53,8 +63,13 @@ def converter_source() -> Path:
                 if inner.startswith(VENDORED) and inner[len(VENDORED):].startswith(KEEP) and member.isfile():
                     member.name = inner[len(VENDORED):]
                     tar.extract(member, staging, filter="data")
+    if not CACHE.exists():
         staging.rename(CACHE)
-    return CACHE
+        return
+    for file in sorted(f for f in staging.rglob("*") if f.is_file()):
+        if not (CACHE / file.relative_to(staging)).exists():
+            os.renames(file, CACHE / file.relative_to(staging))
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 def convert(checkpoint: Path, out: Path, outtype: str, pre: str | None = None, *options: str) -> Path:

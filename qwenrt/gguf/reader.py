@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import mmap
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +25,9 @@ from gguf import quants
 from qwenrt.config import ModelConfig, parse_config
 from qwenrt.errors import QwenrtError
 from qwenrt.gguf.blocks import SPECS, stored_blocks
-from qwenrt.gguf.layout import GATE_UP, from_gguf, gguf_names, layer_part
+from qwenrt.gguf.layout import from_gguf, gguf_names, layer_part
 from qwenrt.gguf.metadata import Metadata, config_dict, tokenizer_parts
+from qwenrt.gguf.names import SPLIT
 from qwenrt.quant import QuantSpec, quantizable_weights, storage_entries
 from qwenrt.tokenizer import TokenizerParts
 
@@ -35,7 +35,6 @@ READABLE = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_K, Q.Q4_K
 # the float dtype a tensor of each type loads in at dtype "auto": as stored for float files, bf16 for quantized ones
 AUTO_DTYPE = {Q.F32: "F32", Q.F16: "F16", Q.BF16: "BF16"}
 PIECE_DTYPES = {torch.int8: "I8", torch.uint8: "U8", torch.float32: "F32"}
-SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 MAX_SPLITS = 1024
 MAX_ELEMENTS = 1 << 40  # per tensor: past every Qwen3.5 tensor (the 397B's experts are ~2^36)
 

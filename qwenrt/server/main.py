@@ -19,6 +19,7 @@ from pathlib import Path
 from qwenrt import log
 from qwenrt.default_model import DEFAULT_MODEL, resolve_model
 from qwenrt.errors import QwenrtError
+from qwenrt.hub import MODEL_HELP
 from qwenrt.units import add_speculative_option, parse_size
 
 
@@ -188,8 +189,7 @@ def _origin(text: str) -> str:
 
 def add_parser(verbs) -> None:
     p = verbs.add_parser("serve", help="OpenAI-compatible HTTP server (needs the `serve` extra)")
-    p.add_argument("model", nargs="?", help="checkpoint directory or hub repo id (default: the built-in model "
-                   f"{DEFAULT_MODEL})")
+    p.add_argument("model", nargs="?", help=f"{MODEL_HELP} (default: the built-in model {DEFAULT_MODEL})")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $QWENRT_API_KEY)")
