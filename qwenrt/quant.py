@@ -273,8 +273,10 @@ class QuantLinear(nn.Module):
             if y is not None:
                 return y[0].reshape(*x.shape[:-1], self.out_features)
         if self.spec.fp32_groups:
-            if kernels is not None and self.spec.bits == 4 and x2.dtype == torch.bfloat16:  # prefill, x in 8 bits
-                y = kernels.gemm_q4g(x2, w, s, z)  # per group as llama.cpp's blocks take it (kernels/cpu_gemm.cpp)
+            if kernels is not None and x2.dtype == torch.bfloat16:  # prefill in integer sums (kernels/cpu_gemm.cpp):
+                # int8 with x in 16-bit fixed point, int4 with x in 8 bits per group (as llama.cpp's blocks take it)
+                y = kernels.gemm_q8g(x2, w, s, z, self.spec.group_size) if self.spec.bits == 8 else \
+                    kernels.gemm_q4g(x2, w, s, z)
             else:  # fp32 slices of the exact weight through torch's fp32 GEMM, rounded once
                 y = fp32_gemm(x2, self.out_features, self._fill_fp32(kernels, w, s, z))
             return y.reshape(*x.shape[:-1], self.out_features)

@@ -198,6 +198,27 @@ def test_int8_prefill_gemm_matches_its_dequantized_weight_and_the_gemv():
 
 
 @needs_kernels
+@pytest.mark.parametrize("spec", [QuantSpec(8, 16, fp32_groups=True), QuantSpec(8, 32, fp32_groups=True, zeros=True)],
+                         ids=str)
+def test_gguf_int8_prefill_gemm_matches_its_exact_weight_and_the_gemv(spec):
+    """The prefill GEMM of int8 GGUF blocks takes x in the GEMV's fixed point and sums each group exactly in int32:
+    within 5e-5 of x·W (fp64), and within 2 bf16 steps of the GEMV's bf16 outputs."""
+    g = torch.Generator().manual_seed(spec.group_size)
+    kernels = cpu_kernels()
+    for M, N, K in PREFILL_SHAPES:
+        x = torch.randn(M, K, generator=g).bfloat16()
+        pieces = fp32_group_pieces(N, K, spec, g)
+        zeros = pieces.get("zeros")
+        y = kernels.gemm_q8g(x, pieces["qweight"], pieces["scales"], zeros, spec.group_size)
+        assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+        assert rel_err(y, x.double() @ dequantize_weight(pieces, spec).double().t()) < 5e-3  # y's own bf16 rounding
+        gemv = torch.cat([kernels.gemv_q8g(x[i:i + 8], [pieces["qweight"]], [pieces["scales"]],
+                                           [] if zeros is None else [zeros], spec.group_size, "fp32")[0]
+                          for i in range(0, M, 8)])
+        assert ((y.float() - gemv).abs() <= 2 * 2 ** -8 * gemv.abs() + 1e-5 * gemv.abs().max()).all()
+
+
+@needs_kernels
 @pytest.mark.parametrize("G", [32, 64, 128])
 def test_int4_prefill_gemm_sums_8bit_activations_exactly(G):
     """The int4 prefill GEMM takes x in 8 bits per row and group, as the GEMV does (int4_within_8bit_rounding)."""

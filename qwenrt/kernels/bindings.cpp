@@ -42,6 +42,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_q4", &gemm_q4, "x [M, K] bf16 · int4 W (stored layout, groups of G) -> [M, N] bf16: prefill, x in 8 bits "
         "per group",
         arg("x"), arg("q"), arg("scales"), arg("zeros"), arg("G"));
+  m.def("gemm_q8g", &gemm_q8g, "x [M, K] bf16 · int8 W [N, K]ᵀ in fp32-scaled groups of G (16, 32), zeros optional "
+        "(GGUF blocks) -> [M, N] bf16: prefill, x in 16-bit fixed point, int32 sums per group",
+        arg("x"), arg("q"), arg("scales"), arg("zeros"), arg("G"));
   m.def("gemm_q4g", &gemm_q4g, "x [M, K] bf16 · int4 W (stored layout) in fp32-scaled groups of 32 with zeros (GGUF "
         "blocks) -> [M, N] bf16: prefill, x in 8 bits per group",
         arg("x"), arg("q"), arg("scales"), arg("zeros"));

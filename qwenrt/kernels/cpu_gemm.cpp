@@ -246,6 +246,60 @@ at::Tensor gemm_q8(at::Tensor x, at::Tensor q, at::Tensor scales) {
       });
 }
 
+// x [M, K] bf16 · int8 q [N, K] in fp32-scaled groups of G = 16 or 32 (GGUF's 8-, 6- and 5-bit blocks), zeros
+// [N, K/G] or none -> [M, N] bf16: gemm_q8's fixed-point x and int32 sums, folded per group with its scale times
+// x's block scale; zeros through Σ_g z·Σx per group.
+at::Tensor gemm_q8g(at::Tensor x, at::Tensor q, at::Tensor scales, c10::optional<at::Tensor> zeros, int64_t G) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(), "gemm_q8g: int8 weights [N, K]");
+  const int64_t N = q.size(0), K = q.size(1);
+  check_x(x, K, "gemm_q8g");
+  TORCH_CHECK((G == 16 || G == 32) && K % G == 0, "gemm_q8g: groups of 16 or 32 columns");
+  const int64_t groups = K / G;
+  for (const at::Tensor* t : {&scales, zeros ? &*zeros : &scales})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == N * groups,
+                "gemm_q8g: fp32 scales (and zeros) [N, K/G]");
+  const FixedPoint in = to_fixed_point(x, kQ8Block);
+  const std::vector<float> xsums = zeros ? group_sums(x, G) : std::vector<float>();
+  const int64_t blocks = in.Kp / kQ8Block, pairs = in.Kp / 2, panels = (N + kNR - 1) / kNR;
+  const int8_t* Q = q.data_ptr<int8_t>();
+  const float *S = scales.data_ptr<float>(), *Z = zeros ? zeros->data_ptr<float>() : nullptr;
+  std::vector<float> panel_s(panels * groups * kNR, 0.f), panel_z(Z ? panels * groups * kNR : 0, 0.f);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = (n / kNR * groups + g) * kNR + n % kNR;
+      panel_s[at] = S[n * groups + g];
+      if (Z) panel_z[at] = Z[n * groups + g];
+    }
+  return run_panels<int16_t, kMR>(
+      x, N, pairs * 2 * kNR, 4 * pairs,
+      [&](int64_t n0, int16_t* panel, std::vector<int16_t>& codes) {
+        pack(N, K, pairs, n0, panel, codes, [&](int64_t n, int16_t* row) {
+          for (int64_t k = 0; k < K; ++k) row[k] = Q[n * K + k];
+        });
+      },
+      [&](int64_t rows, int64_t m0, int64_t n0, const int16_t* panel, float* acc) {
+        const float* ps = panel_s.data() + n0 / kNR * groups * kNR;
+        const float* pz = Z ? panel_z.data() + n0 / kNR * groups * kNR : nullptr;
+        dispatch_rows<kMR>(rows, [&](auto r) {
+          constexpr int Rows = decltype(r)::value;
+          const int16_t* xr[Rows];
+          for (int m = 0; m < Rows; ++m) xr[m] = in.q.data() + (m0 + m) * in.Kp;
+          std::fill(acc, acc + Rows * kNR, 0.f);
+          for (int64_t g = 0; g < groups; ++g)
+            tile_sums<Rows>(xr, panel, g * G / 2, (g + 1) * G / 2, [&](int m, I l, I h) {
+              const F xs = set1(in.scale[(m0 + m) * blocks + g * G / kQ8Block]);
+              const I parts[2] = {l, h};
+              for (int v = 0; v < 2; ++v) {
+                float* a = acc + m * kNR + v * kLanes;
+                F sum = fmadd(to_float(parts[v]), mul(load(ps + g * kNR + v * kLanes), xs), load(a));
+                if (pz) sum = fmadd(load(pz + g * kNR + v * kLanes), set1(xsums[(m0 + m) * groups + g]), sum);
+                store(a, sum);
+              }
+            });
+        });
+      });
+}
+
 // A row of the int4 stored layout (byte b of group g: column g·G + b in the low nibble, g·G + G/2 + b in the high)
 // -> its K codes in column order. Arguments by value and restrict: byte stores may alias anything, and through a
 // lambda's captured references the compiler reloaded every bound after each one (4x slower packing).
