@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +22,7 @@ from gguf import quants
 
 from qwenrt.config import ModelConfig, parse_config
 from qwenrt.errors import QwenrtError
+from qwenrt.gguf import mmproj as clip
 from qwenrt.gguf.layout import gguf_names, from_gguf
 from qwenrt.gguf.metadata import Metadata, config_dict, tokenizer_parts
 from qwenrt.tokenizer import TokenizerParts
@@ -130,6 +131,8 @@ class GGUFCheckpoint:
     file_types: dict[str, str]
     files: list[Path]
     tokenizer: TokenizerParts | None = field(default=None, repr=False)
+    mmproj: Path | None = None  # the vision projector file holding model.visual.*, if one was given
+    preprocess: tuple | None = field(default=None, repr=False)  # its (image, video) PreprocessConfig
 
     @property
     def location(self) -> dict[str, Path]:
@@ -144,10 +147,19 @@ class GGUFCheckpoint:
 
     def get(self, name: str) -> torch.Tensor:
         """Tensor `name` as qwenrt lays it out: a float file's in its own dtype, a quantized one's in fp32."""
+        if name.startswith(clip.VISUAL):
+            return clip.from_mmproj(name, [_tensor(self.mmproj, t) for t in self.sources[name]])
         parts = [_tensor(self.path, t) for t in self.sources[name]]
         if any(p.dtype != parts[0].dtype for p in parts):
             parts = [p.float() for p in parts]
         return from_gguf(name, parts, self.config.text)
+
+    def vision_part(self) -> GGUFCheckpoint:
+        """This checkpoint's projector tensors alone: holding them does not hold the text file's map."""
+        keep = self.names(clip.VISUAL)
+        return replace(self, sources={n: self.sources[n] for n in keep}, shapes={n: self.shapes[n] for n in keep},
+                       dtypes={n: self.dtypes[n] for n in keep}, file_types={n: self.file_types[n] for n in keep},
+                       tokenizer=None)
 
     def type_summary(self) -> list[str]:
         """The file's tensor types with their counts, most frequent first: ["Q4_K ×120", "F32 ×60", ...]."""
@@ -173,9 +185,9 @@ def _tensor(path: Path, t) -> torch.Tensor:
     return torch.from_numpy(array.reshape(shape))
 
 
-def open_gguf(path: str | Path) -> GGUFCheckpoint:
+def open_gguf(path: str | Path, mmproj: str | Path | None = None) -> GGUFCheckpoint:
     """Open and check a GGUF model: its architecture and metadata, every tensor qwenrt needs present (by name,
-    shape and a readable type), none left over."""
+    shape and a readable type), none left over; with the vision tower of projector file `mmproj` if given."""
     path = Path(path)
     if not path.is_file():
         raise QwenrtError(f"GGUF file not found: {path}")
@@ -200,7 +212,60 @@ def open_gguf(path: str | Path) -> GGUFCheckpoint:
     shapes = {name: _shape(name, parts) for name, parts in sources.items()}
     dtypes = {name: AUTO_DTYPE.get(Q(parts[0].tensor_type), "BF16") for name, parts in sources.items()}
     file_types = {name: Q(parts[0].tensor_type).name for name, parts in sources.items()}
-    return GGUFCheckpoint(path, config, sources, shapes, dtypes, file_types, files, tokenizer_parts(meta))
+    ckpt = GGUFCheckpoint(path, config, sources, shapes, dtypes, file_types, files, tokenizer_parts(meta))
+    if mmproj is not None:
+        add_mmproj(ckpt, Path(mmproj))
+    return ckpt
+
+
+def add_mmproj(ckpt: GGUFCheckpoint, path: Path) -> None:
+    """Add the vision tower of llama.cpp projector file `path` to GGUF model `ckpt`: its tensors as model.visual.*,
+    its config a VLM's (the vision tokens from the model's tokenizer), its preprocessing. Shapes are checked against
+    the config by the loader, as a checkpoint's are."""
+    if not path.is_file():
+        raise QwenrtError(f"vision projector file not found: {path}")
+    reader = _open(path)
+    meta = Metadata(reader.fields, path)
+    vision = clip.vision_config(meta, ckpt.config.text.hidden_size)
+    ids = clip.vision_token_ids(ckpt.tokenizer, ckpt.config.text.vocab_size, ckpt.path)
+    config = clip.vlm_config(ckpt.config, vision, ids, path)
+    tensors = {}
+    for t in reader.tensors:
+        if t.name in tensors:
+            raise QwenrtError(f"{path}: tensor '{t.name}' appears twice")
+        tensors[t.name] = t
+    sources = _map_vision_tensors(path, config, tensors)
+    unknown = sorted(set(tensors) - {t.name for parts in sources.values() for t in parts})
+    if unknown:
+        raise QwenrtError(f"{path}: {len(unknown)} tensor(s) qwenrt does not know: {', '.join(unknown[:6])}")
+    for name, parts in sources.items():
+        ckpt.sources[name] = parts
+        ckpt.shapes[name] = clip.mmproj_shape(name, [tuple(int(n) for n in reversed(t.shape)) for t in parts])
+        ckpt.dtypes[name] = AUTO_DTYPE.get(Q(parts[0].tensor_type), "BF16")
+        ckpt.file_types[name] = Q(parts[0].tensor_type).name
+    ckpt.config, ckpt.mmproj, ckpt.files = config, path, [*ckpt.files, path]
+    ckpt.preprocess = clip.preprocess_configs(meta, vision)
+
+
+def _map_vision_tensors(path: Path, config: ModelConfig, tensors: dict) -> dict[str, tuple]:
+    """{qwenrt vision name: its reader tensors}: every tensor of the tower the config describes, of a readable type."""
+    from qwenrt.vision import VisionConfig, VisionTower
+
+    with torch.device("meta"):
+        names = [clip.VISUAL + n for n, _ in VisionTower(VisionConfig.from_dict(config.vision)).named_parameters()]
+    sources, missing = {}, []
+    for name in names:
+        wanted = clip.mmproj_names(name)
+        if all(w in tensors for w in wanted):
+            sources[name] = tuple(tensors[w] for w in wanted)
+        else:
+            missing += [w for w in wanted if w not in tensors]
+    if missing:
+        raise QwenrtError(f"{path}: missing {len(missing)} tensor(s): {', '.join(missing[:6])}")
+    for t in (t for parts in sources.values() for t in parts):
+        if Q(t.tensor_type) not in READABLE:
+            raise QwenrtError(f"{path}: tensor '{t.name}' is {Q(t.tensor_type).name}, a type qwenrt does not read")
+    return sources
 
 
 def _expected_names(config: ModelConfig) -> list[str]:
