@@ -24,7 +24,7 @@ from qwenrt.config import ModelConfig, parse_config
 from qwenrt.errors import QwenrtError
 from qwenrt.gguf import mmproj as clip
 from qwenrt.gguf.layout import gguf_names, from_gguf
-from qwenrt.gguf.metadata import Metadata, config_dict, tokenizer_parts
+from qwenrt.gguf.metadata import Metadata, architecture, config_dict, tokenizer_parts
 from qwenrt.tokenizer import TokenizerParts
 
 READABLE = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_K, Q.Q4_K, Q.Q6_K, Q.IQ4_XS, Q.IQ4_NL)
@@ -194,6 +194,7 @@ def open_gguf(path: str | Path, mmproj: str | Path | None = None) -> GGUFCheckpo
     files = gguf_files(path)
     readers = [_open(f) for f in files]
     meta = Metadata(readers[0].fields, path)
+    architecture(meta)  # a projector or another model's file is named for what it is before its tensors are read
     tensors = {}
     for file, reader in zip(files, readers):
         for t in reader.tensors:
