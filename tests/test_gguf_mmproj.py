@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
-from gguf import GGUFValueType as V
+from gguf import GGUFValueType as V, GGUFWriter
 
 import qwenrt
 from qwenrt.cli import build_parser, main
 from qwenrt.default_model import default_model_path
+from qwenrt.engine.prefix_store import model_identity
 from qwenrt.errors import QwenrtError
 from qwenrt.gguf.export import export_gguf
 from qwenrt.gguf.reader import FileReader
@@ -94,6 +96,13 @@ def test_a_projector_file_gives_the_checkpoints_vision(theirs, exported, referen
     assert model.vision_checkpoint is None  # the projector's tensors live in the tower alone once it is built
 
 
+def test_the_projector_file_is_part_of_the_models_identity(theirs):
+    """Prompt states kept on disk (prefix_cache_dir) are a model's: an image prompt's depend on the projector."""
+    identities = {model_identity(qwenrt.load(theirs["model"], mmproj=projector)[0])
+                  for projector in (None, theirs["f32"], theirs["f16"])}
+    assert len(identities) == 3
+
+
 def differences(ours, theirs) -> list[str]:
     """What differs between two GGUF files: the tensors (in order: name, type, shape, bytes) and the metadata (the
     model's name aside: qwenrt writes the checkpoint directory's, the converter a title made of it)."""
@@ -153,7 +162,8 @@ def test_misused_projector_files(vlm, theirs, tmp_path):
     # a model whose vocabulary has no <|image_pad|> token is text-only
     tokens = FileReader(model, "r").fields["tokenizer.ggml.tokens"].contents()
     tokens[527] = "<|not_an_image|>"
-    text_only = rewrite(model, tmp_path / "text-only.gguf", fields={"tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING)})
+    text_only = rewrite(model, tmp_path / "text-only.gguf",
+                        fields={"tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING)})
     refused(text_only, projector, "a text-only model (no <|image_pad|> token in its vocabulary of 576) cannot take")
     with pytest.raises(QwenrtError, match="the model has no vision tower to write as mmproj.gguf"):
         export_gguf("qwenrt-tiny", tmp_path / "tiny.gguf", "bf16", mmproj=tmp_path / "mmproj.gguf")
@@ -190,3 +200,27 @@ def test_a_truncated_projector_file(theirs, tmp_path):
     bad = tmp_path / "cut.gguf"
     bad.write_bytes(theirs["f16"].read_bytes()[:-1000])
     refused(theirs["model"], bad, f"{bad}: not a readable GGUF file (tensor 'v.position_embd.weight' lies past the end")
+
+
+def with_tensor(src, dst, name, array):
+    """A copy of F32 GGUF file src with tensor `name` holding `array` (PyTorch order, as the reader gives) instead."""
+    reader = FileReader(src, "r")
+    writer = GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            kinds = field.types
+            writer.add_key_value(key, field.contents(), kinds[0], kinds[-1] if kinds[0] == V.ARRAY else None)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, array if t.name == name else np.array(t.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def test_patch_kernels_of_two_shapes(theirs, tmp_path):
+    frame = next(t for t in FileReader(theirs["f32"], "r").tensors if t.name == "v.patch_embd.weight.1")
+    narrow = np.array(frame.data)[:, :, :8, :8].copy()  # [D, C, P, P] -> [D, C, 8, 8]
+    bad = with_tensor(theirs["f32"], tmp_path / "bad.gguf", "v.patch_embd.weight.1", narrow)
+    refused(theirs["model"], bad, f"{bad}: tensors v.patch_embd.weight and v.patch_embd.weight.1 differ in shape")

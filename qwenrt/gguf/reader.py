@@ -263,6 +263,9 @@ def _map_vision_tensors(path: Path, config: ModelConfig, tensors: dict) -> dict[
             missing += [w for w in wanted if w not in tensors]
     if missing:
         raise QwenrtError(f"{path}: missing {len(missing)} tensor(s): {', '.join(missing[:6])}")
+    for parts in sources.values():  # the patch kernel's two frames
+        if len({tuple(t.shape) for t in parts}) > 1:
+            raise QwenrtError(f"{path}: tensors {' and '.join(t.name for t in parts)} differ in shape")
     for t in (t for parts in sources.values() for t in parts):
         if Q(t.tensor_type) not in READABLE:
             raise QwenrtError(f"{path}: tensor '{t.name}' is {Q(t.tensor_type).name}, a type qwenrt does not read")
