@@ -131,7 +131,7 @@ def vision_token_ids(tokenizer: TokenizerParts | None, vocab_size: int, where) -
     a model without them is text-only."""
     ids = {}
     if tokenizer is not None:
-        added = {t["content"]: t["id"] for t in json.loads(tokenizer.backend_json).get("added_tokens", [])}
+        added = {t["content"]: t["id"] for t in _added_tokens(tokenizer.backend_json)}
         ids = {key: added.get(text, -1) for key, text in VISION_TOKENS.items()}
     for key, text in VISION_TOKENS.items():
         token = ids.get(key, getattr(ModelConfig, key))
@@ -140,6 +140,16 @@ def vision_token_ids(tokenizer: TokenizerParts | None, vocab_size: int, where) -
                               "cannot take a vision projector")
         ids[key] = token
     return ids
+
+
+def _added_tokens(backend_json: str) -> list[dict]:
+    """A tokenizer JSON's added tokens, decoded alone where they come first (as qwenrt.gguf.metadata writes them):
+    the whole JSON of a 248K-token vocabulary takes a second to decode."""
+    key = '"added_tokens": '
+    at = backend_json.find(key)
+    if at < 0:
+        return json.loads(backend_json).get("added_tokens", [])
+    return json.JSONDecoder().raw_decode(backend_json, at + len(key))[0]
 
 
 def vlm_config(text: ModelConfig, vision: dict, token_ids: dict[str, int], where) -> ModelConfig:
