@@ -76,8 +76,8 @@ def reference(vlm):
     return qwenrt.load(vlm, dtype="float32")
 
 
-def image_logits(model, tokenizer) -> tuple[list[int], torch.Tensor]:
-    prepared = prepare_prompt(model, tokenizer, MESSAGES)
+def image_logits(model, tokenizer, messages=MESSAGES) -> tuple[list[int], torch.Tensor]:
+    prepared = prepare_prompt(model, tokenizer, messages)
     with torch.inference_mode():
         return prepared.ids, ours(model, prepared).float()
 
@@ -94,6 +94,14 @@ def test_a_projector_file_gives_the_checkpoints_vision(theirs, exported, referen
     greedy = qwenrt.complete(model, tokenizer, MESSAGES, max_tokens=12).tokens
     assert greedy == qwenrt.complete(*reference, MESSAGES, max_tokens=12).tokens and len(set(greedy)) > 2
     assert model.vision_checkpoint is None  # the projector's tensors live in the tower alone once it is built
+
+
+def test_video_through_a_projector_file(theirs, reference):
+    """Video frames take the projector's preprocessing too (Qwen3.5's published video bounds)."""
+    video = ask({"type": "video", "video": [picture(64, 64, 10 + i) for i in range(4)]})
+    ids, got = image_logits(*qwenrt.load(theirs["model"], mmproj=theirs["f32"], dtype="float32"), video)
+    ref_ids, expected = image_logits(*reference, video)
+    assert ids == ref_ids and ids.count(528) > 0 and torch.equal(got, expected)
 
 
 def test_the_projector_file_is_part_of_the_models_identity(theirs):
