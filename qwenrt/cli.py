@@ -12,14 +12,14 @@ from qwenrt import log
 from qwenrt.default_model import DEFAULT_MODEL
 from qwenrt.errors import QwenrtError
 from qwenrt.hub import MODEL_HELP
-from qwenrt.units import add_speculative_option
+from qwenrt.units import add_mmproj_option, add_speculative_option
 from qwenrt.server.main import add_parser as add_serve_parser
 
 
 def _inspect(args) -> None:
     from qwenrt.inspect import format_report, inspect_checkpoint
 
-    report = inspect_checkpoint(args.path, check_finite=args.finite_check)
+    report = inspect_checkpoint(args.path, check_finite=args.finite_check, mmproj=args.mmproj)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
 
 
@@ -61,7 +61,7 @@ def _run(args) -> None:
         device=args.device, prefill_chunk=args.prefill_chunk, max_context=args.max_context, sampling=_sampling(args),
         images=args.image or [], videos=args.video or [], check_finite=args.finite_check,
         engine_options=_engine_options(args), show_thinking=args.show_thinking,
-        threads=args.threads)
+        threads=args.threads, mmproj=args.mmproj)
 
 
 def _chat(args) -> None:
@@ -96,7 +96,7 @@ def _quantize(args) -> None:
 def _convert(args) -> None:
     from qwenrt.gguf.export import export_gguf
 
-    print(export_gguf(args.src, args.out, args.type, progress=log.shows_progress()))
+    print(export_gguf(args.src, args.out, args.type, progress=log.shows_progress(), mmproj=args.mmproj))
 
 
 def _bench(args) -> None:
@@ -208,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-finite-check", dest="finite_check", action="store_false",
                    help="skip the NaN/Inf scan of the weights (a read of every weight, as load does)")
+    add_mmproj_option(p)
     p.set_defaults(run=_inspect)
 
     p = verbs.add_parser("run", help="answer one prompt, streamed to stdout", description=RUN_DESCRIPTION)
@@ -216,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="plain completion: no chat template")
     p.add_argument("--image", action="append", help="image file, URL or data: URI (repeatable)")
     p.add_argument("--video", action="append", help="video file (needs the `video` extra) (repeatable)")
+    add_mmproj_option(p)
     p.set_defaults(run=_run)
 
     p = verbs.add_parser("chat", help="interactive multi-turn chat")
@@ -235,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="the new .gguf file (must not exist)")
     p.add_argument("--type", default="bf16", choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m"],
                    help="tensor types: bf16 (default), f16, f32, q8_0, q4_0, or llama.cpp's Q4_K_M mix")
+    p.add_argument("--mmproj", metavar="OUT", help="also write the vision tower as this llama.cpp vision projector "
+                   "file (.gguf; the tensors at --type, F16 for the 4-bit types)")
     log.add_options(p, verbose=False)
     p.set_defaults(run=_convert)
 

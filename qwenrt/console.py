@@ -47,14 +47,14 @@ def constraint_files(json_schema: str | None, grammar: str | None) -> dict:
 
 
 def load_for_cli(source: str | None, path, dtype: str, device: str, check_finite: bool = True,
-                 engine_options: dict | None = None, threads: int | None = None):
+                 engine_options: dict | None = None, threads: int | None = None, mmproj: str | None = None):
     """Load `path` (what `check_options` resolved `source` to) with progress and timing on stderr, naming the
     built-in model when no source was given."""
     start = time.perf_counter()
     log.info(f"loading {resolve_model(source)[1]} …")
     log.detail(f"checkpoint: {path}")
     model, tokenizer = load(path, dtype=dtype, device=device, progress=log.shows_progress(), check_finite=check_finite,
-                            threads=threads, **(engine_options or {}))
+                            threads=threads, mmproj=mmproj, **(engine_options or {}))
     c = model.config.text
     kernels = ""
     if model.device.type == "cpu":
@@ -67,7 +67,7 @@ def load_for_cli(source: str | None, path, dtype: str, device: str, check_finite
 
 
 def check_options(source: str | None, sampling: dict, device: str, dtype: str, max_context: int | None,
-                  media: list[tuple[str, str]] = ()):
+                  media: list[tuple[str, str]] = (), mmproj: str | None = None):
     """What can be refused before the weights load: sampling values, the device, the dtype, local media files, the
     checkpoint's tokenizer, media on a text-only model, the context limit against the checkpoint's config. Returns
     the checkpoint directory (a hub id resolved; no source: the built-in model's)."""
@@ -78,7 +78,7 @@ def check_options(source: str | None, sampling: dict, device: str, dtype: str, m
         preflight_media(item, DEFAULT_POLICY, kind)
     path = resolve_model_path(resolve_model(source)[0])
     if is_gguf(path):
-        gguf = open_gguf(path, blocks=False)
+        gguf = open_gguf(path, mmproj, blocks=False)
         config = gguf.config
         if gguf.tokenizer is None:
             raise QwenrtError(f"{path}: the file has no tokenizer (tokenizer.ggml.* metadata); text prompts need one")
@@ -86,6 +86,9 @@ def check_options(source: str | None, sampling: dict, device: str, dtype: str, m
         config = load_config(path)
         if not CheckpointDir(path).exists("tokenizer.json"):
             raise QwenrtError(f"{path}: the checkpoint has no tokenizer.json; text prompts need one")
+    if media and not config.is_vlm and is_gguf(path):
+        raise QwenrtError(f"{path}: a GGUF model file holds no vision tower; --image/--video need its vision "
+                          "projector file too (--mmproj FILE)")
     if media and not config.is_vlm:
         raise QwenrtError(f"{path}: a text-only model (no vision_config in config.json); --image/--video need a "
                           "vision-language checkpoint")
@@ -224,7 +227,7 @@ def user_message(text: str, images: list[str], videos: list[str]) -> dict:
 def run(source: str | None, prompt: str, *, raw: bool, system: str | None, thinking: bool | None, dtype: str,
         device: str, prefill_chunk: int | None, max_context: int | None, sampling: dict, images: list[str] = (),
         videos: list[str] = (), check_finite: bool = True, engine_options: dict | None = None,
-        show_thinking: bool | None = None, threads: int | None = None) -> None:
+        show_thinking: bool | None = None, threads: int | None = None, mmproj: str | None = None) -> None:
     """`qwenrt run`: stream one answer to stdout (the reasoning where `reasoning_destination` says); load progress
     and a stats line go to stderr."""
     began = time.perf_counter()
@@ -237,9 +240,9 @@ def run(source: str | None, prompt: str, *, raw: bool, system: str | None, think
     if raw and (images or videos):
         raise QwenrtError("--image/--video need the chat template; drop --raw")
     path = check_options(source, sampling, device, dtype, max_context,
-                         [("image", i) for i in images] + [("video", v) for v in videos])
+                         [("image", i) for i in images] + [("video", v) for v in videos], mmproj)
     checked = time.perf_counter()
-    model, tokenizer = load_for_cli(source, path, dtype, device, check_finite, engine_options, threads)
+    model, tokenizer = load_for_cli(source, path, dtype, device, check_finite, engine_options, threads, mmproj)
     loaded = time.perf_counter()
     params = sampling_params(sampling, tokenizer)
     log.detail(describe_sampling(params))

@@ -21,11 +21,12 @@ def _count(shapes) -> int:
     return sum(math.prod(s) for s in shapes)
 
 
-def inspect_checkpoint(path: str | Path, check_finite: bool = True) -> dict:
+def inspect_checkpoint(path: str | Path, check_finite: bool = True, mmproj: str | Path | None = None) -> dict:
     """A report of the checkpoint as a dict of plain values. Raises QwenrtError when a contract fails, with the error
-    `load` gives. check_finite=False skips the NaN/Inf scan (a read of every weight), as in `load`."""
+    `load` gives. check_finite=False skips the NaN/Inf scan (a read of every weight), as in `load`. mmproj: a GGUF
+    model's vision projector file, checked with it."""
     path = resolve_model_path(path)
-    verified, tokenizer = check_checkpoint(path)
+    verified, tokenizer = check_checkpoint(path, mmproj)
     if check_finite:
         scan_weights(path, verified)
     config, ckpt, plan, aside, _ = verified
@@ -50,6 +51,7 @@ def inspect_checkpoint(path: str | Path, check_finite: bool = True) -> dict:
     pattern = "".join("L" if t == "linear_attention" else "F" for t in c.layer_types)
     return {
         "path": str(path),
+        "mmproj": str(mmproj) if mmproj is not None else None,
         "model_type": config.model_type,
         "family": ("MoE" if c.is_moe else "dense") + (" VLM" if config.is_vlm else " text"),
         "mtp": has_mtp,
@@ -98,7 +100,7 @@ def _pattern(p: str) -> str:
 
 def format_report(r: dict) -> str:
     lines = [
-        f"checkpoint      {r['path']}",
+        f"checkpoint      {r['path']}" + (f" + vision projector {r['mmproj']}" if r["mmproj"] else ""),
         f"model_type      {r['model_type']}  ({r['family']}, MTP head: {'yes' if r['mtp'] else 'no'}, "
         f"vision tensors: {r['vision_tensors']})",
         f"layers          {r['layers']} = {r['deltanet_layers']} Gated DeltaNet + {r['attention_layers']} gated attention"

@@ -110,8 +110,9 @@ def _check_vision(path: Path, config, ckpt) -> None:
     check_dtypes(path, ckpt, {n: Source((name,), ckpt.shapes[name]) for n, name in stored.items()}, {})
 
 
-def verify_checkpoint(path: str | Path, blocks: bool = True):
-    """Config plus strict tensor accounting from the headers alone, nothing read.
+def verify_checkpoint(path: str | Path, mmproj: str | Path | None = None, blocks: bool = True):
+    """Config plus strict tensor accounting from the headers alone, nothing read. mmproj: a llama.cpp vision
+    projector file giving a GGUF model its vision tower.
 
     Returns (config, checkpoint, plan, names set aside, the model on `meta`). Raises QwenrtError listing what is
     missing, unexpected, wrongly shaped or stored in the wrong dtype. blocks: a GGUF file's quantized blocks held as
@@ -119,8 +120,11 @@ def verify_checkpoint(path: str | Path, blocks: bool = True):
     """
     path = Path(check_path(path))
     if is_gguf(path):
-        ckpt = open_gguf(path, blocks)
+        ckpt = open_gguf(path, mmproj, blocks)
         config = ckpt.config
+    elif mmproj is not None:
+        raise QwenrtError(f"{path}: a vision projector file (mmproj) goes with a GGUF model; a checkpoint directory "
+                          "holds its own vision tower")
     else:
         config = load_config(path)
         ckpt = open_checkpoint(path)
@@ -138,15 +142,16 @@ def verify_checkpoint(path: str | Path, blocks: bool = True):
         plan.pop("lm_head.weight", None)  # some exports store the tied head too; the reference ignores it
     check_tensors(path, "checkpoint does not match its config", expected, {n: src.shape for n, src in plan.items()})
     check_dtypes(path, ckpt, plan, dict(model.named_buffers()))
-    _check_vision(path, config, ckpt)
+    _check_vision(getattr(ckpt, "mmproj", None) or path, config, ckpt)
     return config, ckpt, plan, aside, model
 
 
-def check_checkpoint(path: str | Path, blocks: bool = True) -> tuple[tuple, Tokenizer | None]:
+def check_checkpoint(path: str | Path, mmproj: str | Path | None = None, blocks: bool = True
+                     ) -> tuple[tuple, Tokenizer | None]:
     """Everything `load` checks before it reads a weight, and `inspect` with it: `verify_checkpoint`, then the
     tokenizer's files opened as load opens them (regular files inside the checkpoint, size-capped), parsed, the chat
     template compiled. Returns (verify_checkpoint's tuple, the tokenizer or None when there is no tokenizer.json)."""
-    verified = verify_checkpoint(path, blocks)
+    verified = verify_checkpoint(path, mmproj, blocks)
     vocab, ckpt = verified[0].text.vocab_size, verified[1]
     if isinstance(ckpt, GGUFCheckpoint):
         return verified, ckpt.tokenizer and Tokenizer(ckpt.tokenizer, model_vocab_size=vocab)
@@ -236,8 +241,8 @@ def load_model(path: str | Path, dtype="auto", device: str | torch.device = "cpu
     NaN/Inf (one pass over the weights; False skips it).
     """
     device = resolve_device(device)
-    return _load_verified(path, verify_checkpoint(path, device.type == "cpu"), dtype, device, progress, quantize,
-                          check_finite)
+    verified = verify_checkpoint(path, blocks=device.type == "cpu")
+    return _load_verified(path, verified, dtype, device, progress, quantize, check_finite)
 
 
 def _load_verified(path, verified: tuple, dtype, device: torch.device, progress: bool, quantize,
@@ -265,6 +270,9 @@ def _load_verified(path, verified: tuple, dtype, device: torch.device, progress:
         prepare_kernels(progress)
     model.checkpoint_path = Path(path)
     model.extra_tensors = sorted(aside)  # model.visual.*, for the vision tower
+    model.mmproj_path = getattr(ckpt, "mmproj", None)
+    # a projector file's tensors, kept until the tower loads (the text file's map is released with the rest)
+    model.vision_checkpoint = ckpt.vision_part() if model.mmproj_path else None
     return model
 
 
@@ -280,7 +288,7 @@ def use_threads(threads: int | None) -> None:
 
 def load(path: str | Path | None = None, dtype="auto", device: str | torch.device = "cpu", revision: str | None = None,
          progress: bool = False, quantize: str | QuantSpec | None = None, check_finite: bool = True,
-         threads: int | None = None, **engine_options):
+         threads: int | None = None, mmproj: str | Path | None = None, **engine_options):
     """Load a Qwen3.5 checkpoint (a directory, a hub repo id, or a `qwen35`/`qwen35moe` GGUF file; None: the
     built-in model): returns (model, tokenizer).
 
@@ -288,6 +296,8 @@ def load(path: str | Path | None = None, dtype="auto", device: str | torch.devic
     checkpoint has no tokenizer.json. quantize: "int8" | "int4" (weight-only, CPU), see `load_model`.
     check_finite=False skips the NaN/Inf scan of the weights. threads: CPU threads of torch and the native kernels
     in this process from now on (torch.set_num_threads; None leaves them: torch's default is the physical cores).
+    mmproj: a llama.cpp vision projector file (`clip`, as `convert_hf_to_gguf.py --mmproj` writes it) giving a GGUF
+    model its vision tower.
     engine_options: settings of the engine that generation on this model uses (`qwenrt.engine.Engine`: max_running,
     max_model_len, prefix_cache_size, prefix_cache_dir, ...), checked when it is made.
     """
@@ -296,7 +306,7 @@ def load(path: str | Path | None = None, dtype="auto", device: str | torch.devic
     use_threads(threads)
     device = resolve_device(device)
     path = resolve_model_path(resolve_model(path)[0], revision)
-    verified, tokenizer = check_checkpoint(path, device.type == "cpu")  # the tokenizer too, before any weight is read
+    verified, tokenizer = check_checkpoint(path, mmproj, blocks=device.type == "cpu")  # before any weight is read
     model = _load_verified(path, verified, dtype, device, progress, quantize, check_finite)
     model.engine_options = engine_options
     return model, tokenizer

@@ -69,17 +69,22 @@ class VisionEncoder:
         if not config.is_vlm:
             raise QwenrtError(f"{model.checkpoint_path}: this checkpoint has no vision tower (text-only model)")
         self.config = config
-        self.image_cfg, self.video_cfg = load_preprocess_configs(model.checkpoint_path)
-        ckpt = open_checkpoint(model.checkpoint_path)
+        ckpt, where = getattr(model, "vision_checkpoint", None), getattr(model, "mmproj_path", None)
+        if ckpt is not None:  # a GGUF model's projector file
+            self.image_cfg, self.video_cfg = ckpt.preprocess
+        else:
+            self.image_cfg, self.video_cfg = load_preprocess_configs(model.checkpoint_path)
+            ckpt, where = open_checkpoint(model.checkpoint_path), model.checkpoint_path
         with torch.device("meta"):
             self.tower = VisionTower(VisionConfig.from_dict(config.vision))
         expected = {name: tuple(p.shape) for name, p in self.tower.named_parameters()}
         stored = {n[len(VISUAL_PREFIX):]: n for n in ckpt.names(VISUAL_PREFIX)}
-        check_tensors(model.checkpoint_path, "vision tower tensors do not match vision_config", expected,
+        check_tensors(where, "vision tower tensors do not match vision_config", expected,
                       {n: ckpt.shapes[name] for n, name in stored.items()})
         state = {n: ckpt.get(stored[n]).to(device=model.device, dtype=model.dtype) for n in expected}
         self.tower.load_state_dict(state, strict=True, assign=True)
         self.tower.requires_grad_(False).eval()
+        model.vision_checkpoint = None  # its tensors are in the tower now: release the file's map
 
     def embed(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Patches -> merged vision embeddings [N / merge², D] in the decoder's dtype."""

@@ -504,8 +504,8 @@ class LoadQuantizer:
     """The loader's side: builds QuantLinears while a checkpoint is read, from stored pieces or by quantizing.
 
     spec None: the model holds placeholders (see `install_stored`), each with its format, and the checkpoint their
-    pieces; otherwise each unit's full-precision source weight is quantized to `spec` as it is read. Every claimed tensor is
-    consumed here (a tied embedding included: its lookup reads the quantized head).
+    pieces; otherwise each unit's full-precision source weight is quantized to `spec` as it is read. Every claimed
+    tensor is consumed here (a tied embedding included: its lookup reads the quantized head).
     """
 
     def __init__(self, model: nn.Module, spec: QuantSpec | None, dtype: torch.dtype):

@@ -42,6 +42,11 @@ def speculative_tokens(text: str) -> int | str:
     return value
 
 
+def add_mmproj_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mmproj", metavar="FILE", help="a llama.cpp vision projector file (mmproj-*.gguf) giving a "
+                   "GGUF model its vision tower")
+
+
 def add_speculative_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-tokens", type=speculative_tokens, metavar="auto|K",
                    help="draft tokens verified per decode step: 0 = off, 1..8, or auto (default: auto, which uses "

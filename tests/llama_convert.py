@@ -74,7 +74,7 @@ def _fetch() -> None:
 
 def convert(checkpoint: Path, out: Path, outtype: str, pre: str | None = None, *options: str) -> Path:
     """Convert checkpoint directory -> GGUF file `out` (outtype f32, f16, bf16 or q8_0) with llama.cpp's converter
-    (options: more of its flags, e.g. --vocab-only)."""
+    (options: more of its flags, e.g. --vocab-only, or --mmproj for the vision projector file)."""
     src = converter_source()
     subprocess.run([sys.executable, "-c", RUNNER, str(src), pre or "", str(checkpoint), "--outtype", outtype,
                     "--outfile", str(out), *options], check=True, capture_output=True, text=True)

@@ -68,6 +68,8 @@ def model_identity(model) -> str:
     h = hashlib.sha256()
     if is_gguf(path):  # its metadata is its config: the sampled bytes include it
         files = gguf_files(Path(path))
+        if getattr(model, "mmproj_path", None) is not None:  # the vision tower's file makes image prompts' states
+            files.append(model.mmproj_path)
     else:
         where = CheckpointDir(path)  # the files the loader read, confined as it confined them
         h.update(read_bytes(where.file("config.json"), JSON_LIMIT, "config.json"))

@@ -24,12 +24,13 @@ from tqdm import tqdm
 
 from qwenrt.checkpoint import materialize
 from qwenrt.errors import QwenrtError
-from qwenrt.gguf import kquants
+from qwenrt.gguf import kquants, mmproj as clip
 from qwenrt.gguf.layout import F32_SUFFIXES, gguf_names, to_gguf
 from qwenrt.gguf.metadata import SAMPLING, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED, TOKEN_USER_DEFINED
 from qwenrt.hub import resolve_model_path
 from qwenrt.loader import check_checkpoint
 from qwenrt.quant import stored_spec
+from qwenrt.vision.config import VisionConfig, load_preprocess_configs
 
 TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m")
 FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_k_m": 15}  # general.file_type (llama_ftype)
@@ -159,20 +160,23 @@ def _tokenizer(writer: GGUFWriter, tokenizer, vocab_rows: int) -> None:
         writer.add_chat_template(tokenizer.chat_template)
 
 
-def export_gguf(source: str | Path, out: str | Path, kind: str = "bf16", progress: bool = False) -> Path:
-    """Write the model at `source` as GGUF file `out` of type `kind` (see TYPES). Returns out."""
+def export_gguf(source: str | Path, out: str | Path, kind: str = "bf16", progress: bool = False,
+                mmproj: str | Path | None = None) -> Path:
+    """Write the model at `source` as GGUF file `out` of type `kind` (see TYPES), and its vision tower as llama.cpp
+    projector file `mmproj` if given (qwenrt.gguf.mmproj; both files appear together or neither). Returns out."""
     if kind not in TYPES:
         raise QwenrtError(f"unknown GGUF type {kind!r} (use one of: {', '.join(TYPES)})")
-    out = Path(out).expanduser()
-    if not out.name.lower().endswith(".gguf"):
-        raise QwenrtError(f"{out}: the output's name must end in .gguf")
-    if out.exists():
-        raise QwenrtError(f"{out}: already exists")
+    out = _new_file(out)
+    vision_out = _new_file(mmproj) if mmproj is not None else None
+    if vision_out is not None and vision_out.resolve() == out.resolve():
+        raise QwenrtError(f"{out}: the model and its vision projector need two files")
     path = resolve_model_path(source)
     verified, tokenizer = check_checkpoint(path, blocks=False)  # a GGUF source's blocks as floats
     config, ckpt, plan, _, _ = verified
     if stored_spec(config.raw):
         raise QwenrtError(f"{path}: a `qwenrt quantize` checkpoint; convert its full-precision source instead")
+    if vision_out is not None:
+        _check_vision_export(path, config, ckpt, vision_out)
     c = config.text
     n_mtp = 1 if any(n.startswith("mtp.") for n in plan) else 0
     tied = c.tie_word_embeddings
@@ -182,7 +186,8 @@ def export_gguf(source: str | Path, out: str | Path, kind: str = "bf16", progres
         shapes = _gguf_shapes(name, source_plan.shape)
         for i, (gname, shape) in enumerate(zip(names, shapes)):
             entries.append((gname, name, i, shape, tensor_type(gname, shape, kind, c.num_hidden_layers, tied)))
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    tmp = _partial(out)
+    vision_tmp, placed = (_partial(vision_out) if vision_out is not None else None), None
     try:
         writer = GGUFWriter(tmp, "qwen35moe" if c.is_moe else "qwen35")
         _metadata(writer, config, tokenizer, n_mtp, kind, Path(str(path)).name)
@@ -199,11 +204,65 @@ def export_gguf(source: str | Path, out: str | Path, kind: str = "bf16", progres
                 done = {name: to_gguf(name, materialize(ckpt, plan[name], torch.float32), c)}
             writer.write_tensor_data(encode(done[name][part], qtype))
         writer.close()
+        if vision_tmp is not None:
+            _write_mmproj(vision_tmp, vision_out.name, path, config, ckpt, kind, progress)
+            os.replace(vision_tmp, vision_out)
+            placed = vision_out
         os.replace(tmp, out)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        for file in (tmp, vision_tmp, placed):
+            if file is not None:
+                file.unlink(missing_ok=True)
         raise
     return out
+
+
+def _new_file(out: str | Path) -> Path:
+    out = Path(out).expanduser()
+    if not out.name.lower().endswith(".gguf"):
+        raise QwenrtError(f"{out}: the output's name must end in .gguf")
+    if out.exists():
+        raise QwenrtError(f"{out}: already exists")
+    return out
+
+
+def _partial(out: Path) -> Path:
+    """The hidden file `out` is written as, renamed into place once whole."""
+    return out.with_name(f".{out.name}.partial-{os.getpid()}")
+
+
+def _check_vision_export(path: Path, config, ckpt, out: Path) -> None:
+    if not ckpt.names(clip.VISUAL):
+        raise QwenrtError(f"{path}: the model has no vision tower to write as {out.name}")
+    clip.check_exportable(VisionConfig.from_dict(config.vision), path)
+
+
+def _write_mmproj(tmp: Path, shown: str, path: Path, config, ckpt, kind: str, progress: bool) -> None:
+    """The vision tower of checkpoint `path` as llama.cpp's converter writes its projector file, tensor by tensor
+    (in the checkpoint's name order, as the converter reads them) into `tmp` (`shown` on the progress bar)."""
+    vision = VisionConfig.from_dict(config.vision)
+    file_type = clip.FILE_TYPES[kind]
+    entries = []  # (file name, qwenrt name, part index, shape, type)
+    for name in sorted(ckpt.names(clip.VISUAL)):
+        parts = zip(clip.mmproj_names(name), clip.mmproj_shapes(name, ckpt.shapes[name]))
+        entries += [(gname, name, i, shape, clip.tensor_type(gname, shape, file_type))
+                    for i, (gname, shape) in enumerate(parts)]
+    writer = GGUFWriter(tmp, "clip")
+    clip.write_metadata(writer, vision, load_preprocess_configs(path)[0], config.text.hidden_size, file_type,
+                        Path(str(path)).name, sum(math.prod(e[3]) for e in entries))
+    for gname, _, _, shape, qtype in entries:
+        writer.add_tensor_info(gname, _stored_shape(shape, qtype), np.dtype(ARRAY_DTYPES.get(qtype, np.uint8)),
+                               _nbytes(shape, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    done: dict[str, tuple] = {}
+    for gname, name, part, shape, qtype in tqdm(entries, desc=f"writing {shown}", unit="tensor",
+                                                 disable=not progress, file=sys.stderr):
+        if name not in done:
+            done = {name: clip.to_mmproj(name, ckpt.get(name).float())}
+        writer.write_tensor_data(encode(done[name][part], qtype))
+    writer.close()
 
 
 def _gguf_shapes(name: str, shape: tuple[int, ...]) -> list[tuple[int, ...]]:

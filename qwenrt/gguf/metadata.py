@@ -61,9 +61,25 @@ class Metadata:
             return default
         return self._field(key, {GGUFValueType.STRING}, "a string", False).contents()
 
-    def ints(self, key: str) -> list[int]:
+    def flag(self, key: str, default: bool | None = None) -> bool:
+        if default is not None and key not in self.fields:
+            return default
+        return bool(self._field(key, {GGUFValueType.BOOL}, "a boolean", False).contents())
+
+    def _counted(self, field: ReaderField, key: str, count: int | None) -> ReaderField:
+        """`field`, an array of exactly `count` values where a count is given (checked before it is read)."""
+        found = int(field.parts[4][0])  # after the key's length, the key, the value type and the item type
+        if count is not None and found != count:
+            raise QwenrtError(f"{self.where}: GGUF metadata key '{key}' must hold {count} values, got {found}")
+        return field
+
+    def floats(self, key: str, count: int | None = None) -> list[float]:
+        field = self._field(key, FLOAT_TYPES | INTEGER_TYPES, "an array of numbers", True)
+        return [float(str(np.float32(v))) for v in self._counted(field, key, count).contents()]
+
+    def ints(self, key: str, count: int | None = None) -> list[int]:
         field = self._field(key, INTEGER_TYPES | {GGUFValueType.BOOL}, "an array of integers", True)
-        return [int(v) for v in field.contents()]
+        return [int(v) for v in self._counted(field, key, count).contents()]
 
     def strings(self, key: str) -> list[str]:
         return self._field(key, {GGUFValueType.STRING}, "an array of strings", True).contents()
@@ -71,6 +87,9 @@ class Metadata:
 
 def architecture(meta: Metadata) -> str:
     arch = meta.str("general.architecture")
+    if arch == "clip":
+        raise QwenrtError(f"{meta.where}: a vision projector (mmproj) file, not a model: give it beside the model "
+                          "file (--mmproj FILE, mmproj=FILE)")
     if arch not in ARCHITECTURES:
         raise QwenrtError(f"{meta.where}: GGUF architecture {arch!r} is not supported (supported: "
                           f"{', '.join(ARCHITECTURES)}: Qwen3.5 dense and MoE)")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import mmap
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +24,10 @@ from gguf import quants
 
 from qwenrt.config import ModelConfig, parse_config
 from qwenrt.errors import QwenrtError
+from qwenrt.gguf import mmproj as clip
 from qwenrt.gguf.blocks import SPECS, stored_blocks
 from qwenrt.gguf.layout import from_gguf, gguf_names, layer_part
-from qwenrt.gguf.metadata import Metadata, config_dict, tokenizer_parts
+from qwenrt.gguf.metadata import Metadata, architecture, config_dict, tokenizer_parts
 from qwenrt.gguf.names import SPLIT
 from qwenrt.quant import QuantSpec, quantizable_weights, storage_entries
 from qwenrt.tokenizer import TokenizerParts
@@ -139,6 +140,8 @@ class GGUFCheckpoint:
     pieces: dict[str, tuple[str, QuantSpec, str]] = field(default_factory=dict)  # name -> (parameter, spec, piece)
     float_dtype: str = "BF16"  # the load dtype at "auto": the embedding's for a float file, bf16 for a quantized one
     _decoded: tuple = field(default=(None, {}), repr=False)  # the last parameter's pieces: read one after another
+    mmproj: Path | None = None  # the vision projector file holding model.visual.*, if one was given
+    preprocess: tuple | None = field(default=None, repr=False)  # its (image, video) PreprocessConfig
 
     @property
     def location(self) -> dict[str, Path]:
@@ -156,6 +159,8 @@ class GGUFCheckpoint:
         stored piece as the blocks hold it."""
         if name in self.pieces:
             return self._piece(*self.pieces[name])
+        if name.startswith(clip.VISUAL):
+            return clip.from_mmproj(name, [_tensor(self.mmproj, t) for t in self.sources[name]])
         parts = [_tensor(self.path, t) for t in self.sources[name]]
         for t in self.sources[name]:
             _release(t)
@@ -171,6 +176,13 @@ class GGUFCheckpoint:
             self._decoded = (parameter, {key: from_gguf(parameter, [p[key] for p in parts], self.config.text)
                                          for key in spec.pieces})
         return self._decoded[1][piece]
+
+    def vision_part(self) -> GGUFCheckpoint:
+        """This checkpoint's projector tensors alone: holding them does not hold the text file's map."""
+        keep = self.names(clip.VISUAL)
+        return replace(self, sources={n: self.sources[n] for n in keep}, shapes={n: self.shapes[n] for n in keep},
+                       dtypes={n: self.dtypes[n] for n in keep}, file_types={n: self.file_types[n] for n in keep},
+                       tokenizer=None, pieces={}, _decoded=(None, {}))
 
     def type_summary(self) -> list[str]:
         """The file's tensor types with their counts, most frequent first: ["Q4_K ×120", "F32 ×60", ...]."""
@@ -210,16 +222,18 @@ def _tensor(path: Path, t) -> torch.Tensor:
     return torch.from_numpy(array.reshape(shape))
 
 
-def open_gguf(path: str | Path, blocks: bool = True) -> GGUFCheckpoint:
+def open_gguf(path: str | Path, mmproj: str | Path | None = None, blocks: bool = True) -> GGUFCheckpoint:
     """Open and check a GGUF model: its architecture and metadata, every tensor qwenrt needs present (by name,
-    shape and a readable type), none left over. blocks: offer the linear weights whose block type qwenrt holds
-    exactly as stored pieces (for the CPU); False: every tensor as a float one."""
+    shape and a readable type), none left over; with the vision tower of projector file `mmproj` if given.
+    blocks: offer the linear weights whose block type qwenrt holds exactly as stored pieces (for the CPU); False:
+    every tensor as a float one."""
     path = Path(path)
     if not path.is_file():
         raise QwenrtError(f"GGUF file not found: {path}")
     files = gguf_files(path)
     readers = [_open(f) for f in files]
     meta = Metadata(readers[0].fields, path)
+    architecture(meta)  # a projector or another model's file is named for what it is before its tensors are read
     tensors = {}
     for file, reader in zip(files, readers):
         for t in reader.tensors:
@@ -243,6 +257,8 @@ def open_gguf(path: str | Path, blocks: bool = True) -> GGUFCheckpoint:
                           float_dtype="BF16" if quantized else dtypes["model.embed_tokens.weight"])
     if blocks:
         _offer_blocks(ckpt)
+    if mmproj is not None:
+        add_mmproj(ckpt, Path(mmproj))
     return ckpt
 
 
@@ -279,6 +295,58 @@ def _meta_model(config: ModelConfig):
         model = Qwen35ForCausalLM(config)
         model.mtp = MTPHead(config.text)
     return model
+
+def add_mmproj(ckpt: GGUFCheckpoint, path: Path) -> None:
+    """Add the vision tower of llama.cpp projector file `path` to GGUF model `ckpt`: its tensors as model.visual.*,
+    its config a VLM's (the vision tokens from the model's tokenizer), its preprocessing. Shapes are checked against
+    the config by the loader, as a checkpoint's are."""
+    if not path.is_file():
+        raise QwenrtError(f"vision projector file not found: {path}")
+    reader = _open(path)
+    meta = Metadata(reader.fields, path)
+    vision = clip.vision_config(meta, ckpt.config.text.hidden_size)
+    ids = clip.vision_token_ids(ckpt.tokenizer, ckpt.config.text.vocab_size, ckpt.path)
+    config = clip.vlm_config(ckpt.config, vision, ids, path)
+    tensors = {}
+    for t in reader.tensors:
+        if t.name in tensors:
+            raise QwenrtError(f"{path}: tensor '{t.name}' appears twice")
+        tensors[t.name] = t
+    sources = _map_vision_tensors(path, config, tensors)
+    unknown = sorted(set(tensors) - {t.name for parts in sources.values() for t in parts})
+    if unknown:
+        raise QwenrtError(f"{path}: {len(unknown)} tensor(s) qwenrt does not know: {', '.join(unknown[:6])}")
+    for name, parts in sources.items():
+        ckpt.sources[name] = parts
+        ckpt.shapes[name] = clip.mmproj_shape(name, [tuple(int(n) for n in reversed(t.shape)) for t in parts])
+        ckpt.dtypes[name] = AUTO_DTYPE.get(Q(parts[0].tensor_type), "BF16")
+        ckpt.file_types[name] = Q(parts[0].tensor_type).name
+    ckpt.config, ckpt.mmproj, ckpt.files = config, path, [*ckpt.files, path]
+    ckpt.preprocess = clip.preprocess_configs(meta, vision)
+
+
+def _map_vision_tensors(path: Path, config: ModelConfig, tensors: dict) -> dict[str, tuple]:
+    """{qwenrt vision name: its reader tensors}: every tensor of the tower the config describes, of a readable type."""
+    from qwenrt.vision import VisionConfig, VisionTower
+
+    with torch.device("meta"):
+        names = [clip.VISUAL + n for n, _ in VisionTower(VisionConfig.from_dict(config.vision)).named_parameters()]
+    sources, missing = {}, []
+    for name in names:
+        wanted = clip.mmproj_names(name)
+        if all(w in tensors for w in wanted):
+            sources[name] = tuple(tensors[w] for w in wanted)
+        else:
+            missing += [w for w in wanted if w not in tensors]
+    if missing:
+        raise QwenrtError(f"{path}: missing {len(missing)} tensor(s): {', '.join(missing[:6])}")
+    for parts in sources.values():  # the patch kernel's two frames
+        if len({tuple(t.shape) for t in parts}) > 1:
+            raise QwenrtError(f"{path}: tensors {' and '.join(t.name for t in parts)} differ in shape")
+    for t in (t for parts in sources.values() for t in parts):
+        if Q(t.tensor_type) not in READABLE:
+            raise QwenrtError(f"{path}: tensor '{t.name}' is {Q(t.tensor_type).name}, a type qwenrt does not read")
+    return sources
 
 
 def _expected_names(config: ModelConfig) -> list[str]:

@@ -20,7 +20,7 @@ from qwenrt import log
 from qwenrt.default_model import DEFAULT_MODEL, resolve_model
 from qwenrt.errors import QwenrtError
 from qwenrt.hub import MODEL_HELP
-from qwenrt.units import add_speculative_option, parse_size
+from qwenrt.units import add_mmproj_option, add_speculative_option, parse_size
 
 
 def load_engine(args):
@@ -33,7 +33,7 @@ def load_engine(args):
 
     start = time.perf_counter()
     model, tokenizer = load(args.model, dtype=args.dtype, quantize=args.quantize, progress=log.shows_progress(),
-                            threads=args.threads)
+                            threads=args.threads, mmproj=args.mmproj)
     if args.tokenizer is not None:
         from qwenrt.hub import resolve_model_path
         from qwenrt.tokenizer import load_tokenizer
@@ -196,6 +196,7 @@ def add_parser(verbs) -> None:
     p.add_argument("--served-model-name", nargs="+", help="name(s) clients use as `model` (default: MODEL, or "
                    f"{DEFAULT_MODEL})")
     p.add_argument("--tokenizer", help="directory or repo id of the tokenizer (default: MODEL's)")
+    add_mmproj_option(p)
     p.add_argument("--dtype", default="auto", help="auto (as stored), bfloat16, float16 or float32")
     p.add_argument("--quantize", "--quantization", dest="quantize", choices=("int8", "int4"),
                    help="weight-only quantization while loading")
