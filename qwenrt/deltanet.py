@@ -58,7 +58,7 @@ class GatedDeltaNet(nn.Module):
         Returns (out [B, T, D], new conv_state, new recurrent_state).
         """
         B, T, _ = x.shape
-        if T == 1 and recurrent_state is not None and x.is_cpu:
+        if T == 1 and recurrent_state is not None and x.is_cpu and x.dtype in (torch.bfloat16, torch.float32):
             kernels = inference_kernels(x, *self.in_proj_qkv.parameters())
             if kernels is not None:
                 return self.fused_decode_step(kernels, x, conv_state, recurrent_state)

@@ -116,7 +116,7 @@ class GatedAttention(nn.Module):
         cached tokens (rows may hold different lengths)."""
         B, T, _ = x.shape
         qg, k, v = project(x, [self.q_proj, self.k_proj, self.v_proj])
-        decoding = T == 1 and cache is not None and x.is_cpu
+        decoding = T == 1 and cache is not None and x.is_cpu and x.dtype in (torch.bfloat16, torch.float32)
         kernels = inference_kernels(x, *self.q_proj.parameters()) if decoding else None
         if kernels is not None and x.dtype in (torch.bfloat16, torch.float32):
             o = self.native_step(kernels, qg.view(B, -1), k.view(B, -1), v.view(B, -1), cos.reshape(B, -1),

@@ -88,6 +88,19 @@ def test_bf16_close_to_fp32(dense_ckpt):
     assert rel_err(ours[:, :1], exact[:, :1]) < 0.05  # the first position has no history to amplify rounding
 
 
+def test_float16_decodes_through_torch_ops(dense_ckpt):
+    """The native decode kernels take bf16 or fp32; a float16 model (an F16 GGUF file at "auto", --dtype float16)
+    decodes through torch's ops: its cached steps give the logits of the whole sequence at once."""
+    model, _ = qwenrt.load(dense_ckpt[0], dtype="float16")
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        whole = model(ids)
+        cache = model.new_cache(1)
+        steps = torch.cat([model(ids[:, :8], cache=cache)] + [model(ids[:, i:i + 1], cache=cache)
+                                                             for i in range(8, 12)], 1)
+    assert model.dtype == torch.float16 and rel_err(steps, whole) < 1e-2
+
+
 def test_bf16_decode_state_stays_fp32(dense_ckpt):
     path, _ = dense_ckpt
     model, _ = qwenrt.load(path, dtype="bfloat16")
