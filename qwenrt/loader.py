@@ -18,7 +18,8 @@ from qwenrt.hub import resolve_model_path
 from qwenrt.kernels import cpu_kernels
 from qwenrt.model import Qwen35ForCausalLM
 from qwenrt.mtp import PREFIX as MTP_PREFIX, MTPHead
-from qwenrt.quant import LoadQuantizer, QuantLinear, QuantSpec, install_placeholders, install_stored, stored_spec
+from qwenrt.quant import (EMBEDDING, LoadQuantizer, QuantEmbedding, QuantLinear, QuantSpec, install_placeholders,
+                          install_stored, stored_spec)
 from qwenrt.tokenizer import Tokenizer, load_tokenizer
 from qwenrt.validation import check_flag, check_path
 from qwenrt.writer import DTYPE_NAMES
@@ -141,7 +142,10 @@ def verify_checkpoint(path: str | Path, mmproj: str | Path | None = None, blocks
     if config.text.tie_word_embeddings:
         plan.pop("lm_head.weight", None)  # some exports store the tied head too; the reference ignores it
     check_tensors(path, "checkpoint does not match its config", expected, {n: src.shape for n, src in plan.items()})
-    check_dtypes(path, ckpt, plan, dict(model.named_buffers()))
+    buffers = dict(model.named_buffers())
+    if isinstance(model.model.embed_tokens, QuantEmbedding):  # an untied table's pieces are no module's buffers
+        buffers |= {f"{EMBEDDING}.{key}": t for key, t in model.model.embed_tokens.stored.items()}
+    check_dtypes(path, ckpt, plan, buffers)
     _check_vision(getattr(ckpt, "mmproj", None) or path, config, ckpt)
     return config, ckpt, plan, aside, model
 

@@ -36,6 +36,7 @@ DEFAULT_GROUP_SIZE = 64
 QUANT_METHOD = "qwenrt"
 # routers pick and weigh the experts: a flipped choice costs more than their few bytes save
 KEEP_PRECISE = ("mlp.gate", "mlp.shared_expert_gate")
+EMBEDDING = "model.embed_tokens"
 # up to this many rows the packed kernels win; above, dequantize + GEMM (bench/kernels.py, M = 1..512)
 SMALL_M = 16
 # where bf16 products are emulated, up to this many rows go through the GEMVs 8 rows per weight pass, more through
@@ -359,7 +360,8 @@ class QuantExperts(nn.Module):
 class QuantEmbedding(nn.Module):
     """The token lookup of a tied embedding, served from the quantized head's table: only the looked-up rows are
     dequantized, so the full-precision table is not kept beside it. `stored` holds the head's tensors in the stored
-    layout (the same tensors where the head uses that layout), as a plain attribute: the head owns them."""
+    layout (the same tensors where the head uses that layout), as a plain attribute: the head owns them. An untied
+    table stored quantized (a GGUF file's) is looked up the same way from its own tensors."""
 
     def __init__(self, stored: dict[str, torch.Tensor], spec: QuantSpec, dtype: torch.dtype):
         super().__init__()
@@ -466,8 +468,8 @@ def install_placeholders(model: nn.Module, spec: QuantSpec, not_converted: list[
 def install_stored(model: nn.Module, specs: dict[str, QuantSpec], embedding_kept: bool = False
                    ) -> dict[str, tuple[int, ...]]:
     """Swap in meta placeholders for the weights stored quantized, each in its own format (specs: weight path ->
-    spec, every weight of a module listed); returns the stored names -> shapes. A tied embedding is looked up in a
-    quantized head unless `embedding_kept`."""
+    spec, every weight of a module listed, and "model.embed_tokens" for an untied table stored quantized); returns
+    the stored names -> shapes. A tied embedding is looked up in a quantized head unless `embedding_kept`."""
     stored = {}
     for path, module in list(model.named_modules()):
         weights = _weights(path, module) if isinstance(module, (nn.Linear, Experts)) else {}
@@ -480,6 +482,12 @@ def install_stored(model: nn.Module, specs: dict[str, QuantSpec], embedding_kept
         head = model.lm_head  # its meta buffers stand for the table until the loader builds the real lookup
         model.model.embed_tokens = QuantEmbedding({key: getattr(head, key) for key in head.spec.pieces}, head.spec,
                                                   model.dtype)
+    elif EMBEDDING in specs:  # an untied table stored quantized: looked up as stored
+        spec, shape = specs[EMBEDDING], tuple(model.model.embed_tokens.weight.shape)
+        with torch.device("meta"):
+            pieces = {key: torch.empty(sh, dtype=d) for key, (sh, d) in storage_entries(shape, spec).items()}
+        model.model.embed_tokens = QuantEmbedding(pieces, spec, model.dtype)
+        stored.update({f"{EMBEDDING}.{key}": tuple(t.shape) for key, t in pieces.items()})
     return stored
 
 
@@ -513,8 +521,11 @@ class LoadQuantizer:
         if self.stored:  # each placeholder's own format
             self.specs = {path: m.spec for path, m in model.named_modules() if isinstance(m, QuantLinear)}
             self.units = {path: {path: None} for path in self.specs}
+            embed = model.model.embed_tokens
+            self.lookup = isinstance(embed, QuantEmbedding) and tied_head(model, self.specs)
+            if isinstance(embed, QuantEmbedding) and not self.lookup:  # an untied table stored quantized (GGUF)
+                self.specs[EMBEDDING] = embed.spec
             self.claimed = {f"{path}.{key}": path for path, spec in self.specs.items() for key in spec.pieces}
-            self.lookup = isinstance(model.model.embed_tokens, QuantEmbedding)
         else:
             self.units, _ = plan_units(model, spec)
             self.specs = {p: spec for weights in self.units.values() for p in weights}
@@ -526,6 +537,7 @@ class LoadQuantizer:
         self.pieces: dict[str, dict[str, torch.Tensor]] = {}
         self.ready: dict[str, QuantLinear] = {}
         self.head: dict[str, torch.Tensor] | None = None  # the head's stored tensors, for a quantized lookup
+        self.table: dict[str, torch.Tensor] | None = None  # an untied embedding's stored tensors
 
     def claims(self, name: str) -> bool:
         return name in self.claimed
@@ -544,6 +556,9 @@ class LoadQuantizer:
             self._build(path, quantize_weight(tensor, self.specs[path], path))
 
     def _build(self, path: str, stored: dict[str, torch.Tensor]) -> None:
+        if path == EMBEDDING:
+            self.table = stored
+            return
         self.ready[path] = QuantLinear.from_stored(stored, self.specs[path], self.dtype)
         if path == "lm_head" and self.lookup:
             self.head = stored
@@ -554,3 +569,5 @@ class LoadQuantizer:
             install(model, path, {p: self.ready.pop(p) for p in weights})
         if self.lookup:
             model.model.embed_tokens = QuantEmbedding(self.head, self.specs["lm_head"], self.dtype)
+        if self.table is not None:
+            model.model.embed_tokens = QuantEmbedding(self.table, self.specs[EMBEDDING], self.dtype)

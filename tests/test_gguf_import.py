@@ -21,7 +21,7 @@ from qwenrt.gguf.metadata import Metadata, tokenizer_parts
 from qwenrt.decode_plan import DecodePlan
 from qwenrt.gguf.reader import FileReader, open_gguf
 from qwenrt.loader import _load_verified, verify_checkpoint
-from qwenrt.quant import QuantExperts, QuantLinear, dequantize_weight, weight_format
+from qwenrt.quant import QuantEmbedding, QuantExperts, QuantLinear, dequantize_weight, weight_format
 from qwenrt.sampling import SamplingParams
 from qwenrt.tokenizer import Tokenizer
 from tests.checkpoints import DENSE, MOE, add_mtp_head, randomize
@@ -139,6 +139,11 @@ def test_q4_0_and_moe_q8_0_blocks_are_held_as_they_are(wide_ckpt, moe_ckpt, tmp_
     check_blocks_held_exactly(export_gguf(wide_ckpt, tmp_path / "wide-q4_0.gguf", "q4_0"), "int4 g32 fp32")
     model = check_blocks_held_exactly(export_gguf(moe_ckpt, tmp_path / "moe-q8_0.gguf", "q8_0"), "int8 g32 fp32")
     assert isinstance(model.model.layers[0].mlp.experts, QuantExperts) and model.mtp is not None
+    # the untied embedding is looked up in its own blocks
+    lookup, reference = model.model.embed_tokens, dequantized(tmp_path / "moe-q8_0.gguf").model.embed_tokens
+    assert isinstance(lookup, QuantEmbedding)
+    ids = torch.tensor([[0, 7, 575]])
+    assert torch.equal(lookup(ids), reference(ids).bfloat16())
 
 
 @pytest.fixture(scope="module")

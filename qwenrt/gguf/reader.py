@@ -29,7 +29,7 @@ from qwenrt.gguf.blocks import SPECS, stored_blocks
 from qwenrt.gguf.layout import from_gguf, gguf_names, layer_part
 from qwenrt.gguf.metadata import Metadata, architecture, config_dict, tokenizer_parts
 from qwenrt.gguf.names import SPLIT
-from qwenrt.quant import QuantSpec, quantizable_weights, storage_entries
+from qwenrt.quant import EMBEDDING, QuantSpec, quantizable_weights, storage_entries
 from qwenrt.tokenizer import TokenizerParts
 
 READABLE = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_K, Q.Q4_K, Q.Q6_K, Q.IQ4_XS, Q.IQ4_NL)
@@ -274,8 +274,12 @@ def _block_spec(name: str, parts: tuple, config: ModelConfig) -> QuantSpec | Non
 
 
 def _offer_blocks(ckpt: GGUFCheckpoint) -> None:
-    """Replace each linear weight held exactly as blocks by its stored pieces (names, shapes, dtypes)."""
-    for weight, parameter in quantizable_weights(_meta_model(ckpt.config)).items():
+    """Replace each linear weight held exactly as blocks by its stored pieces (names, shapes, dtypes), and an
+    untied embedding's (its lookup reads them as stored)."""
+    weights = quantizable_weights(_meta_model(ckpt.config))
+    if not ckpt.config.text.tie_word_embeddings:
+        weights[EMBEDDING] = f"{EMBEDDING}.weight"
+    for weight, parameter in weights.items():
         spec = _block_spec(parameter, ckpt.sources[parameter], ckpt.config) if parameter in ckpt.sources else None
         if spec is None:
             continue
