@@ -32,9 +32,9 @@ from qwenrt.gguf.names import SPLIT
 from qwenrt.quant import EMBEDDING, QuantSpec, quantizable_weights, storage_entries
 from qwenrt.tokenizer import TokenizerParts
 
-READABLE = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_K, Q.Q4_K, Q.Q6_K, Q.IQ4_XS, Q.IQ4_NL)
 # the float dtype a tensor of each type loads in at dtype "auto": as stored for float files, bf16 for quantized ones
 AUTO_DTYPE = {Q.F32: "F32", Q.F16: "F16", Q.BF16: "BF16"}
+READABLE = (*AUTO_DTYPE, *SPECS)  # the float types and the block types qwenrt holds as they are
 PIECE_DTYPES = {torch.int8: "I8", torch.uint8: "U8", torch.float32: "F32"}
 MAX_SPLITS = 1024
 MAX_ELEMENTS = 1 << 40  # per tensor: past every Qwen3.5 tensor (the 397B's experts are ~2^36)
@@ -299,6 +299,7 @@ def _meta_model(config: ModelConfig):
         model = Qwen35ForCausalLM(config)
         model.mtp = MTPHead(config.text)
     return model
+
 
 def add_mmproj(ckpt: GGUFCheckpoint, path: Path) -> None:
     """Add the vision tower of llama.cpp projector file `path` to GGUF model `ckpt`: its tensors as model.visual.*,
