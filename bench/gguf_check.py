@@ -473,6 +473,7 @@ class Checker:
 
     def check_export(self, name: str, checkpoint: Path, prompt: list[int], qtype: str) -> None:
         export = self.work / name / f"export-{qtype}.gguf"
+        export.unlink(missing_ok=True)  # a run's exports are written anew: they check this qwenrt's convert
         self.tool("qwenrt convert", qwenrt_convert, checkpoint, export, qtype)
         size, label, mtp = export.stat().st_size, qtype.upper(), name == "mtp"
         ref, gen, ids = self.exact(export, label, prompt)

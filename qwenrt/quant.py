@@ -462,7 +462,7 @@ def install_placeholders(model: nn.Module, spec: QuantSpec, not_converted: list[
     not converted)."""
     units, _ = plan_units(model, spec, lambda path, _: path not in not_converted)
     return install_stored(model, {p: spec for weights in units.values() for p in weights},
-                          "model.embed_tokens" in not_converted)
+                          EMBEDDING in not_converted)
 
 
 def install_stored(model: nn.Module, specs: dict[str, QuantSpec], embedding_kept: bool = False

@@ -2,11 +2,12 @@
 file) written as a `qwen35` / `qwen35moe` GGUF file llama.cpp runs: the tensors and metadata as llama.cpp's converter
 writes them (qwenrt.gguf.layout), streamed tensor by tensor into a hidden file renamed into place at the end.
 
-Types: f32, f16, bf16 (norms, A/dt, conv and routers in F32 as the converter keeps them); q8_0 and q4_0 (every matrix
-whose rows split into 32-value blocks, by gguf.quants); q4_k_m (llama-quantize's mix: Q4_K, Q6_K for the value
-projections and ffn_down of the first and last eighths and every third layer between, Q6_K output and tied
-embedding; the DeltaNet output and a/b projections, which the measured sensitivities in shared/gguf.md single out,
-at Q8_0; rows that are not 256-value blocks fall back to Q5_0/Q8_0 as llama-quantize does).
+Types: f32, f16, bf16 (norms, A/dt, conv and routers in F32 as the converter keeps them); q8_0 (every matrix whose
+rows split into 32-value blocks, by gguf.quants); q4_0 (the same at Q4_0, but the output and tied embedding at Q6_K
+as llama-quantize keeps them); q4_k_m (llama-quantize's mix: Q4_K, Q6_K for the value projections and ffn_down of
+the first and last eighths and every third layer between, Q6_K output and tied embedding). In both 4-bit types the
+DeltaNet output and a/b projections, which the measured sensitivities in shared/gguf.md single out, stay at Q8_0;
+rows that are not 256-value blocks fall back to Q5_0/Q8_0 as llama-quantize does.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from qwenrt.vision.config import VisionConfig, load_preprocess_configs
 TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m")
 FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_k_m": 15}  # general.file_type (llama_ftype)
 FLOATS = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16}
-BLOCKED = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
 KQUANTIZE = {Q.Q4_K: kquants.quantize_q4_k, Q.Q6_K: kquants.quantize_q6_k}
 ARRAY_DTYPES = {Q.F32: np.float32, Q.F16: np.float16}  # arrays of values; every other type is written as bytes
 SAMPLING_KEYS = {name: key for key, name in SAMPLING.items()}  # generation_config's -> general.sampling.*
@@ -53,17 +53,19 @@ def tensor_type(name: str, shape: tuple[int, ...], kind: str, n_layers: int, tie
         return Q.F32
     if kind in FLOATS:
         return FLOATS[kind]
-    if kind in BLOCKED:
-        return BLOCKED[kind] if shape[-1] % 32 == 0 else Q.F16
-    wanted = Q.Q4_K
+    if kind == "q8_0":
+        return Q.Q8_0 if shape[-1] % 32 == 0 else Q.F16
     if name == "output.weight" or (name == "token_embd.weight" and tied):
         wanted = Q.Q6_K
     elif name.endswith(SENSITIVE):
         wanted = Q.Q8_0
+    elif kind == "q4_0":
+        wanted = Q.Q4_0
     elif name.startswith("blk.") and name.endswith(("attn_v.weight", "attn_qkv.weight", "ffn_down.weight",
                                                      "ffn_down_exps.weight")):
-        if _uses_more_bits(int(name.split(".")[1]), n_layers):
-            wanted = Q.Q6_K
+        wanted = Q.Q6_K if _uses_more_bits(int(name.split(".")[1]), n_layers) else Q.Q4_K
+    else:
+        wanted = Q.Q4_K
     if shape[-1] % 256:  # llama-quantize's fallback for rows that are not whole super-blocks
         wanted = {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}.get(wanted, wanted)
     return wanted if shape[-1] % 32 == 0 else Q.F16
