@@ -252,6 +252,19 @@ def test_convert_to_q4_k_m_keeps_the_sensitive_tensors_at_8_bits(tmp_path):
     assert out.stat().st_size < 0.5 * export_gguf("qwenrt-tiny", tmp_path / "bf16.gguf", "bf16").stat().st_size
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_convert_of_a_quantized_checkpoint_writes_the_weights_it_runs(bits, tmp_path):
+    """A `qwenrt quantize` checkpoint converts from the values its kernels multiply by (its stored pieces
+    dequantized): as an F32 file it gives the quantized checkpoint's own fp32 logits."""
+    from qwenrt.convert import quantize_checkpoint
+
+    quantized = quantize_checkpoint(default_model_path(), tmp_path / f"int{bits}", bits)
+    gguf = export_gguf(quantized, tmp_path / f"int{bits}.gguf", "f32")
+    model, _ = qwenrt.load(gguf, dtype=torch.float32)
+    reference, _ = qwenrt.load(quantized, dtype=torch.float32)
+    assert model.mtp is not None and relative(logits(model), logits(reference)) <= 1e-6
+
+
 def test_convert_is_all_or_nothing(tmp_path, monkeypatch):
     import qwenrt.gguf.export as export
 

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -29,8 +30,8 @@ from qwenrt.gguf import kquants, mmproj as clip
 from qwenrt.gguf.layout import F32_SUFFIXES, gguf_names, to_gguf
 from qwenrt.gguf.metadata import SAMPLING, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED, TOKEN_USER_DEFINED
 from qwenrt.hub import resolve_model_path
-from qwenrt.loader import check_checkpoint
-from qwenrt.quant import stored_spec
+from qwenrt.loader import STORED_DTYPES, check_checkpoint
+from qwenrt.quant import EMBEDDING, QuantLinear, dequantize_weight
 from qwenrt.vision.config import VisionConfig, load_preprocess_configs
 
 TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m")
@@ -174,18 +175,17 @@ def export_gguf(source: str | Path, out: str | Path, kind: str = "bf16", progres
         raise QwenrtError(f"{out}: the model and its vision projector need two files")
     path = resolve_model_path(source)
     verified, tokenizer = check_checkpoint(path, blocks=False)  # a GGUF source's blocks as floats
-    config, ckpt, plan, _, _ = verified
-    if stored_spec(config.raw):
-        raise QwenrtError(f"{path}: a `qwenrt quantize` checkpoint; convert its full-precision source instead")
+    config, ckpt, plan, _, model = verified
+    tensors = _float_tensors(ckpt, plan, model)
     if vision_out is not None:
         _check_vision_export(path, config, ckpt, vision_out)
     c = config.text
     n_mtp = 1 if any(n.startswith("mtp.") for n in plan) else 0
     tied = c.tie_word_embeddings
     entries = []  # (gguf name, qwenrt name, part index, shape, type)
-    for name, source_plan in plan.items():
+    for name, (shape, _) in tensors.items():
         names = gguf_names(name, c.num_hidden_layers)
-        shapes = _gguf_shapes(name, source_plan.shape)
+        shapes = _gguf_shapes(name, shape)
         for i, (gname, shape) in enumerate(zip(names, shapes)):
             entries.append((gname, name, i, shape, tensor_type(gname, shape, kind, c.num_hidden_layers, tied)))
     tmp = _partial(out)
@@ -203,7 +203,7 @@ def export_gguf(source: str | Path, out: str | Path, kind: str = "bf16", progres
         for gname, name, part, shape, qtype in tqdm(entries, desc=f"writing {out.name}", unit="tensor",
                                                      disable=not progress, file=sys.stderr):
             if name not in done:
-                done = {name: to_gguf(name, materialize(ckpt, plan[name], torch.float32), c)}
+                done = {name: to_gguf(name, tensors[name][1](), c)}
             writer.write_tensor_data(encode(done[name][part], qtype))
         writer.close()
         if vision_tmp is not None:
@@ -231,6 +231,30 @@ def _new_file(out: str | Path) -> Path:
 def _partial(out: Path) -> Path:
     """The hidden file `out` is written as, renamed into place once whole."""
     return out.with_name(f".{out.name}.partial-{os.getpid()}")
+
+
+def _float_tensors(ckpt, plan: dict, model) -> dict[str, tuple[tuple[int, ...], Callable[[], torch.Tensor]]]:
+    """qwenrt name -> (shape, read it in fp32), in the checkpoint's order: its tensors, and a `qwenrt quantize`
+    checkpoint's quantized weights as the values its kernels multiply by (dequantized from the stored pieces; `model`
+    holds their placeholders, each at its weight's path)."""
+    held = {path: m for path, m in model.named_modules() if isinstance(m, QuantLinear)}
+    tensors = {}
+    for name, source in plan.items():
+        path, _, piece = name.rpartition(".")
+        if path not in held:
+            tensors[name] = (source.shape, lambda source=source: materialize(ckpt, source, torch.float32))
+            continue
+        m = held.pop(path)
+        weight = EMBEDDING + ".weight" if path == "lm_head" and model.config.text.tie_word_embeddings else \
+            path if m.qweight.dim() == 3 else f"{path}.weight"  # a tied head is the embedding; experts: the bank
+        if weight in tensors:  # an embedding stored beside its quantized tied head: that one is written
+            continue
+        shape = (*m.qweight.shape[:-2], m.out_features, m.in_features)
+        pieces = {key: plan[f"{path}.{key}"] for key in m.spec.pieces}
+        tensors[weight] = (shape, lambda m=m, pieces=pieces: dequantize_weight(
+            {key: materialize(ckpt, src, STORED_DTYPES[ckpt.dtypes[src.names[0]]]) for key, src in pieces.items()},
+            m.spec))
+    return tensors
 
 
 def _check_vision_export(path: Path, config, ckpt, out: Path) -> None:
