@@ -11,7 +11,7 @@ import torch
 from qwenrt.hub import resolve_model_path
 from qwenrt.checkpoint import DTYPE_BYTES
 from qwenrt.gguf.reader import GGUFCheckpoint
-from qwenrt.loader import check_checkpoint, scan_weights, stored_float_dtype
+from qwenrt.loader import VISUAL_PREFIX, check_checkpoint, scan_weights, stored_float_dtype
 from qwenrt.mtp import MTPHead
 from qwenrt.model import Qwen35ForCausalLM
 from qwenrt.units import human as _human
@@ -19,6 +19,13 @@ from qwenrt.units import human as _human
 
 def _count(shapes) -> int:
     return sum(math.prod(s) for s in shapes)
+
+
+def _decoder_tensors(ckpt, plan: dict) -> int:
+    """The decoder's tensors as the checkpoint names them (a GGUF file's blocks count once, not by their pieces)."""
+    if isinstance(ckpt, GGUFCheckpoint):
+        return sum(not name.startswith(VISUAL_PREFIX) for name in ckpt.sources)
+    return len(plan)
 
 
 def inspect_checkpoint(path: str | Path, check_finite: bool = True, mmproj: str | Path | None = None) -> dict:
@@ -76,7 +83,8 @@ def inspect_checkpoint(path: str | Path, check_finite: bool = True, mmproj: str 
         "deltanet_state_bytes_per_sequence": state_per_seq,
         "tokenizer_tokens": tokenizer.vocab_size if tokenizer is not None else None,
         "weights_scanned": check_finite,
-        "verdict": f"OK: config consistent, all {len(plan)} decoder tensors present with the expected shapes, "
+        "verdict": f"OK: config consistent, all {_decoder_tensors(ckpt, plan)} decoder tensors present with the "
+                   "expected shapes, "
                    + ("tokenizer files valid" if tokenizer is not None else "no tokenizer")
                    + ("; weights free of NaN/Inf" if check_finite else "; weights not scanned for NaN/Inf"),
     }

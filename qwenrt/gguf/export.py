@@ -30,7 +30,8 @@ from qwenrt.gguf import kquants, mmproj as clip
 from qwenrt.gguf.layout import F32_SUFFIXES, gguf_names, to_gguf
 from qwenrt.gguf.metadata import SAMPLING, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED, TOKEN_USER_DEFINED
 from qwenrt.hub import resolve_model_path
-from qwenrt.loader import STORED_DTYPES, check_checkpoint
+from qwenrt.gguf.reader import GGUFCheckpoint
+from qwenrt.loader import SAFETENSORS_DTYPES, STORED_DTYPES, check_checkpoint
 from qwenrt.quant import EMBEDDING, QuantLinear, dequantize_weight
 from qwenrt.vision.config import VisionConfig, load_preprocess_configs
 
@@ -41,6 +42,7 @@ KQUANTIZE = {Q.Q4_K: kquants.quantize_q4_k, Q.Q6_K: kquants.quantize_q6_k}
 ARRAY_DTYPES = {Q.F32: np.float32, Q.F16: np.float16}  # arrays of values; every other type is written as bytes
 SAMPLING_KEYS = {name: key for key, name in SAMPLING.items()}  # generation_config's -> general.sampling.*
 SENSITIVE = ("ssm_out.weight", "ssm_alpha.weight", "ssm_beta.weight")  # >= 8 bits in the 4-bit mix
+ENCODE_SLICE = 1 << 22  # values encoded at a time
 
 
 def _uses_more_bits(layer: int, n_layers: int) -> bool:
@@ -73,8 +75,20 @@ def tensor_type(name: str, shape: tuple[int, ...], kind: str, n_layers: int, tie
 
 
 def encode(t: torch.Tensor, kind: Q) -> np.ndarray:
-    """A tensor [..., K] as GGUF stores `kind`: float arrays, or uint8 blocks [..., K / block · block bytes]."""
-    x = t.float().numpy()
+    """A tensor [..., K] as GGUF stores `kind`: float arrays, or uint8 blocks [..., K / block · block bytes]; its
+    rows encoded a slice at a time from their fp32 values, so the temporaries stay small beside the result."""
+    rows = t.reshape(-1, t.shape[-1])  # [R, K]
+    step = max(1, ENCODE_SLICE // rows.shape[1])
+    out = None
+    for r0 in range(0, rows.shape[0], step):
+        part = _encode_rows(rows[r0:r0 + step].float().numpy(), kind)
+        if out is None:
+            out = np.empty((rows.shape[0], part.shape[1]), dtype=part.dtype)
+        out[r0:r0 + step] = part
+    return out.reshape(*t.shape[:-1], out.shape[1])
+
+
+def _encode_rows(x: np.ndarray, kind: Q) -> np.ndarray:
     if kind == Q.F32:
         return x
     if kind == Q.F16:
@@ -233,6 +247,12 @@ def _partial(out: Path) -> Path:
     return out.with_name(f".{out.name}.partial-{os.getpid()}")
 
 
+def _read_dtype(ckpt, source) -> torch.dtype:
+    """A safetensors tensor is read as stored (encode widens a slice at a time), a GGUF one in fp32."""
+    first = source.names[0][0] if source.stacked else source.names[0]
+    return torch.float32 if isinstance(ckpt, GGUFCheckpoint) else SAFETENSORS_DTYPES[ckpt.dtypes[first]]
+
+
 def _float_tensors(ckpt, plan: dict, model) -> dict[str, tuple[tuple[int, ...], Callable[[], torch.Tensor]]]:
     """qwenrt name -> (shape, read it in fp32), in the checkpoint's order: its tensors, and a `qwenrt quantize`
     checkpoint's quantized weights as the values its kernels multiply by (dequantized from the stored pieces; `model`
@@ -242,7 +262,7 @@ def _float_tensors(ckpt, plan: dict, model) -> dict[str, tuple[tuple[int, ...], 
     for name, source in plan.items():
         path, _, piece = name.rpartition(".")
         if path not in held:
-            tensors[name] = (source.shape, lambda source=source: materialize(ckpt, source, torch.float32))
+            tensors[name] = (source.shape, lambda source=source: materialize(ckpt, source, _read_dtype(ckpt, source)))
             continue
         m = held.pop(path)
         weight = EMBEDDING + ".weight" if path == "lm_head" and model.config.text.tie_word_embeddings else \
