@@ -13,7 +13,9 @@ embedding lookup of an untied model (a tied one reads the quantized head's rows,
 fp32 groups (`QuantSpec.fp32_groups`): GGUF's quantized blocks as they are (qwenrt.gguf.blocks), no value rounded:
     int8  qweight int8 [*E, N, K];    scales (, zeros) fp32 [*E, N, K/G], G = 16 or 32   W = q·s + z
     int4  qweight uint8 [*E, N, K/2]; scales, zeros fp32 [*E, N, K/32] (the int4 layout)  W = q·s + z
-The native kernels multiply them at decode; prefill and fp32 activations multiply by fp32 slices of them (exact).
+    Q4_K  qweight as int4; scales uint8 [*E, N, K/16]: Q4_K's 16-byte header per 256 columns (fp16 d, dmin; 6-bit sc,
+          m per 32), W = q·d·sc - dmin·m, expanded per row inside the kernels (Q4_K held in its own size)
+The native kernels multiply them in place; fp32 activations multiply by exact fp32 slices of them.
 """
 
 from __future__ import annotations
@@ -57,14 +59,18 @@ class QuantSpec:
     group_size: int | None = None
     fp32_groups: bool = False
     zeros: bool = False
+    q4k: bool = False  # int4 whose scales and zeros are Q4_K's headers
 
     def __post_init__(self):
         if type(self.bits) is not int or self.bits not in BITS:
             raise QwenrtError(f"quantization bits must be 8 or 4, got {self.bits!r}")
         if self.fp32_groups:
-            if self.group_size not in ((16, 32) if self.bits == 8 else (32,)) or (self.zeros and self.bits == 4):
+            if self.group_size not in ((16, 32) if self.bits == 8 else (32,)) or (self.zeros and self.bits == 4) \
+                    or (self.q4k and self.bits != 4):
                 raise QwenrtError(f"no fp32-group format int{self.bits} g{self.group_size}")
             return
+        if self.q4k:
+            raise QwenrtError("Q4_K headers are a GGUF block format (fp32_groups)")
         if self.zeros:
             raise QwenrtError("zeros are part of the int4 and fp32-group formats only")
         if self.bits == 4 and self.group_size not in GROUP_SIZES:
@@ -92,20 +98,25 @@ class QuantSpec:
     @property
     def pieces(self) -> tuple[str, ...]:
         """Names of the stored tensors of one quantized weight."""
-        return ("qweight", "scales", "zeros") if self.bits == 4 or self.zeros else ("qweight", "scales")
+        return ("qweight", "scales", "zeros") if (self.bits == 4 and not self.q4k) or self.zeros else \
+            ("qweight", "scales")
 
     @property
     def kernel_format(self) -> str:
-        """The native kernels' name of the format: q8 | q4 (bf16 scales), q8g | q4g (fp32 groups)."""
-        return f"q{self.bits}" + ("g" if self.fp32_groups else "")
+        """The native kernels' name of the format: q8 | q4 (bf16 scales), q8g | q4g (fp32 groups), q4k."""
+        return "q4k" if self.q4k else f"q{self.bits}" + ("g" if self.fp32_groups else "")
 
     @property
     def short(self) -> str:
-        """"int4 g64", "int8", "int8 g16 fp32": for load lines."""
+        """"int4 g64", "int8", "int8 g16 fp32", "int4 Q4_K": for load lines."""
+        if self.q4k:
+            return "int4 Q4_K"
         return f"int{self.bits}" + (f" g{self.group_size}" if self.group_size else "") + \
             (" fp32" if self.fp32_groups else "")
 
     def __str__(self) -> str:
+        if self.q4k:
+            return "int4 (Q4_K's scales, groups of 32)"
         if self.fp32_groups:
             return f"int{self.bits} (fp32-scaled groups of {self.group_size})"
         return f"int{self.bits}" + (f" (groups of {self.group_size})" if self.group_size else "")
@@ -130,6 +141,8 @@ def stored_spec(raw_config: dict) -> tuple[QuantSpec, list[str]] | None:
 def storage_entries(shape: tuple[int, ...], spec: QuantSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Stored tensors of a quantized weight [*E, N, K]: suffix -> (shape, dtype)."""
     *lead, N, K = shape
+    if spec.q4k:  # Q4_K's 16-byte header per 256 columns
+        return {"qweight": ((*lead, N, K // 2), torch.uint8), "scales": ((*lead, N, K // 16), torch.uint8)}
     if spec.fp32_groups:
         groups = (*lead, N, K // spec.group_size)
         codes = ((*lead, N, K), torch.int8) if spec.bits == 8 else ((*lead, N, K // 2), torch.uint8)
@@ -181,6 +194,9 @@ def _unpack_int4(qweight: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def dequantize_weight(stored: dict[str, torch.Tensor], spec: QuantSpec) -> torch.Tensor:
     """The stored tensors -> W [*E, N, K] fp32, exactly what the kernels multiply by."""
+    if spec.q4k:
+        s, z = q4k_scales(stored["scales"])
+        stored = {"qweight": stored["qweight"], "scales": s, "zeros": z}
     s = stored["scales"].float()
     if spec.fp32_groups:
         q = stored["qweight"].float() if spec.bits == 8 else _unpack_int4(stored["qweight"], spec.group_size).float()
@@ -193,6 +209,17 @@ def dequantize_weight(stored: dict[str, torch.Tensor], spec: QuantSpec) -> torch
     q = _unpack_int4(stored["qweight"], spec.group_size).float()
     q = q.reshape(*s.shape, spec.group_size)  # [..., N, K/G, G]
     return ((q - 8) * s[..., None] + stored["zeros"].float()[..., None]).flatten(-2)
+
+
+def q4k_scales(headers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K headers [..., K/16] uint8 (per 256 columns: fp16 d, dmin, then 12 bytes of 6-bit scales and mins) ->
+    the fp32 scale d·sc and zero -dmin·m of each group of 32 [..., K/32], as llama.cpp's get_scale_min_k4."""
+    h = headers.reshape(*headers.shape[:-1], -1, 16)  # [..., K/256, 16]
+    d, dmin = (h[..., i:i + 2].contiguous().view(torch.float16).float() for i in (0, 2))  # [..., K/256, 1]
+    q = h[..., 4:].to(torch.int32)  # [..., K/256, 12]
+    sc = torch.cat([q[..., 0:4] & 63, (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)], -1)  # [..., K/256, 8]
+    m = torch.cat([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], -1)
+    return (d * sc.float()).flatten(-2), (-(dmin * m.float())).flatten(-2)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -277,7 +304,7 @@ class QuantLinear(nn.Module):
             if kernels is not None and x2.dtype == torch.bfloat16:  # prefill in integer sums (kernels/cpu_gemm.cpp):
                 # int8 with x in 16-bit fixed point, int4 with x in 8 bits per group (as llama.cpp's blocks take it)
                 y = kernels.gemm_q8g(x2, w, s, z, self.spec.group_size) if self.spec.bits == 8 else \
-                    kernels.gemm_q4g(x2, w, s, z)
+                    kernels.gemm_q4k(x2, w, s) if self.spec.q4k else kernels.gemm_q4g(x2, w, s, z)
             else:  # fp32 slices of the exact weight through torch's fp32 GEMM, rounded once
                 y = fp32_gemm(x2, self.out_features, self._fill_fp32(kernels, w, s, z))
             return y.reshape(*x.shape[:-1], self.out_features)
@@ -322,6 +349,8 @@ class QuantLinear(nn.Module):
             zeros = [z for _, _, z in weights if z is not None]
             if self.spec.bits == 8:
                 return kernels.gemv_q8g(x2, qs, scales, zeros, self.spec.group_size, mode)
+            if self.spec.q4k:
+                return kernels.gemv_q4k(x2, qs, scales, mode)
             return kernels.gemv_q4g(x2, qs, scales, zeros, mode)
         if self.spec.bits == 8:
             return kernels.gemv_q8(x2, [w for w, _, _ in weights], [s for _, s, _ in weights], mode)

@@ -10,7 +10,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf import quants
 
-from qwenrt.gguf.blocks import SPECS, stored_blocks
+from qwenrt.gguf.blocks import INT4_G32, INT4_Q4K, SPECS, stored_blocks
 from qwenrt.quant import dequantize_weight
 
 # the fp16 fields of each block (byte offsets): set to real scales, the other bytes left random
@@ -39,10 +39,13 @@ def test_blocks_dequantize_bit_for_bit_as_llama_cpp(kind):
     assert torch.equal(dequantize_weight(stored, spec), expected)
 
 
-def test_expert_banks_decode_per_expert_rows():
-    """A 3-D tensor [E, N, K] (MoE experts) keeps its leading axis in every piece."""
-    data = random_blocks(Q.Q4_K, 2 * 3, 256, 5)
-    spec, stored = stored_blocks(Q.Q4_K, data.reshape(2, 3, -1), (2, 3, 256))
-    assert stored["qweight"].shape == (2, 3, 128) and stored["scales"].shape == (2, 3, 8)
-    expected = torch.from_numpy(quants.dequantize(data, Q.Q4_K)).reshape(2, 3, 256)
+@pytest.mark.parametrize("spec", [INT4_Q4K, INT4_G32], ids=["q4_k-headers", "fp32-groups"])
+def test_expert_banks_decode_per_expert_rows(spec):
+    """A 3-D tensor [E, N, K] (MoE experts) keeps its leading axis in every piece; Q4_K held with its own headers
+    (16 bytes per 256 columns) or, where rows are cut between headers, fp32 scales and zeros: the same values."""
+    data = random_blocks(Q.Q4_K, 2 * 3, 512, 5)
+    spec, stored = stored_blocks(Q.Q4_K, data.reshape(2, 3, -1), (2, 3, 512), spec)
+    assert stored["qweight"].shape == (2, 3, 256)
+    assert stored["scales"].shape == ((2, 3, 32) if spec.q4k else (2, 3, 16))
+    expected = torch.from_numpy(quants.dequantize(data, Q.Q4_K)).reshape(2, 3, 512)
     assert torch.equal(dequantize_weight(stored, spec), expected)

@@ -85,12 +85,14 @@ def test_a_q8_0_file_holds_the_weights_to_its_blocks_rounding(tiny_files, builti
 @pytest.fixture(scope="module")
 def wide_ckpt(tmp_path_factory):
     """A random dense model whose matrices have 256 or 512 columns (K-quants take whole 256-column super-blocks) and
-    DeltaNet value heads of 32 (the output projection's head reorder moves whole groups), with an MTP head."""
+    8 DeltaNet value heads of 32 (the output projection's head reorder moves whole groups of 32, not whole Q4_K
+    headers), with an MTP head."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     tmp = tmp_path_factory.mktemp("wide")
     config = Qwen3_5TextConfig(**dict(DENSE, vocab_size=576, hidden_size=256, intermediate_size=512,
-                                      num_hidden_layers=4, linear_key_head_dim=32, linear_value_head_dim=32))
+                                      num_hidden_layers=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                                      linear_num_value_heads=8))
     randomize(Qwen3_5ForCausalLM(config).eval(), 12).save_pretrained(tmp / "wide")
     for file in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(default_model_path() / file, tmp / "wide" / file)
@@ -119,12 +121,15 @@ def check_blocks_held_exactly(path, formats: str) -> torch.nn.Module:
     return qwenrt.load(path)[0]
 
 
-def test_q4_k_m_blocks_are_held_as_they_are_and_decode_natively(wide_ckpt, tmp_path):
-    """Q4_K (int4, fp32 scale and zero per 32), Q6_K (int8 per 16) and Q8_0 (int8 per 32) in one file. At "auto"
-    the model is bf16 and decodes through the native GEMVs of those formats: the one-call decode plan gives the
-    modules' logits, and speculative decoding through the file's MTP head the plain greedy tokens."""
+def test_q4_k_m_blocks_are_held_as_they_are_and_decode_natively(wide_ckpt, tmp_path, monkeypatch):
+    """Q4_K (int4 with its own headers), Q6_K (int8 per 16) and Q8_0 (int8 per 32) in one file, and the DeltaNet
+    output at Q4_K as llama-quantize's own mix has it (its 32-wide value heads cut Q4_K's 256-column headers: int4
+    with fp32 scales and zeros). At "auto" the model is bf16 and decodes through the native GEMVs of those formats:
+    the one-call decode plan gives the modules' logits, and speculative decoding through the file's MTP head the
+    plain greedy tokens."""
+    monkeypatch.setattr("qwenrt.gguf.export.SENSITIVE", ("ssm_alpha.weight", "ssm_beta.weight"))
     gguf = export_gguf(wide_ckpt, tmp_path / "wide-q4_k_m.gguf", "q4_k_m")
-    model = check_blocks_held_exactly(gguf, "int4 g32 fp32 + int8 g32 fp32 + int8 g16 fp32")
+    model = check_blocks_held_exactly(gguf, "int4 Q4_K + int8 g32 fp32 + int4 g32 fp32 + int8 g16 fp32")
     ids = torch.randint(0, 576, (2, 20), generator=torch.Generator().manual_seed(3))
     assert DecodePlan.for_model(model).stack is not None
     assert torch.equal(teacher_forced_logits(model, ids, 12), teacher_forced_logits(model, ids, 12, modules=True))

@@ -115,6 +115,11 @@ def fp32_group_pieces(N: int, K: int, spec: QuantSpec, g: torch.Generator) -> di
     groups = (N, K // spec.group_size)
     codes = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8) if spec.bits == 8 else \
         torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+    if spec.q4k:  # Q4_K headers: fp16 d and dmin, then random 6-bit scales and mins
+        headers = torch.randint(0, 256, (N, K // 256, 16), generator=g, dtype=torch.uint8)
+        d = (torch.rand(N, K // 256, 2, generator=g) * 1e-5).half()  # d·sc of ~2e-4 at most, as above
+        headers[..., :4] = d.view(torch.uint8)
+        return {"qweight": codes, "scales": headers.reshape(N, K // 16)}
     pieces = {"qweight": codes, "scales": (torch.rand(groups, generator=g) * 2e-4).half().float()}
     if "zeros" in spec.pieces:
         pieces["zeros"] = torch.randn(groups, generator=g) * 0.02
@@ -124,8 +129,8 @@ def fp32_group_pieces(N: int, K: int, spec: QuantSpec, g: torch.Generator) -> di
 @needs_kernels
 @pytest.mark.parametrize("M", [1, 2, 3, 8])
 @pytest.mark.parametrize("spec", [QuantSpec(8, 32, fp32_groups=True), QuantSpec(8, 16, fp32_groups=True),
-                                  QuantSpec(8, 32, fp32_groups=True, zeros=True), QuantSpec(4, 32, fp32_groups=True)],
-                         ids=str)
+                                  QuantSpec(8, 32, fp32_groups=True, zeros=True), QuantSpec(4, 32, fp32_groups=True),
+                                  QuantSpec(4, 32, fp32_groups=True, q4k=True)], ids=str)
 def test_gguf_block_gemv_matches_its_exact_weight(M, spec):
     """GGUF blocks held exactly (int8 codes with fp32 scales per 16 or 32 columns, zeros or not; int4 with fp32
     scales and zeros): the GEMVs against x·W in fp64, with the bounds of the int8 and int4 GEMVs above (int4 below
@@ -133,7 +138,7 @@ def test_gguf_block_gemv_matches_its_exact_weight(M, spec):
     g = torch.Generator().manual_seed(M * spec.group_size + spec.bits)
     kernels = cpu_kernels()
     for N, K in SHAPES:
-        if K % 32:
+        if K % (256 if spec.q4k else 32):
             continue
         x = torch.randn(M, K, generator=g).bfloat16()
         pieces = [fp32_group_pieces(n, K, spec, g) for n in (N, 16)]
@@ -141,6 +146,8 @@ def test_gguf_block_gemv_matches_its_exact_weight(M, spec):
         zeros = [p["zeros"] for p in pieces if "zeros" in p]
         if spec.bits == 8:
             outs = kernels.gemv_q8g(x, qs, scales, zeros, spec.group_size, "fp32")
+        elif spec.q4k:
+            outs = kernels.gemv_q4k(x, qs, scales, "fp32")
         else:
             outs = kernels.gemv_q4g(x, qs, scales, zeros, "fp32")
         for p, y in zip(pieces, outs):
@@ -153,7 +160,8 @@ def test_gguf_block_gemv_matches_its_exact_weight(M, spec):
 
 @needs_kernels
 @pytest.mark.parametrize("spec", [QuantSpec(8, 16, fp32_groups=True), QuantSpec(8, 32, fp32_groups=True, zeros=True),
-                                  QuantSpec(4, 32, fp32_groups=True)], ids=str)
+                                  QuantSpec(4, 32, fp32_groups=True), QuantSpec(4, 32, fp32_groups=True, q4k=True)],
+                         ids=str)
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 def test_gguf_block_rows_and_slices_are_the_exact_weight(spec, native, monkeypatch):
     """A token lookup in a table of GGUF blocks and QuantLinear's prefill / fp32 path (fp32 slices of the weight)
@@ -235,6 +243,11 @@ def test_int4_prefill_gemm_sums_8bit_activations_exactly(G):
             pieces = fp32_group_pieces(N, K, spec, g)
             y = kernels.gemm_q4g(x, pieces["qweight"], pieces["scales"], pieces["zeros"])
             int4_within_8bit_rounding(y, x, dequantize_weight(pieces, spec).double(), G)
+            if K % 256 == 0:  # Q4_K's headers as scales and zeros
+                spec = QuantSpec(4, 32, fp32_groups=True, q4k=True)
+                pieces = fp32_group_pieces(N, K, spec, g)
+                y = kernels.gemm_q4k(x, pieces["qweight"], pieces["scales"])
+                int4_within_8bit_rounding(y, x, dequantize_weight(pieces, spec).double(), G)
 
 
 @needs_kernels

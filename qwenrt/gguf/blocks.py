@@ -11,10 +11,12 @@ fp32 zero, W = q·s + z, with s and z exact in fp32 (an fp16 number times a 6- o
     IQ4_XS  int8 g32   kvalues[q]        s = d·(ls - 32)
     Q4_0    int4 g32   q (0..15)         s = d,       z = -8·d
     Q4_1    int4 g32   q                 s = d,       z = m
-    Q4_K    int4 g32   q                 s = d·sc,    z = -dmin·m
+    Q4_K    int4 g32   q                 s = d·sc,    z = -dmin·m   (held as the int4 codes and Q4_K's own
+                                                                      16-byte headers, expanded in the kernels)
 q·s + z in fp32 is then the value llama.cpp's dequantization gives, bit for bit (gguf.quants computes the same
 products; the test checks every type against it). Decoding follows gguf.quants' layouts; it runs a bounded slice of
-rows at a time.
+rows at a time. A Q4_K tensor whose rows must be cut between headers (the DeltaNet output's head reorder when the
+value head is under 256 wide) is held with fp32 scales and zeros instead (INT4_G32).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from qwenrt.quant import QuantSpec
 
 INT8_G32, INT8_G16 = QuantSpec(8, 32, fp32_groups=True), QuantSpec(8, 16, fp32_groups=True)
 INT8_G32_ZEROS, INT4_G32 = QuantSpec(8, 32, fp32_groups=True, zeros=True), QuantSpec(4, 32, fp32_groups=True)
+INT4_Q4K = QuantSpec(4, 32, fp32_groups=True, q4k=True)
 SPECS = {Q.Q8_0: INT8_G32, Q.Q6_K: INT8_G16, Q.Q5_0: INT8_G32, Q.Q5_1: INT8_G32_ZEROS, Q.Q5_K: INT8_G32_ZEROS,
-         Q.IQ4_NL: INT8_G32, Q.IQ4_XS: INT8_G32, Q.Q4_0: INT4_G32, Q.Q4_1: INT4_G32, Q.Q4_K: INT4_G32}
+         Q.IQ4_NL: INT8_G32, Q.IQ4_XS: INT8_G32, Q.Q4_0: INT4_G32, Q.Q4_1: INT4_G32, Q.Q4_K: INT4_Q4K}
 SLICE_BYTES = 1 << 24  # block bytes decoded at a time: bounded temporaries for the 248K-row tables
 KVALUES = np.array(IQ4_NL.kvalues, dtype=np.int8)
 
@@ -95,14 +98,31 @@ def _decode(kind: Q, b: np.ndarray):
     raise ValueError(f"no exact qwenrt format for {kind.name}")
 
 
-def stored_blocks(kind: Q, data: np.ndarray, shape: tuple[int, ...]) -> tuple[QuantSpec, dict[str, torch.Tensor]]:
+def _q4k_pieces(flat: np.ndarray, lead: list[int], K: int) -> dict[str, torch.Tensor]:
+    """Q4_K blocks [rows, K/256 · 144] -> qwenrt's int4 codes and the blocks' own 16-byte headers [rows, K/16]."""
+    blocks = flat.reshape(-1, 144)
+    codes = np.empty((flat.shape[0], K // 2), dtype=np.uint8)
+    step = max(1, SLICE_BYTES // flat.shape[1]) * (K // 256)  # whole rows of blocks
+    for b0 in range(0, len(blocks), step):
+        part = blocks[b0:b0 + step, 16:].reshape(-1, 4, 32)  # chunk c of a block: groups 2c (low), 2c + 1 (high)
+        codes.reshape(-1, 16)[b0 * 8:(b0 + len(part)) * 8] = _repack4(_nibbles(part).reshape(-1, 32))
+    headers = np.ascontiguousarray(blocks[:, :16]).reshape(flat.shape[0], K // 16)
+    return {"qweight": torch.from_numpy(codes).reshape(*lead, K // 2),
+            "scales": torch.from_numpy(headers).reshape(*lead, K // 16)}
+
+
+def stored_blocks(kind: Q, data: np.ndarray, shape: tuple[int, ...], spec: QuantSpec | None = None
+                  ) -> tuple[QuantSpec, dict[str, torch.Tensor]]:
     """A tensor's blocks (data: the file's bytes, [*rows, bytes per row]) of PyTorch shape [*, N, K] -> its spec
-    and stored tensors {'qweight', 'scales'(, 'zeros')} (qwenrt.quant.storage_entries' layout)."""
-    spec = SPECS[kind]
+    (SPECS', or INT4_G32 for Q4_K when asked) and stored tensors {'qweight', 'scales'(, 'zeros')}
+    (qwenrt.quant.storage_entries' layout)."""
+    spec = spec or SPECS[kind]
     block, size = GGML_QUANT_SIZES[kind]
     *lead, K = shape
     rows = int(np.prod(lead))
     flat = np.asarray(data).reshape(rows, -1)  # [rows, K / block · size]
+    if spec.q4k:
+        return spec, _q4k_pieces(flat, lead, K)
     groups = K // spec.group_size
     codes = np.empty((rows, K // 2 if spec.bits == 4 else K), dtype=np.uint8 if spec.bits == 4 else np.int8)
     scales = np.empty((rows, groups), dtype=np.float32)

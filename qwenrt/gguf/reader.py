@@ -25,7 +25,7 @@ from gguf import quants
 from qwenrt.config import ModelConfig, parse_config
 from qwenrt.errors import QwenrtError
 from qwenrt.gguf import mmproj as clip
-from qwenrt.gguf.blocks import SPECS, stored_blocks
+from qwenrt.gguf.blocks import INT4_G32, SPECS, stored_blocks
 from qwenrt.gguf.layout import from_gguf, gguf_names, layer_part
 from qwenrt.gguf.metadata import Metadata, architecture, config_dict, tokenizer_parts
 from qwenrt.gguf.names import SPLIT
@@ -170,8 +170,9 @@ class GGUFCheckpoint:
 
     def _piece(self, parameter: str, spec: QuantSpec, piece: str) -> torch.Tensor:
         if self._decoded[0] != parameter:
-            parts = [stored_blocks(Q(t.tensor_type), t.data, _torch_shape(t))[1] for t in self.sources[parameter]]
-            for t in self.sources[parameter]:
+            sources = self.sources[parameter]
+            parts = [stored_blocks(Q(t.tensor_type), t.data, _torch_shape(t), spec)[1] for t in sources]
+            for t in sources:
                 _release(t)
             self._decoded = (parameter, {key: from_gguf(parameter, [p[key] for p in parts], self.config.text)
                                          for key in spec.pieces})
@@ -264,13 +265,16 @@ def open_gguf(path: str | Path, mmproj: str | Path | None = None, blocks: bool =
 
 def _block_spec(name: str, parts: tuple, config: ModelConfig) -> QuantSpec | None:
     """The exact qwenrt format of parameter `name`'s blocks, or None where it has none: a float or unmapped type,
-    parts of two types, or the DeltaNet output's head reorder cutting through its groups."""
+    parts of two types, or the DeltaNet output's head reorder cutting through its groups (through Q4_K's 256-column
+    headers: then fp32 scales and zeros)."""
     kinds = {Q(t.tensor_type) for t in parts}
     spec = SPECS.get(kinds.pop()) if len(kinds) == 1 else None
-    if spec is not None and layer_part(name) == "linear_attn.out_proj.weight" \
-            and config.text.linear_value_head_dim % spec.group_size:
-        return None
-    return spec
+    if spec is None or layer_part(name) != "linear_attn.out_proj.weight":
+        return spec
+    head = config.text.linear_value_head_dim
+    if spec.q4k and head % 256:
+        spec = INT4_G32
+    return None if head % spec.group_size else spec
 
 
 def _offer_blocks(ckpt: GGUFCheckpoint) -> None:

@@ -236,11 +236,24 @@ void set_groups(std::vector<Segment>& segs, const std::vector<at::Tensor>& scale
   }
 }
 
+// Q4_K headers [N, K/256, 16] uint8 per weight
+void set_headers(std::vector<Segment>& segs, const std::vector<at::Tensor>& headers, int64_t K) {
+  TORCH_CHECK(headers.size() == segs.size() && K % kQ4kBlock == 0, "gemv_q4k: Q4_K headers per weight, K % 256 == 0");
+  for (size_t i = 0; i < segs.size(); ++i) {
+    TORCH_CHECK(headers[i].scalar_type() == at::kByte && headers[i].is_contiguous() &&
+                headers[i].numel() == segs[i].N * (K / kQ4kBlock) * kQ4kHeader, "gemv_q4k: uint8 headers [N, K/256, 16]");
+    segs[i].q4k = headers[i].data_ptr<uint8_t>();
+  }
+}
+
+// bf16: qwenrt's int4; fp32: GGUF's 4-bit blocks with fp32 scales and zeros; q4k: Q4_K's headers (`scales`)
+enum class Q4Scales { kBf16, kFp32, kQ4k };
+
 std::vector<at::Tensor> q4_call(const at::Tensor& x, const std::vector<at::Tensor>& qs,
                                 const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& zeros, int64_t G,
-                                const std::string& mode, bool fp32) {
-  const char* what = fp32 ? "gemv_q4g" : "gemv_q4";
-  TORCH_CHECK(!qs.empty() && zeros.size() == qs.size(), what, ": pieces per weight");
+                                const std::string& mode, Q4Scales kind) {
+  const char* what = kind == Q4Scales::kBf16 ? "gemv_q4" : kind == Q4Scales::kFp32 ? "gemv_q4g" : "gemv_q4k";
+  TORCH_CHECK(!qs.empty() && (kind == Q4Scales::kQ4k || zeros.size() == qs.size()), what, ": pieces per weight");
   const int64_t K = 2 * qs[0].size(1);
   check_x(x, K);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, what, ": bf16 input");
@@ -248,7 +261,11 @@ std::vector<at::Tensor> q4_call(const at::Tensor& x, const std::vector<at::Tenso
   for (const auto& q : qs)
     TORCH_CHECK(q.scalar_type() == at::kByte && 2 * q.size(1) == K, what, ": uint8 weights [N, K/2]");
   Outputs outs(x, qs, mode);
-  set_groups(outs.segs, scales, zeros, K, G, fp32, what);
+  if (kind == Q4Scales::kQ4k) {
+    set_headers(outs.segs, scales, K);
+  } else {
+    set_groups(outs.segs, scales, zeros, K, G, kind == Q4Scales::kFp32, what);
+  }
   const Q4Input in = q4_input(x, G);
   dispatch_m(x.size(0), [&](auto m) {
     run_blocks(outs, K * m, [&](const Segment& s, int64_t n0, int64_t n1) {
@@ -263,13 +280,20 @@ std::vector<at::Tensor> q4_call(const at::Tensor& x, const std::vector<at::Tenso
 // x [M, K] bf16 · int4 q_i [N_i, K/2] with bf16 scales/zeros [N_i, K/G] (qwenrt's stored layout); K % G == 0
 std::vector<at::Tensor> gemv_q4(at::Tensor x, std::vector<at::Tensor> qs, std::vector<at::Tensor> scales,
                                 std::vector<at::Tensor> zeros, int64_t G, std::string mode) {
-  return q4_call(x, qs, scales, zeros, G, mode, false);
+  return q4_call(x, qs, scales, zeros, G, mode, Q4Scales::kBf16);
 }
 
 // x [M, K] bf16 · int4 q_i [N_i, K/2] with fp32 scales and zeros [N_i, K/32]: W = q·s + z (GGUF's 4-bit blocks)
 std::vector<at::Tensor> gemv_q4g(at::Tensor x, std::vector<at::Tensor> qs, std::vector<at::Tensor> scales,
                                  std::vector<at::Tensor> zeros, std::string mode) {
-  return q4_call(x, qs, scales, zeros, 32, mode, true);
+  return q4_call(x, qs, scales, zeros, 32, mode, Q4Scales::kFp32);
+}
+
+// x [M, K] bf16 · int4 q_i [N_i, K/2] (qwenrt's layout, groups of 32) whose scales and zeros are Q4_K's headers
+// [N_i, K/256, 16] (fp16 d, dmin; 6-bit scale and min per 32): W = q·d·sc - dmin·m, Q4_K held in its own size
+std::vector<at::Tensor> gemv_q4k(at::Tensor x, std::vector<at::Tensor> qs, std::vector<at::Tensor> headers,
+                                 std::string mode) {
+  return q4_call(x, qs, headers, {}, 32, mode, Q4Scales::kQ4k);
 }
 
 // x [M, K] bf16 · int8 q_i [N_i, K] with fp32 scales (and zeros, or none) [N_i, K/G], G = 16 or 32: W = q·s + z
@@ -384,8 +408,8 @@ at::Tensor dequantize_rows(at::Tensor ids, at::Tensor q, at::Tensor scales, c10:
 }
 
 // Rows `ids` of a weight in fp32-scaled groups (GGUF blocks held exactly): int8 q [V, K] (G = 16 or 32) or int4
-// q [V, K/2] (G = 32), fp32 scales and zeros (none: 0) [V, K/G], W = q·s + z, into out [N, K] (bf16 or fp32):
-// the token lookup of a table held so.
+// q [V, K/2] (G = 32), fp32 scales and zeros (none: 0) [V, K/G] or, for int4, Q4_K's headers [V, K/256, 16] as
+// `scales`; W = q·s + z, into out [N, K] (bf16 or fp32): the token lookup of a table held so, and exact fp32 slices.
 at::Tensor dequantize_group_rows(at::Tensor ids, at::Tensor q, at::Tensor scales, c10::optional<at::Tensor> zeros,
                                  int64_t G, at::Tensor out) {
   const bool q4 = q.scalar_type() == at::kByte;
@@ -394,21 +418,33 @@ at::Tensor dequantize_group_rows(at::Tensor ids, at::Tensor q, at::Tensor scales
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && (q4 || q.scalar_type() == at::kChar) && (G == 16 || G == 32) &&
               (!q4 || G == 32), "dequantize_group_rows: int8 [V, K] or uint8 [V, K/2] weights, groups of 16 or 32");
   const int64_t N = ids.size(0), V = q.size(0), K = q4 ? 2 * q.size(1) : q.size(1), groups = K / G;
-  for (const at::Tensor* t : {&scales, zeros ? &*zeros : &scales})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == V * groups && K % G == 0,
-                "dequantize_group_rows: fp32 scales (and zeros) [V, K/G]");
+  const bool headers = scales.scalar_type() == at::kByte;  // Q4_K's, for int4
+  if (headers) {
+    TORCH_CHECK(q4 && K % kQ4kBlock == 0 && scales.is_contiguous() &&
+                scales.numel() == V * (K / kQ4kBlock) * kQ4kHeader, "dequantize_group_rows: Q4_K headers [V, K/256, 16]");
+  } else {
+    for (const at::Tensor* t : {&scales, zeros ? &*zeros : &scales})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == V * groups && K % G == 0,
+                  "dequantize_group_rows: fp32 scales (and zeros) [V, K/G]");
+  }
   check_out(out, N, K, "dequantize_group_rows");
   const int64_t* I = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < N; ++i)
     TORCH_CHECK(I[i] >= 0 && I[i] < V, "dequantize_group_rows: id ", I[i], " outside the table's ", V, " rows");
-  const float* S = scales.data_ptr<float>();
-  const float* Z = zeros ? zeros->data_ptr<float>() : nullptr;
+  const std::vector<float> no_zeros(groups, 0.f);
   qwenrt::parallel_for_work(0, N, K, [&](int64_t i0, int64_t i1) {
-    std::vector<float> row(K);
+    std::vector<float> row(K), expanded(2 * groups);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t v = I[i];
+      const float *S = expanded.data(), *Z = expanded.data() + groups;  // row v's scales and zeros
+      if (headers) {
+        q4k_row(scales.data_ptr<uint8_t>(), v, K, expanded.data(), expanded.data() + groups);
+      } else {
+        S = scales.data_ptr<float>() + v * groups;
+        Z = zeros ? zeros->data_ptr<float>() + v * groups : no_zeros.data();
+      }
       for (int64_t g = 0; g < groups; ++g) {
-        const float sc = S[v * groups + g], z = Z ? Z[v * groups + g] : 0.f;
+        const float sc = S[g], z = Z[g];
         float* r = row.data() + g * G;
         if (q4) {
           const uint8_t* bytes = q.data_ptr<uint8_t>() + v * (K / 2) + g * (G / 2);

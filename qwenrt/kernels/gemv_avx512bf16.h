@@ -227,6 +227,8 @@ void q4_rows(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64_t 
   const __m512i group_index = _mm512_load_si512(lane_group);
   constexpr int kRows = M <= 2 ? 4 : 2;
   std::vector<float> sc(kRows * groups + 16);  // fp32 scales of the block's rows (+16: whole-vector reads)
+  const bool fp32 = s.fscales != nullptr || s.q4k != nullptr;
+  std::vector<float> expanded;  // a row's scales and zeros from Q4_K headers
   over_rows<kRows>(n0, n1, [&](auto rows, int64_t n) {
     constexpr int R = decltype(rows)::value;
     __m512 acc[M][R];
@@ -235,16 +237,17 @@ void q4_rows(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64_t 
     // per-group offsets: Σ_g (z - (128 + zero code)·s)·Σx, since each weight enters as (128 + n)·s; and the fp32
     // scales. bf16 scales and zeros: W = (n - 8)·s + z; fp32 ones (GGUF blocks): W = n·s + z.
     for (int r = 0; r < R; ++r) {
+      const Fp32Groups row = fp32 ? fp32_groups(s, n + r, K, groups, expanded) : Fp32Groups{};
       for (int64_t g = 0; g < groups; g += 16) {
         const __mmask16 mask = static_cast<__mmask16>(groups - g >= 16 ? 0xFFFF : (1u << (groups - g)) - 1);
         const int64_t at = (n + r) * groups + g;
         auto bf16s = [&](const uint16_t* p) {
           return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
         };
-        const __m512 sv = s.fscales ? _mm512_maskz_loadu_ps(mask, s.fscales + at) : bf16s(s.scales + at);
-        const __m512 zv = s.fscales ? _mm512_maskz_loadu_ps(mask, s.fzeros + at) : bf16s(s.zeros + at);
+        const __m512 sv = fp32 ? _mm512_maskz_loadu_ps(mask, row.scale + g) : bf16s(s.scales + at);
+        const __m512 zv = fp32 ? _mm512_maskz_loadu_ps(mask, row.zero + g) : bf16s(s.zeros + at);
         _mm512_mask_storeu_ps(sc.data() + r * groups + g, mask, sv);
-        const __m512 coef = _mm512_fnmadd_ps(sv, _mm512_set1_ps(s.fscales ? 128.f : 136.f), zv);
+        const __m512 coef = _mm512_fnmadd_ps(sv, _mm512_set1_ps(fp32 ? 128.f : 136.f), zv);
         for (int m = 0; m < M; ++m)
           acc[m][r] = _mm512_fmadd_ps(coef, _mm512_maskz_loadu_ps(mask, in.sums.data() + m * groups + g), acc[m][r]);
       }

@@ -27,7 +27,13 @@ struct Segment {  // one weight matrix of a call and where its rows go
   // for int8 (then z = 0). Where these are set, `scales` and `zeros` are not.
   const float* fscales = nullptr;
   const float* fzeros = nullptr;
+  // int4 with Q4_K's super-block headers [N, K/256, 16] (fp16 d, dmin; 6-bit scale and min per 32) for its scales
+  // and zeros: expanded per row to fp32 (q4k_row) where a kernel needs them
+  const uint8_t* q4k = nullptr;
 };
+
+constexpr int64_t kQ4kBlock = 256;  // columns per Q4_K header
+constexpr int64_t kQ4kHeader = 16;  // its bytes
 
 // The hardware prefetchers stop at 4 KB pages; the weight stream is linear, so ask for what comes 16 KB later.
 inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
@@ -55,6 +61,51 @@ inline float bf16_to_float(uint16_t v) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
+}
+
+// An IEEE half's value (exact in fp32).
+inline float fp16_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+  if (exp == 0) {  // zero or subnormal: mant·2^-24
+    const float f = std::ldexp(static_cast<float>(mant), -24);
+    return sign ? -f : f;
+  }
+  const uint32_t bits = sign | (exp == 31 ? 0x7F800000u | (mant << 13) : ((exp + 112) << 23) | (mant << 13));
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Row n's fp32 scale d·sc and zero -dmin·m for each of its K/32 groups, from its Q4_K headers (llama.cpp's
+// get_scale_min_k4): W = q·scale + zero, the value llama.cpp's dequantization gives.
+inline void q4k_row(const uint8_t* headers, int64_t n, int64_t K, float* scale, float* zero) {
+  const int64_t blocks = K / kQ4kBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* h = headers + (n * blocks + b) * kQ4kHeader;
+    const float d = fp16_to_float(static_cast<uint16_t>(h[0] | h[1] << 8));
+    const float dmin = fp16_to_float(static_cast<uint16_t>(h[2] | h[3] << 8));
+    const uint8_t* q = h + 4;
+    for (int j = 0; j < 8; ++j) {
+      const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+      const int m = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+      scale[b * 8 + j] = d * static_cast<float>(sc);
+      zero[b * 8 + j] = -(dmin * static_cast<float>(m));
+    }
+  }
+}
+
+// Row n's fp32 scales and zeros [K/G] where the segment has them in fp32: its own, or its Q4_K headers expanded into
+// `buffer`.
+struct Fp32Groups {
+  const float* scale;
+  const float* zero;
+};
+
+inline Fp32Groups fp32_groups(const Segment& s, int64_t n, int64_t K, int64_t groups, std::vector<float>& buffer) {
+  if (s.q4k == nullptr) return {s.fscales + n * groups, s.fzeros + n * groups};
+  buffer.resize(2 * groups);
+  q4k_row(s.q4k, n, K, buffer.data(), buffer.data() + groups);
+  return {buffer.data(), buffer.data() + groups};
 }
 
 // Σ x per row and group of G columns, in fp32: [M, K/G] (+ 16 zeros, for whole-vector reads), through which the

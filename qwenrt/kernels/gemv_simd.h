@@ -226,7 +226,9 @@ inline Q4Input q4_input(const at::Tensor& x, int64_t G) {
     int32_t sum = 0;
     for (int64_t b = std::max(g * G / 2, from); b < (g + 1) * G / 2; ++b)
       sum += int32_t{row[b] & 15} * q[g * G + b % (G / 2)] + int32_t{row[b] >> 4} * q[g * G + G / 2 + b % (G / 2)];
-    const float scale = s.fscales ? s.fscales[n * in.groups + g] : bf16_to_float(s.scales[n * in.groups + g]);
+    std::vector<float> expanded;
+    const float scale = s.fscales || s.q4k ? fp32_groups(s, n, K, in.groups, expanded).scale[g]
+                                           : bf16_to_float(s.scales[n * in.groups + g]);
     total += static_cast<float>(sum) * (in.q8.scale[m * in.groups + g] * scale);
   }
   return total;
@@ -261,6 +263,7 @@ void q4_periods(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64
   // sc[(m·kRows + r)·groups + g]: the block's row r's scale of group g times x row m's scale d there, the one factor
   // an integer sum needs
   std::vector<float> sc(M * kRows * groups + kLanes, 0.f);
+  std::vector<float> expanded;  // a row's scales and zeros from Q4_K headers
   const float* xscale = in.q8.scale.data();  // [M, groups]
   const float* xsums = in.q8.sums.data();    // [M, groups]
   // the scale of a period's sums: a broadcast where the period lies in one group, else each lane's group's
@@ -272,15 +275,17 @@ void q4_periods(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64
     constexpr int R = decltype(rows)::value;
     float offset[M][R];  // Σ_g (z - 8·s)·d·Σq: each weight enters the integer sums as its code c = w/s - z/s + 8
     // bf16 scales and zeros: W = (c - 8)·s + z; fp32 ones (GGUF blocks): W = c·s + z
-    const float zero_code = s.fscales ? 0.f : 8.f;
+    const bool fp32 = s.fscales != nullptr || s.q4k != nullptr;
+    const float zero_code = fp32 ? 0.f : 8.f;
     for (int r = 0; r < R; ++r) {
       const int64_t row = (n + r) * groups;
+      const Fp32Groups own = fp32 ? fp32_groups(s, n + r, K, groups, expanded) : Fp32Groups{};
       F off[M];
       for (int m = 0; m < M; ++m) off[m] = zero();
       int64_t g = 0;
       for (; g + kLanes <= groups; g += kLanes) {
-        const F sv = s.fscales ? load(s.fscales + row + g) : load_bf16(s.scales + row + g);
-        const F coef = fnmadd(sv, set1(zero_code), s.fscales ? load(s.fzeros + row + g) : load_bf16(s.zeros + row + g));
+        const F sv = fp32 ? load(own.scale + g) : load_bf16(s.scales + row + g);
+        const F coef = fnmadd(sv, set1(zero_code), fp32 ? load(own.zero + g) : load_bf16(s.zeros + row + g));
         for (int m = 0; m < M; ++m) {
           store(sc.data() + (m * kRows + r) * groups + g, mul(sv, load(xscale + m * groups + g)));
           off[m] = fmadd(coef, load(xsums + m * groups + g), off[m]);
@@ -288,8 +293,8 @@ void q4_periods(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64
       }
       for (int m = 0; m < M; ++m) offset[m][r] = reduce_add(off[m]);
       for (; g < groups; ++g) {
-        const float sv = s.fscales ? s.fscales[row + g] : bf16_to_float(s.scales[row + g]);
-        const float zv = s.fscales ? s.fzeros[row + g] : bf16_to_float(s.zeros[row + g]);
+        const float sv = fp32 ? own.scale[g] : bf16_to_float(s.scales[row + g]);
+        const float zv = fp32 ? own.zero[g] : bf16_to_float(s.zeros[row + g]);
         for (int m = 0; m < M; ++m) {
           sc[(m * kRows + r) * groups + g] = sv * xscale[m * groups + g];
           offset[m][r] += (zv - zero_code * sv) * xsums[m * groups + g];
