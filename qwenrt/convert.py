@@ -19,6 +19,7 @@ from qwenrt.checkpoint import INDEX_FILE, materialize
 from qwenrt.errors import QwenrtError
 from qwenrt.files import CheckpointDir
 from qwenrt.hub import ALLOW_PATTERNS, resolve_model_path
+from qwenrt.gguf.reader import is_gguf
 from qwenrt.loader import STORED_DTYPES, verify_checkpoint
 from qwenrt.quant import QuantSpec, plan_units, quantize_weight, storage_entries, stored_spec
 from qwenrt.writer import Entry, aligned_order, write_safetensors
@@ -72,7 +73,10 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int, group_size:
     if dst.exists() or dst.is_symlink():
         raise QwenrtError(f"{dst}: already exists")
     src = resolve_model_path(src)
-    config, ckpt, plan, aside, model = verify_checkpoint(src, blocks=False)  # a GGUF source's blocks as floats
+    if is_gguf(src):
+        raise QwenrtError(f"{src}: a GGUF file runs as it is (its blocks natively: qwenrt run {Path(src).name}); "
+                          "quantize takes a checkpoint directory")
+    config, ckpt, plan, aside, model = verify_checkpoint(src)
     if stored_spec(config.raw):
         raise QwenrtError(f"{src}: already quantized")
     units, kept = plan_units(model, spec)

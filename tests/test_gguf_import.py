@@ -270,6 +270,14 @@ def test_convert_of_a_quantized_checkpoint_writes_the_weights_it_runs(bits, tmp_
     assert model.mtp is not None and relative(logits(model), logits(reference)) <= 1e-6
 
 
+def test_quantize_refuses_a_gguf_file_before_writing(tiny_files, tmp_path):
+    from qwenrt.convert import quantize_checkpoint
+
+    with pytest.raises(QwenrtError, match="a GGUF file runs as it is .*quantize takes a checkpoint directory"):
+        quantize_checkpoint(tiny_files["q8_0"], tmp_path / "int8", 8)
+    assert not any(tmp_path.iterdir())
+
+
 def test_convert_is_all_or_nothing(tmp_path, monkeypatch):
     import qwenrt.gguf.export as export
 
