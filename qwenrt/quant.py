@@ -15,8 +15,6 @@ fp32 groups (`QuantSpec.fp32_groups`): GGUF's quantized blocks as they are (qwen
     int4  qweight uint8 [*E, N, K/2]; scales, zeros fp32 [*E, N, K/32] (the int4 layout)  W = q·s + z
     Q4_K  qweight as int4; scales uint8 [*E, N, K/16]: Q4_K's 16-byte header per 256 columns (fp16 d, dmin; 6-bit sc,
           m per 32), W = q·d·sc - dmin·m, expanded per row inside the kernels (Q4_K held in its own size)
-    Q6_K  qweight as int8 (codes - 32); scales uint8 [*E, N, K·18/256]: per 256 columns 16 int8 scales (one per 16)
-          and fp16 d, W = q·d·sc, expanded per row inside the kernels (1.07 bytes a weight)
 The native kernels multiply them in place; fp32 activations multiply by exact fp32 slices of them.
 """
 
@@ -62,18 +60,17 @@ class QuantSpec:
     fp32_groups: bool = False
     zeros: bool = False
     q4k: bool = False  # int4 whose scales and zeros are Q4_K's headers
-    q6k: bool = False  # int8 in groups of 16 whose scales are Q6_K's
 
     def __post_init__(self):
         if type(self.bits) is not int or self.bits not in BITS:
             raise QwenrtError(f"quantization bits must be 8 or 4, got {self.bits!r}")
         if self.fp32_groups:
             if self.group_size not in ((16, 32) if self.bits == 8 else (32,)) or (self.zeros and self.bits == 4) \
-                    or (self.q4k and self.bits != 4) or (self.q6k and (self.bits, self.group_size) != (8, 16)):
+                    or (self.q4k and self.bits != 4):
                 raise QwenrtError(f"no fp32-group format int{self.bits} g{self.group_size}")
             return
-        if self.q4k or self.q6k:
-            raise QwenrtError("K-quant headers are a GGUF block format (fp32_groups)")
+        if self.q4k:
+            raise QwenrtError("Q4_K headers are a GGUF block format (fp32_groups)")
         if self.zeros:
             raise QwenrtError("zeros are part of the int4 and fp32-group formats only")
         if self.bits == 4 and self.group_size not in GROUP_SIZES:
@@ -107,19 +104,19 @@ class QuantSpec:
     @property
     def kernel_format(self) -> str:
         """The native kernels' name of the format: q8 | q4 (bf16 scales), q8g | q4g (fp32 groups), q4k."""
-        return "q4k" if self.q4k else "q6k" if self.q6k else f"q{self.bits}" + ("g" if self.fp32_groups else "")
+        return "q4k" if self.q4k else f"q{self.bits}" + ("g" if self.fp32_groups else "")
 
     @property
     def short(self) -> str:
         """"int4 g64", "int8", "int8 g16 fp32", "int4 Q4_K": for load lines."""
-        if self.q4k or self.q6k:
-            return "int4 Q4_K" if self.q4k else "int8 Q6_K"
+        if self.q4k:
+            return "int4 Q4_K"
         return f"int{self.bits}" + (f" g{self.group_size}" if self.group_size else "") + \
             (" fp32" if self.fp32_groups else "")
 
     def __str__(self) -> str:
-        if self.q4k or self.q6k:
-            return "int4 (Q4_K's scales, groups of 32)" if self.q4k else "int8 (Q6_K's scales, groups of 16)"
+        if self.q4k:
+            return "int4 (Q4_K's scales, groups of 32)"
         if self.fp32_groups:
             return f"int{self.bits} (fp32-scaled groups of {self.group_size})"
         return f"int{self.bits}" + (f" (groups of {self.group_size})" if self.group_size else "")
@@ -146,8 +143,6 @@ def storage_entries(shape: tuple[int, ...], spec: QuantSpec) -> dict[str, tuple[
     *lead, N, K = shape
     if spec.q4k:  # Q4_K's 16-byte header per 256 columns
         return {"qweight": ((*lead, N, K // 2), torch.uint8), "scales": ((*lead, N, K // 16), torch.uint8)}
-    if spec.q6k:  # Q6_K's 18 bytes of scales per 256 columns
-        return {"qweight": ((*lead, N, K), torch.int8), "scales": ((*lead, N, K * 18 // 256), torch.uint8)}
     if spec.fp32_groups:
         groups = (*lead, N, K // spec.group_size)
         codes = ((*lead, N, K), torch.int8) if spec.bits == 8 else ((*lead, N, K // 2), torch.uint8)
@@ -202,8 +197,6 @@ def dequantize_weight(stored: dict[str, torch.Tensor], spec: QuantSpec) -> torch
     if spec.q4k:
         s, z = q4k_scales(stored["scales"])
         stored = {"qweight": stored["qweight"], "scales": s, "zeros": z}
-    if spec.q6k:
-        stored = {"qweight": stored["qweight"], "scales": q6k_scales(stored["scales"])}
     s = stored["scales"].float()
     if spec.fp32_groups:
         q = stored["qweight"].float() if spec.bits == 8 else _unpack_int4(stored["qweight"], spec.group_size).float()
@@ -227,14 +220,6 @@ def q4k_scales(headers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sc = torch.cat([q[..., 0:4] & 63, (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)], -1)  # [..., K/256, 8]
     m = torch.cat([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], -1)
     return (d * sc.float()).flatten(-2), (-(dmin * m.float())).flatten(-2)
-
-
-def q6k_scales(headers: torch.Tensor) -> torch.Tensor:
-    """Q6_K scales [..., K·18/256] uint8 (per 256 columns: 16 int8 scales, then fp16 d) -> the fp32 scale d·sc of each
-    group of 16 [..., K/16]."""
-    h = headers.reshape(*headers.shape[:-1], -1, 18)  # [..., K/256, 18]
-    d = h[..., 16:18].contiguous().view(torch.float16).float()  # [..., K/256, 1]
-    return (d * h[..., :16].contiguous().view(torch.int8).float()).flatten(-2)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -318,9 +303,8 @@ class QuantLinear(nn.Module):
         if self.spec.fp32_groups:
             if kernels is not None and x2.dtype == torch.bfloat16:  # prefill in integer sums (kernels/cpu_gemm.cpp):
                 # int8 with x in 16-bit fixed point, int4 with x in 8 bits per group (as llama.cpp's blocks take it)
-                y = kernels.gemm_q6k(x2, w, s) if self.spec.q6k else kernels.gemm_q4k(x2, w, s) if self.spec.q4k \
-                    else kernels.gemm_q8g(x2, w, s, z, self.spec.group_size) if self.spec.bits == 8 \
-                    else kernels.gemm_q4g(x2, w, s, z)
+                y = kernels.gemm_q8g(x2, w, s, z, self.spec.group_size) if self.spec.bits == 8 else \
+                    kernels.gemm_q4k(x2, w, s) if self.spec.q4k else kernels.gemm_q4g(x2, w, s, z)
             else:  # fp32 slices of the exact weight through torch's fp32 GEMM, rounded once
                 y = fp32_gemm(x2, self.out_features, self._fill_fp32(kernels, w, s, z))
             return y.reshape(*x.shape[:-1], self.out_features)
@@ -363,8 +347,6 @@ class QuantLinear(nn.Module):
         if self.spec.fp32_groups:
             qs, scales = [w for w, _, _ in weights], [s for _, s, _ in weights]
             zeros = [z for _, _, z in weights if z is not None]
-            if self.spec.q6k:
-                return kernels.gemv_q6k(x2, qs, scales, mode)
             if self.spec.bits == 8:
                 return kernels.gemv_q8g(x2, qs, scales, zeros, self.spec.group_size, mode)
             if self.spec.q4k:

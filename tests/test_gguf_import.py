@@ -129,7 +129,7 @@ def test_q4_k_m_blocks_are_held_as_they_are_and_decode_natively(wide_ckpt, tmp_p
     plain greedy tokens."""
     monkeypatch.setattr("qwenrt.gguf.export.SENSITIVE", ("ssm_alpha.weight", "ssm_beta.weight"))
     gguf = export_gguf(wide_ckpt, tmp_path / "wide-q4_k_m.gguf", "q4_k_m")
-    model = check_blocks_held_exactly(gguf, "int4 Q4_K + int8 g32 fp32 + int4 g32 fp32 + int8 Q6_K")
+    model = check_blocks_held_exactly(gguf, "int4 Q4_K + int8 g32 fp32 + int4 g32 fp32 + int8 g16 fp32")
     ids = torch.randint(0, 576, (2, 20), generator=torch.Generator().manual_seed(3))
     assert DecodePlan.for_model(model).stack is not None
     assert torch.equal(teacher_forced_logits(model, ids, 12), teacher_forced_logits(model, ids, 12, modules=True))
@@ -142,7 +142,7 @@ def test_q4_k_m_blocks_are_held_as_they_are_and_decode_natively(wide_ckpt, tmp_p
 
 def test_q4_0_and_moe_q8_0_blocks_are_held_as_they_are(wide_ckpt, moe_ckpt, tmp_path):
     q4_0 = export_gguf(wide_ckpt, tmp_path / "wide-q4_0.gguf", "q4_0")  # Q4_0, the head Q6_K, DeltaNet's Q8_0
-    check_blocks_held_exactly(q4_0, "int4 g32 fp32 + int8 g32 fp32 + int8 Q6_K")
+    check_blocks_held_exactly(q4_0, "int4 g32 fp32 + int8 g32 fp32 + int8 g16 fp32")
     model = check_blocks_held_exactly(export_gguf(moe_ckpt, tmp_path / "moe-q8_0.gguf", "q8_0"), "int8 g32 fp32")
     assert isinstance(model.model.layers[0].mlp.experts, QuantExperts) and model.mtp is not None
     # the untied embedding is looked up in its own blocks

@@ -115,10 +115,6 @@ def fp32_group_pieces(N: int, K: int, spec: QuantSpec, g: torch.Generator) -> di
     groups = (N, K // spec.group_size)
     codes = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8) if spec.bits == 8 else \
         torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
-    if spec.q6k:  # Q6_K scales: 16 random int8 per 256 columns, then fp16 d
-        headers = torch.randint(0, 256, (N, K // 256, 18), generator=g, dtype=torch.uint8)
-        headers[..., 16:] = (torch.rand(N, K // 256, 1, generator=g) * 2e-6).half().view(torch.uint8)
-        return {"qweight": codes, "scales": headers.reshape(N, K * 18 // 256)}
     if spec.q4k:  # Q4_K headers: fp16 d and dmin, then random 6-bit scales and mins
         headers = torch.randint(0, 256, (N, K // 256, 16), generator=g, dtype=torch.uint8)
         d = (torch.rand(N, K // 256, 2, generator=g) * 1e-5).half()  # d·sc of ~2e-4 at most, as above
@@ -134,8 +130,7 @@ def fp32_group_pieces(N: int, K: int, spec: QuantSpec, g: torch.Generator) -> di
 @pytest.mark.parametrize("M", [1, 2, 3, 8])
 @pytest.mark.parametrize("spec", [QuantSpec(8, 32, fp32_groups=True), QuantSpec(8, 16, fp32_groups=True),
                                   QuantSpec(8, 32, fp32_groups=True, zeros=True), QuantSpec(4, 32, fp32_groups=True),
-                                  QuantSpec(4, 32, fp32_groups=True, q4k=True),
-                                  QuantSpec(8, 16, fp32_groups=True, q6k=True)], ids=str)
+                                  QuantSpec(4, 32, fp32_groups=True, q4k=True)], ids=str)
 def test_gguf_block_gemv_matches_its_exact_weight(M, spec):
     """GGUF blocks held exactly (int8 codes with fp32 scales per 16 or 32 columns, zeros or not; int4 with fp32
     scales and zeros): the GEMVs against x·W in fp64, with the bounds of the int8 and int4 GEMVs above (int4 below
@@ -143,15 +138,13 @@ def test_gguf_block_gemv_matches_its_exact_weight(M, spec):
     g = torch.Generator().manual_seed(M * spec.group_size + spec.bits)
     kernels = cpu_kernels()
     for N, K in SHAPES:
-        if K % (256 if spec.q4k or spec.q6k else 32):
+        if K % (256 if spec.q4k else 32):
             continue
         x = torch.randn(M, K, generator=g).bfloat16()
         pieces = [fp32_group_pieces(n, K, spec, g) for n in (N, 16)]
         qs, scales = [p["qweight"] for p in pieces], [p["scales"] for p in pieces]
         zeros = [p["zeros"] for p in pieces if "zeros" in p]
-        if spec.q6k:
-            outs = kernels.gemv_q6k(x, qs, scales, "fp32")
-        elif spec.bits == 8:
+        if spec.bits == 8:
             outs = kernels.gemv_q8g(x, qs, scales, zeros, spec.group_size, "fp32")
         elif spec.q4k:
             outs = kernels.gemv_q4k(x, qs, scales, "fp32")
@@ -167,8 +160,8 @@ def test_gguf_block_gemv_matches_its_exact_weight(M, spec):
 
 @needs_kernels
 @pytest.mark.parametrize("spec", [QuantSpec(8, 16, fp32_groups=True), QuantSpec(8, 32, fp32_groups=True, zeros=True),
-                                  QuantSpec(4, 32, fp32_groups=True), QuantSpec(4, 32, fp32_groups=True, q4k=True),
-                                  QuantSpec(8, 16, fp32_groups=True, q6k=True)], ids=str)
+                                  QuantSpec(4, 32, fp32_groups=True), QuantSpec(4, 32, fp32_groups=True, q4k=True)],
+                         ids=str)
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 def test_gguf_block_rows_and_slices_are_the_exact_weight(spec, native, monkeypatch):
     """A token lookup in a table of GGUF blocks and QuantLinear's prefill / fp32 path (fp32 slices of the weight)
@@ -213,25 +206,23 @@ def test_int8_prefill_gemm_matches_its_dequantized_weight_and_the_gemv():
 
 
 @needs_kernels
-@pytest.mark.parametrize("spec", [QuantSpec(8, 16, fp32_groups=True), QuantSpec(8, 32, fp32_groups=True, zeros=True),
-                                  QuantSpec(8, 16, fp32_groups=True, q6k=True)], ids=str)
+@pytest.mark.parametrize("spec", [QuantSpec(8, 16, fp32_groups=True), QuantSpec(8, 32, fp32_groups=True, zeros=True)],
+                         ids=str)
 def test_gguf_int8_prefill_gemm_matches_its_exact_weight_and_the_gemv(spec):
     """The prefill GEMM of int8 GGUF blocks takes x in the GEMV's fixed point and sums each group exactly in int32:
     within 5e-5 of x·W (fp64), and within 2 bf16 steps of the GEMV's bf16 outputs."""
     g = torch.Generator().manual_seed(spec.group_size)
     kernels = cpu_kernels()
     for M, N, K in PREFILL_SHAPES:
-        if spec.q6k and K % 256:
-            continue
         x = torch.randn(M, K, generator=g).bfloat16()
         pieces = fp32_group_pieces(N, K, spec, g)
-        q, s, zeros = pieces["qweight"], pieces["scales"], pieces.get("zeros")
-        y = kernels.gemm_q6k(x, q, s) if spec.q6k else kernels.gemm_q8g(x, q, s, zeros, spec.group_size)
+        zeros = pieces.get("zeros")
+        y = kernels.gemm_q8g(x, pieces["qweight"], pieces["scales"], zeros, spec.group_size)
         assert y.dtype == torch.bfloat16 and y.shape == (M, N)
         assert rel_err(y, x.double() @ dequantize_weight(pieces, spec).double().t()) < 5e-3  # y's own bf16 rounding
-        gemv = torch.cat([kernels.gemv_q6k(x[i:i + 8], [q], [s], "fp32")[0] if spec.q6k else
-                          kernels.gemv_q8g(x[i:i + 8], [q], [s], [] if zeros is None else [zeros], spec.group_size,
-                                           "fp32")[0] for i in range(0, M, 8)])
+        gemv = torch.cat([kernels.gemv_q8g(x[i:i + 8], [pieces["qweight"]], [pieces["scales"]],
+                                           [] if zeros is None else [zeros], spec.group_size, "fp32")[0]
+                          for i in range(0, M, 8)])
         assert ((y.float() - gemv).abs() <= 2 * 2 ** -8 * gemv.abs() + 1e-5 * gemv.abs().max()).all()
 
 

@@ -3,8 +3,7 @@
 Every block type qwenrt holds natively is, per group of 16 or 32 weights, integer codes times an fp32 scale plus an
 fp32 zero, W = q·s + z, with s and z exact in fp32 (an fp16 number times a 6- or 8-bit integer):
     Q8_0    int8 g32   q                 s = d
-    Q6_K    int8 g16   q - 32            s = d·sc (sc int8 per 16; held as the codes and the blocks' own
-                                                       scales and d, expanded in the kernels)
+    Q6_K    int8 g16   q - 32            s = d·sc (sc int8 per 16)
     Q5_0    int8 g32   q - 16            s = d
     Q5_1    int8 g32   q (0..31)         s = d,       z = m
     Q5_K    int8 g32   q (0..31)         s = d·sc,    z = -dmin·m (6-bit sc, m per 32)
@@ -31,8 +30,8 @@ from qwenrt.quant import QuantSpec
 
 INT8_G32, INT8_G16 = QuantSpec(8, 32, fp32_groups=True), QuantSpec(8, 16, fp32_groups=True)
 INT8_G32_ZEROS, INT4_G32 = QuantSpec(8, 32, fp32_groups=True, zeros=True), QuantSpec(4, 32, fp32_groups=True)
-INT4_Q4K, INT8_Q6K = QuantSpec(4, 32, fp32_groups=True, q4k=True), QuantSpec(8, 16, fp32_groups=True, q6k=True)
-SPECS = {Q.Q8_0: INT8_G32, Q.Q6_K: INT8_Q6K, Q.Q5_0: INT8_G32, Q.Q5_1: INT8_G32_ZEROS, Q.Q5_K: INT8_G32_ZEROS,
+INT4_Q4K = QuantSpec(4, 32, fp32_groups=True, q4k=True)
+SPECS = {Q.Q8_0: INT8_G32, Q.Q6_K: INT8_G16, Q.Q5_0: INT8_G32, Q.Q5_1: INT8_G32_ZEROS, Q.Q5_K: INT8_G32_ZEROS,
          Q.IQ4_NL: INT8_G32, Q.IQ4_XS: INT8_G32, Q.Q4_0: INT4_G32, Q.Q4_1: INT4_G32, Q.Q4_K: INT4_Q4K}
 SLICE_BYTES = 1 << 24  # block bytes decoded at a time: bounded temporaries for the 248K-row tables
 KVALUES = np.array(IQ4_NL.kvalues, dtype=np.int8)
@@ -112,19 +111,6 @@ def _q4k_pieces(flat: np.ndarray, lead: list[int], K: int) -> dict[str, torch.Te
             "scales": torch.from_numpy(headers).reshape(*lead, K // 16)}
 
 
-def _q6k_pieces(flat: np.ndarray, lead: list[int], K: int) -> dict[str, torch.Tensor]:
-    """Q6_K blocks [rows, K/256 · 210] -> int8 codes (q - 32) [rows, K] and the blocks' scales with d, 18 bytes per
-    256 columns [rows, K·18/256]."""
-    blocks = flat.reshape(-1, 210)
-    codes = np.empty((flat.shape[0], K), dtype=np.int8)
-    step = max(1, SLICE_BYTES // flat.shape[1]) * (K // 256)  # whole rows of blocks
-    for b0 in range(0, len(blocks), step):
-        codes.reshape(-1, 256)[b0:b0 + step] = _decode(Q.Q6_K, blocks[b0:b0 + step])[0].reshape(-1, 256)
-    headers = np.ascontiguousarray(blocks[:, 192:210]).reshape(flat.shape[0], K * 18 // 256)
-    return {"qweight": torch.from_numpy(codes).reshape(*lead, K), "scales": torch.from_numpy(headers).reshape(
-        *lead, K * 18 // 256)}
-
-
 def stored_blocks(kind: Q, data: np.ndarray, shape: tuple[int, ...], spec: QuantSpec | None = None
                   ) -> tuple[QuantSpec, dict[str, torch.Tensor]]:
     """A tensor's blocks (data: the file's bytes, [*rows, bytes per row]) of PyTorch shape [*, N, K] -> its spec
@@ -137,8 +123,6 @@ def stored_blocks(kind: Q, data: np.ndarray, shape: tuple[int, ...], spec: Quant
     flat = np.asarray(data).reshape(rows, -1)  # [rows, K / block · size]
     if spec.q4k:
         return spec, _q4k_pieces(flat, lead, K)
-    if spec.q6k:
-        return spec, _q6k_pieces(flat, lead, K)
     groups = K // spec.group_size
     codes = np.empty((rows, K // 2 if spec.bits == 4 else K), dtype=np.uint8 if spec.bits == 4 else np.int8)
     scales = np.empty((rows, groups), dtype=np.float32)

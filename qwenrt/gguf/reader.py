@@ -25,7 +25,7 @@ from gguf import quants
 from qwenrt.config import ModelConfig, parse_config
 from qwenrt.errors import QwenrtError
 from qwenrt.gguf import mmproj as clip
-from qwenrt.gguf.blocks import INT4_G32, INT8_G16, SPECS, stored_blocks
+from qwenrt.gguf.blocks import INT4_G32, SPECS, stored_blocks
 from qwenrt.gguf.layout import from_gguf, gguf_names, layer_part
 from qwenrt.gguf.metadata import Metadata, architecture, config_dict, tokenizer_parts
 from qwenrt.gguf.names import SPLIT
@@ -272,8 +272,8 @@ def _block_spec(name: str, parts: tuple, config: ModelConfig) -> QuantSpec | Non
     if spec is None or layer_part(name) != "linear_attn.out_proj.weight":
         return spec
     head = config.text.linear_value_head_dim
-    if (spec.q4k or spec.q6k) and head % 256:  # the reorder would cut a K-quant header: fp32 scales instead
-        spec = INT4_G32 if spec.q4k else INT8_G16
+    if spec.q4k and head % 256:
+        spec = INT4_G32
     return None if head % spec.group_size else spec
 
 

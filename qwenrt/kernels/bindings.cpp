@@ -38,9 +38,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_q4k", &gemv_q4k, "x [M<=8, K] bf16 · each int4 W (stored layout, groups of 32) with Q4_K's headers "
         "[N, K/256, 16] for scales and zeros -> [M, N] per weight",
         arg("x"), arg("qs"), arg("headers"), arg("mode"));
-  m.def("gemv_q6k", &gemv_q6k, "x [M<=8, K] bf16 · each int8 W [N, K]ᵀ with Q6_K's scales [N, K/256, 18] -> [M, N] "
-        "per weight",
-        arg("x"), arg("qs"), arg("headers"), arg("mode"));
   m.def("gemm_bf16", &gemm_bf16, "x [M, K] bf16 · bf16 W [N, K]ᵀ -> [M, N] bf16: prefill, fp32 products and sums",
         arg("x"), arg("w"));
   m.def("gemm_q8", &gemm_q8, "x [M, K] bf16 · int8 W [N, K]ᵀ (bf16 row scales) -> [M, N] bf16: prefill, int32 sums",
@@ -56,8 +53,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("x"), arg("q"), arg("scales"), arg("zeros"));
   m.def("gemm_q4k", &gemm_q4k, "x [M, K] bf16 · int4 W (stored layout) with Q4_K's headers -> [M, N] bf16: prefill, "
         "x in 8 bits per group",
-        arg("x"), arg("q"), arg("headers"));
-  m.def("gemm_q6k", &gemm_q6k, "x [M, K] bf16 · int8 W [N, K]ᵀ with Q6_K's scales -> [M, N] bf16: prefill",
         arg("x"), arg("q"), arg("headers"));
   m.def("dequantize_q4", &dequantize_q4, "int4 stored layout -> the dense weight written into out (bf16 or fp32)",
         arg("q"), arg("scales"), arg("zeros"), arg("G"), arg("out"));

@@ -246,21 +246,28 @@ at::Tensor gemm_q8(at::Tensor x, at::Tensor q, at::Tensor scales) {
       });
 }
 
-namespace {
-
-// gemm_q8g's body: scale_of(n, g) gives row n's group g scale; Z: fp32 zeros [N, K/G] or null.
-template <typename ScaleOf>
-at::Tensor q8g_gemm(const at::Tensor& x, const at::Tensor& q, int64_t G, const float* Z, ScaleOf&& scale_of) {
-  const int64_t N = q.size(0), K = q.size(1), groups = K / G;
+// x [M, K] bf16 · int8 q [N, K] in fp32-scaled groups of G = 16 or 32 (GGUF's 8-, 6- and 5-bit blocks), zeros
+// [N, K/G] or none -> [M, N] bf16: gemm_q8's fixed-point x and int32 sums, folded per group with its scale times
+// x's block scale; zeros through Σ_g z·Σx per group.
+at::Tensor gemm_q8g(at::Tensor x, at::Tensor q, at::Tensor scales, c10::optional<at::Tensor> zeros, int64_t G) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(), "gemm_q8g: int8 weights [N, K]");
+  const int64_t N = q.size(0), K = q.size(1);
+  check_x(x, K, "gemm_q8g");
+  TORCH_CHECK((G == 16 || G == 32) && K % G == 0, "gemm_q8g: groups of 16 or 32 columns");
+  const int64_t groups = K / G;
+  for (const at::Tensor* t : {&scales, zeros ? &*zeros : &scales})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == N * groups,
+                "gemm_q8g: fp32 scales (and zeros) [N, K/G]");
   const FixedPoint in = to_fixed_point(x, kQ8Block);
-  const std::vector<float> xsums = Z ? group_sums(x, G) : std::vector<float>();
+  const std::vector<float> xsums = zeros ? group_sums(x, G) : std::vector<float>();
   const int64_t blocks = in.Kp / kQ8Block, pairs = in.Kp / 2, panels = (N + kNR - 1) / kNR;
   const int8_t* Q = q.data_ptr<int8_t>();
+  const float *S = scales.data_ptr<float>(), *Z = zeros ? zeros->data_ptr<float>() : nullptr;
   std::vector<float> panel_s(panels * groups * kNR, 0.f), panel_z(Z ? panels * groups * kNR : 0, 0.f);
   for (int64_t n = 0; n < N; ++n)
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t at = (n / kNR * groups + g) * kNR + n % kNR;
-      panel_s[at] = scale_of(n, g);
+      panel_s[at] = S[n * groups + g];
       if (Z) panel_z[at] = Z[n * groups + g];
     }
   return run_panels<int16_t, kMR>(
@@ -292,40 +299,6 @@ at::Tensor q8g_gemm(const at::Tensor& x, const at::Tensor& q, int64_t G, const f
         });
       });
 }
-
-}  // namespace
-
-// x [M, K] bf16 · int8 q [N, K] in fp32-scaled groups of G = 16 or 32 (GGUF's 8-, 6- and 5-bit blocks), zeros
-// [N, K/G] or none -> [M, N] bf16: gemm_q8's fixed-point x and int32 sums, folded per group with its scale times
-// x's block scale; zeros through Σ_g z·Σx per group.
-at::Tensor gemm_q8g(at::Tensor x, at::Tensor q, at::Tensor scales, c10::optional<at::Tensor> zeros, int64_t G) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(), "gemm_q8g: int8 weights [N, K]");
-  const int64_t N = q.size(0), K = q.size(1);
-  check_x(x, K, "gemm_q8g");
-  TORCH_CHECK((G == 16 || G == 32) && K % G == 0, "gemm_q8g: groups of 16 or 32 columns");
-  const int64_t groups = K / G;
-  for (const at::Tensor* t : {&scales, zeros ? &*zeros : &scales})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == N * groups,
-                "gemm_q8g: fp32 scales (and zeros) [N, K/G]");
-  const float *S = scales.data_ptr<float>(), *Z = zeros ? zeros->data_ptr<float>() : nullptr;
-  return q8g_gemm(x, q, G, Z, [&](int64_t n, int64_t g) { return S[n * groups + g]; });
-}
-
-// The same with Q6_K's scales [N, K/256, 18] (16 int8 scales per 256 columns, then fp16 d), groups of 16.
-at::Tensor gemm_q6k(at::Tensor x, at::Tensor q, at::Tensor headers) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(), "gemm_q6k: int8 weights [N, K]");
-  const int64_t N = q.size(0), K = q.size(1), groups = K / 16;
-  check_x(x, K, "gemm_q6k");
-  TORCH_CHECK(K % kQ4kBlock == 0 && headers.scalar_type() == at::kByte && headers.is_contiguous() &&
-              headers.numel() == N * (K / kQ4kBlock) * kQ6kHeader, "gemm_q6k: uint8 Q6_K scales [N, K/256, 18]");
-  std::vector<float> expanded(groups);  // row `last`'s scales: the panels ask row by row
-  int64_t last = -1;
-  return q8g_gemm(x, q, 16, nullptr, [&](int64_t n, int64_t g) {
-    if (n != last) q6k_row(headers.data_ptr<uint8_t>(), last = n, K, expanded.data());
-    return expanded[g];
-  });
-}
-
 
 // A row of the int4 stored layout (byte b of group g: column g·G + b in the low nibble, g·G + G/2 + b in the high)
 // -> its K codes in column order. Arguments by value and restrict: byte stores may alias anything, and through a

@@ -296,31 +296,18 @@ std::vector<at::Tensor> gemv_q4k(at::Tensor x, std::vector<at::Tensor> qs, std::
   return q4_call(x, qs, headers, {}, 32, mode, Q4Scales::kQ4k);
 }
 
-namespace {
-
-// int8 in groups of G: fp32 scales (and zeros), or Q6_K's scales (`headers`, G = 16)
-std::vector<at::Tensor> q8g_call(const at::Tensor& x, const std::vector<at::Tensor>& qs,
-                                 const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& zeros,
-                                 int64_t G, const std::string& mode, bool headers) {
-  const char* what = headers ? "gemv_q6k" : "gemv_q8g";
-  TORCH_CHECK(!qs.empty(), what, ": no weights");
+// x [M, K] bf16 · int8 q_i [N_i, K] with fp32 scales (and zeros, or none) [N_i, K/G], G = 16 or 32: W = q·s + z
+// (GGUF's 8-, 6- and 5-bit blocks); K % 32 == 0
+std::vector<at::Tensor> gemv_q8g(at::Tensor x, std::vector<at::Tensor> qs, std::vector<at::Tensor> scales,
+                                 std::vector<at::Tensor> zeros, int64_t G, std::string mode) {
+  TORCH_CHECK(!qs.empty(), "gemv_q8g: no weights");
   const int64_t K = qs[0].size(1);
   check_x(x, K);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, what, ": bf16 input");
-  TORCH_CHECK((G == 16 || G == 32) && K % (headers ? kQ4kBlock : 32) == 0, what, ": group size 16 or 32, K / 32");
-  for (const auto& q : qs) TORCH_CHECK(q.scalar_type() == at::kChar && q.size(1) == K, what, ": int8 weights [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "gemv_q8g: bf16 input");
+  TORCH_CHECK((G == 16 || G == 32) && K % 32 == 0, "gemv_q8g: group size 16 or 32, K a multiple of 32");
+  for (const auto& q : qs) TORCH_CHECK(q.scalar_type() == at::kChar && q.size(1) == K, "gemv_q8g: int8 weights [N, K]");
   Outputs outs(x, qs, mode);
-  if (headers) {
-    TORCH_CHECK(scales.size() == qs.size(), what, ": Q6_K scales per weight");
-    for (size_t i = 0; i < qs.size(); ++i) {
-      TORCH_CHECK(scales[i].scalar_type() == at::kByte && scales[i].is_contiguous() &&
-                  scales[i].numel() == outs.segs[i].N * (K / kQ4kBlock) * kQ6kHeader, what,
-                  ": uint8 Q6_K scales [N, K/256, 18]");
-      outs.segs[i].q6k = scales[i].data_ptr<uint8_t>();
-    }
-  } else {
-    set_groups(outs.segs, scales, zeros, K, G, true, what);
-  }
+  set_groups(outs.segs, scales, zeros, K, G, true, "gemv_q8g");
   const FixedPoint in = to_fixed_point(x, kQ8Block);
   const std::vector<float> xsums = zeros.empty() ? std::vector<float>() : group_sums(x, G);
   dispatch_m(x.size(0), [&](auto m) {
@@ -329,22 +316,6 @@ std::vector<at::Tensor> q8g_call(const at::Tensor& x, const std::vector<at::Tens
     });
   });
   return outs.results;
-}
-
-}  // namespace
-
-// x [M, K] bf16 · int8 q_i [N_i, K] with fp32 scales (and zeros, or none) [N_i, K/G], G = 16 or 32: W = q·s + z
-// (GGUF's 8-, 6- and 5-bit blocks); K % 32 == 0
-std::vector<at::Tensor> gemv_q8g(at::Tensor x, std::vector<at::Tensor> qs, std::vector<at::Tensor> scales,
-                                 std::vector<at::Tensor> zeros, int64_t G, std::string mode) {
-  return q8g_call(x, qs, scales, zeros, G, mode, false);
-}
-
-// x [M, K] bf16 · int8 q_i [N_i, K] (Q6_K's codes - 32) with Q6_K's scales [N_i, K/256, 18] (16 int8 scales per 256
-// columns, then fp16 d): W = q·d·sc, Q6_K held at 1.07 bytes a weight
-std::vector<at::Tensor> gemv_q6k(at::Tensor x, std::vector<at::Tensor> qs, std::vector<at::Tensor> headers,
-                                 std::string mode) {
-  return q8g_call(x, qs, headers, {}, 16, mode, true);
 }
 
 namespace {
@@ -447,11 +418,10 @@ at::Tensor dequantize_group_rows(at::Tensor ids, at::Tensor q, at::Tensor scales
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && (q4 || q.scalar_type() == at::kChar) && (G == 16 || G == 32) &&
               (!q4 || G == 32), "dequantize_group_rows: int8 [V, K] or uint8 [V, K/2] weights, groups of 16 or 32");
   const int64_t N = ids.size(0), V = q.size(0), K = q4 ? 2 * q.size(1) : q.size(1), groups = K / G;
-  const bool headers = scales.scalar_type() == at::kByte;  // Q4_K's (int4) or Q6_K's (int8)
+  const bool headers = scales.scalar_type() == at::kByte;  // Q4_K's, for int4
   if (headers) {
-    TORCH_CHECK(K % kQ4kBlock == 0 && scales.is_contiguous() &&
-                scales.numel() == V * (K / kQ4kBlock) * (q4 ? kQ4kHeader : kQ6kHeader) && G == (q4 ? 32 : 16),
-                "dequantize_group_rows: Q4_K headers [V, K/256, 16] or Q6_K scales [V, K/256, 18]");
+    TORCH_CHECK(q4 && K % kQ4kBlock == 0 && scales.is_contiguous() &&
+                scales.numel() == V * (K / kQ4kBlock) * kQ4kHeader, "dequantize_group_rows: Q4_K headers [V, K/256, 16]");
   } else {
     for (const at::Tensor* t : {&scales, zeros ? &*zeros : &scales})
       TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == V * groups && K % G == 0,
@@ -467,11 +437,8 @@ at::Tensor dequantize_group_rows(at::Tensor ids, at::Tensor q, at::Tensor scales
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t v = I[i];
       const float *S = expanded.data(), *Z = expanded.data() + groups;  // row v's scales and zeros
-      if (headers && q4) {
+      if (headers) {
         q4k_row(scales.data_ptr<uint8_t>(), v, K, expanded.data(), expanded.data() + groups);
-      } else if (headers) {
-        q6k_row(scales.data_ptr<uint8_t>(), v, K, expanded.data());
-        Z = no_zeros.data();
       } else {
         S = scales.data_ptr<float>() + v * groups;
         Z = zeros ? zeros->data_ptr<float>() + v * groups : no_zeros.data();

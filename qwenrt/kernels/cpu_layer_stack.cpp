@@ -13,8 +13,8 @@ Projection::Projection(std::string format, std::vector<at::Tensor> weights, std:
                        std::vector<at::Tensor> zeros, int64_t group_size)
     : runs{{std::move(format), std::move(weights), std::move(scales), std::move(zeros), group_size}} {
   const std::string& f = runs[0].format;
-  TORCH_CHECK(f == "bf16" || f == "q8" || f == "q4" || f == "q8g" || f == "q4g" || f == "q4k" || f == "q6k",
-              "Projection: format bf16, q8, q4, q8g, q4g, q4k or q6k");
+  TORCH_CHECK(f == "bf16" || f == "q8" || f == "q4" || f == "q8g" || f == "q4g" || f == "q4k",
+              "Projection: format bf16, q8, q4, q8g, q4g or q4k");
 }
 
 Projection::Projection(const std::vector<Projection>& parts) {
@@ -28,7 +28,6 @@ std::vector<at::Tensor> Projection::Run::operator()(const at::Tensor& x, const s
   if (format == "q8g") return gemv_q8g(x, weights, scales, zeros, group_size, mode);
   if (format == "q4g") return gemv_q4g(x, weights, scales, zeros, mode);
   if (format == "q4k") return gemv_q4k(x, weights, scales, mode);
-  if (format == "q6k") return gemv_q6k(x, weights, scales, mode);
   return gemv_q4(x, weights, scales, zeros, group_size, mode);
 }
 
@@ -66,9 +65,8 @@ at::Tensor Projection::rows(const at::Tensor& ids) const {
   TORCH_CHECK(runs.size() == 1 && runs[0].weights.size() == 1, "Projection.rows: one weight");
   const Run& run = runs[0];
   if (run.format == "bf16") return run.weights[0].index_select(0, ids);
-  if (run.format == "q8g" || run.format == "q4g" || run.format == "q4k" || run.format == "q6k") {
-    const bool int8 = run.format == "q8g" || run.format == "q6k";
-    const int64_t K = int8 ? run.weights[0].size(1) : 2 * run.weights[0].size(1);
+  if (run.format == "q8g" || run.format == "q4g" || run.format == "q4k") {
+    const int64_t K = run.format == "q8g" ? run.weights[0].size(1) : 2 * run.weights[0].size(1);
     const auto zeros = run.zeros.empty() ? c10::nullopt : c10::optional<at::Tensor>(run.zeros[0]);
     return dequantize_group_rows(ids, run.weights[0], run.scales[0], zeros, run.group_size,
                                  at::empty({ids.size(0), K}, run.scales[0].options().dtype(at::kBFloat16)));

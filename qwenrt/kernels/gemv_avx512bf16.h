@@ -137,15 +137,8 @@ void q8g_rows(const FixedPoint& in, const float* xsums, const Segment& s, int64_
   const auto* Q = reinterpret_cast<const int8_t*>(s.w);
   const __m512i lane_group = _mm512_maskz_set1_epi32(G == 16 ? 0xFF00 : 0, 1);  // lane j's group in the step
   const __mmask16 step_scales = G == 16 ? 0x3 : 0x1;  // the scales of a 32-column step (none past a row's last)
-  constexpr int kRows = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
-  std::vector<float> expanded(s.q6k ? kRows * groups : 0);  // the block's rows' scales from Q6_K's
-  over_rows<kRows>(n0, n1, [&](auto rows, int64_t n) {
+  over_rows<M <= 2 ? 4 : (M <= 4 ? 2 : 1)>(n0, n1, [&](auto rows, int64_t n) {
     constexpr int R = decltype(rows)::value;
-    const float* row_scales[R];
-    for (int r = 0; r < R; ++r) {
-      row_scales[r] = s.q6k ? expanded.data() + r * groups : s.fscales + (n + r) * groups;
-      if (s.q6k) q6k_row(s.q6k, n + r, K, expanded.data() + r * groups);
-    }
     __m512 acc[M][R];
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
@@ -161,7 +154,7 @@ void q8g_rows(const FixedPoint& in, const float* xsums, const Segment& s, int64_
         for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_si512(in.q.data() + m * in.Kp + k);
         for (int r = 0; r < R; ++r) {
           const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(Q + (n + r) * K + k)));
-          const float* scales = row_scales[r] + k / G;
+          const float* scales = s.fscales + (n + r) * groups + k / G;
           const __m512 ws = _mm512_permutexvar_ps(lane_group, _mm512_maskz_loadu_ps(step_scales, scales));
           for (int m = 0; m < M; ++m)
             bacc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), wv, xv[m])),

@@ -30,13 +30,10 @@ struct Segment {  // one weight matrix of a call and where its rows go
   // int4 with Q4_K's super-block headers [N, K/256, 16] (fp16 d, dmin; 6-bit scale and min per 32) for its scales
   // and zeros: expanded per row to fp32 (q4k_row) where a kernel needs them
   const uint8_t* q4k = nullptr;
-  // int8 with Q6_K's scales [N, K/256, 18] (16 int8 scales, one per 16 columns, then fp16 d) for its fp32 ones
-  const uint8_t* q6k = nullptr;
 };
 
-constexpr int64_t kQ4kBlock = 256;  // columns per Q4_K / Q6_K header
+constexpr int64_t kQ4kBlock = 256;  // columns per Q4_K header
 constexpr int64_t kQ4kHeader = 16;  // its bytes
-constexpr int64_t kQ6kHeader = 18;
 
 // The hardware prefetchers stop at 4 KB pages; the weight stream is linear, so ask for what comes 16 KB later.
 inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
@@ -97,17 +94,6 @@ inline void q4k_row(const uint8_t* headers, int64_t n, int64_t K, float* scale, 
   }
 }
 
-// Row n's fp32 scales d·sc for each of its K/16 groups, from its Q6_K scales (the value llama.cpp's dequantization
-// multiplies the codes by).
-inline void q6k_row(const uint8_t* headers, int64_t n, int64_t K, float* scale) {
-  const int64_t blocks = K / kQ4kBlock;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* h = headers + (n * blocks + b) * kQ6kHeader;
-    const float d = fp16_to_float(static_cast<uint16_t>(h[16] | h[17] << 8));
-    for (int j = 0; j < 16; ++j) scale[b * 16 + j] = d * static_cast<float>(static_cast<int8_t>(h[j]));
-  }
-}
-
 // Row n's fp32 scales and zeros [K/G] where the segment has them in fp32: its own, or its Q4_K headers expanded into
 // `buffer`.
 struct Fp32Groups {
@@ -116,12 +102,7 @@ struct Fp32Groups {
 };
 
 inline Fp32Groups fp32_groups(const Segment& s, int64_t n, int64_t K, int64_t groups, std::vector<float>& buffer) {
-  if (s.q6k != nullptr) {  // int8: no zeros
-    buffer.resize(groups);
-    q6k_row(s.q6k, n, K, buffer.data());
-    return {buffer.data(), nullptr};
-  }
-  if (s.q4k == nullptr) return {s.fscales + n * groups, s.fzeros ? s.fzeros + n * groups : nullptr};
+  if (s.q4k == nullptr) return {s.fscales + n * groups, s.fzeros + n * groups};
   buffer.resize(2 * groups);
   q4k_row(s.q4k, n, K, buffer.data(), buffer.data() + groups);
   return {buffer.data(), buffer.data() + groups};

@@ -144,13 +144,7 @@ void q8g_rows(const FixedPoint& in, const float* xsums, const Segment& s, int64_
   std::vector<float> sc(kRows * groups + kLanes, 0.f);  // the block's rows' scales, padded for whole-vector reads
   over_rows<kRows>(n0, n1, [&](auto rows, int64_t n) {
     constexpr int R = decltype(rows)::value;
-    for (int r = 0; r < R; ++r) {  // the block's rows' scales: their own, or expanded from Q6_K's
-      if (s.q6k) {
-        q6k_row(s.q6k, n + r, K, sc.data() + r * groups);
-      } else {
-        std::memcpy(sc.data() + r * groups, s.fscales + (n + r) * groups, groups * sizeof(float));
-      }
-    }
+    std::memcpy(sc.data(), s.fscales + n * groups, R * groups * sizeof(float));
     const uint8_t* block = s.w + n * K;
     F acc[M][R];
     for (int m = 0; m < M; ++m)

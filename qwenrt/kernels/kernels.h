@@ -18,15 +18,12 @@ std::vector<at::Tensor> gemv_q4g(at::Tensor x, std::vector<at::Tensor> qs, std::
                                  std::vector<at::Tensor> zeros, std::string mode);
 std::vector<at::Tensor> gemv_q4k(at::Tensor x, std::vector<at::Tensor> qs, std::vector<at::Tensor> headers,
                                  std::string mode);
-std::vector<at::Tensor> gemv_q6k(at::Tensor x, std::vector<at::Tensor> qs, std::vector<at::Tensor> headers,
-                                 std::string mode);
 at::Tensor gemm_bf16(at::Tensor x, at::Tensor w);
 at::Tensor gemm_q8(at::Tensor x, at::Tensor q, at::Tensor scales);
 at::Tensor gemm_q4(at::Tensor x, at::Tensor q, at::Tensor scales, at::Tensor zeros, int64_t G);
 at::Tensor gemm_q8g(at::Tensor x, at::Tensor q, at::Tensor scales, c10::optional<at::Tensor> zeros, int64_t G);
 at::Tensor gemm_q4g(at::Tensor x, at::Tensor q, at::Tensor scales, at::Tensor zeros);
 at::Tensor gemm_q4k(at::Tensor x, at::Tensor q, at::Tensor headers);
-at::Tensor gemm_q6k(at::Tensor x, at::Tensor q, at::Tensor headers);
 at::Tensor dequantize_q4(at::Tensor q, at::Tensor scales, at::Tensor zeros, int64_t G, at::Tensor out);
 at::Tensor dequantize_rows(at::Tensor ids, at::Tensor q, at::Tensor scales, c10::optional<at::Tensor> zeros,
                            int64_t G, at::Tensor out);
