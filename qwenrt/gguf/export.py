@@ -207,19 +207,7 @@ def export_gguf(source: str | Path, out: str | Path, kind: str = "bf16", progres
     try:
         writer = GGUFWriter(tmp, "qwen35moe" if c.is_moe else "qwen35")
         _metadata(writer, config, tokenizer, n_mtp, kind, Path(str(path)).name)
-        for gname, _, _, shape, qtype in entries:
-            writer.add_tensor_info(gname, _stored_shape(shape, qtype), np.dtype(ARRAY_DTYPES.get(qtype, np.uint8)),
-                                   _nbytes(shape, qtype), raw_dtype=qtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        done: dict[str, tuple] = {}
-        for gname, name, part, shape, qtype in tqdm(entries, desc=f"writing {out.name}", unit="tensor",
-                                                     disable=not progress, file=sys.stderr):
-            if name not in done:
-                done = {name: to_gguf(name, tensors[name][1](), c)}
-            writer.write_tensor_data(encode(done[name][part], qtype))
-        writer.close()
+        _write_tensors(writer, entries, lambda name: to_gguf(name, tensors[name][1](), c), out.name, progress)
         if vision_tmp is not None:
             _write_mmproj(vision_tmp, vision_out.name, path, config, ckpt, kind, progress)
             os.replace(vision_tmp, vision_out)
@@ -251,6 +239,26 @@ def _read_dtype(ckpt, source) -> torch.dtype:
     """A safetensors tensor is read as stored (encode widens a slice at a time), a GGUF one in fp32."""
     first = source.names[0][0] if source.stacked else source.names[0]
     return torch.float32 if isinstance(ckpt, GGUFCheckpoint) else SAFETENSORS_DTYPES[ckpt.dtypes[first]]
+
+
+def _write_tensors(writer: GGUFWriter, entries: list[tuple], parts: Callable[[str], tuple], shown: str,
+                   progress: bool) -> None:
+    """The tensor infos, then (after the metadata already added) header, metadata and each tensor's data, streamed:
+    entries (gguf name, qwenrt name, part index, shape, type) in file order; parts(name): that tensor's GGUF parts,
+    read once for its consecutive entries."""
+    for gname, _, _, shape, qtype in entries:
+        writer.add_tensor_info(gname, _stored_shape(shape, qtype), np.dtype(ARRAY_DTYPES.get(qtype, np.uint8)),
+                               _nbytes(shape, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    done: dict[str, tuple] = {}
+    for _, name, part, _, qtype in tqdm(entries, desc=f"writing {shown}", unit="tensor", disable=not progress,
+                                        file=sys.stderr):
+        if name not in done:
+            done = {name: parts(name)}
+        writer.write_tensor_data(encode(done[name][part], qtype))
+    writer.close()
 
 
 def _float_tensors(ckpt, plan: dict, model) -> dict[str, tuple[tuple[int, ...], Callable[[], torch.Tensor]]]:
@@ -296,19 +304,7 @@ def _write_mmproj(tmp: Path, shown: str, path: Path, config, ckpt, kind: str, pr
     writer = GGUFWriter(tmp, "clip")
     clip.write_metadata(writer, vision, load_preprocess_configs(path)[0], config.text.hidden_size, file_type,
                         Path(str(path)).name, sum(math.prod(e[3]) for e in entries))
-    for gname, _, _, shape, qtype in entries:
-        writer.add_tensor_info(gname, _stored_shape(shape, qtype), np.dtype(ARRAY_DTYPES.get(qtype, np.uint8)),
-                               _nbytes(shape, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    done: dict[str, tuple] = {}
-    for gname, name, part, shape, qtype in tqdm(entries, desc=f"writing {shown}", unit="tensor",
-                                                 disable=not progress, file=sys.stderr):
-        if name not in done:
-            done = {name: clip.to_mmproj(name, ckpt.get(name).float())}
-        writer.write_tensor_data(encode(done[name][part], qtype))
-    writer.close()
+    _write_tensors(writer, entries, lambda name: clip.to_mmproj(name, ckpt.get(name).float()), shown, progress)
 
 
 def _gguf_shapes(name: str, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
