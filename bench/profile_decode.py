@@ -3,10 +3,11 @@ called one kernel at a time (each projection, native kernel and torch op timed).
 
     python bench/profile_decode.py CKPT [--prompt-len 512 --steps 32 --threads 2 --dtype bfloat16]
 
-The engine's decode path runs a dense model's layers as one native call per step (`LayerStack`), which hides its
-kernels from a profiler; the Python loop it replaces calls the same kernels in the same order (bit-identical
-results), so the second pass times each of them: every projection call by role (with the weight bytes it reads,
-as GB/s), the other native kernels, torch ops' self time (profiler), and what is left: Python and dispatch.
+The engine's decode path runs the layers as one native call per step (`LayerStack`), which hides its kernels from
+a profiler; the second pass runs them from a Python loop here that calls the same kernels in the same order
+(bit-identical results) and times each: every projection call by role (with the weight bytes it reads, as GB/s;
+an MoE block as one call, reading its router, shared expert and top-k experts), the other native kernels, torch
+ops' self time (profiler), and what is left: Python and dispatch.
 """
 
 from __future__ import annotations
@@ -55,24 +56,66 @@ def nbytes(*modules: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for m in modules for t in [*m.parameters(), *m.buffers()])
 
 
+def moe_bytes(block: nn.Module) -> int:
+    """The weight bytes an MoE block reads for one token: router, shared expert and top-k of its experts."""
+    experts = block.experts
+    return (nbytes(block.gate, block.shared_expert_gate, block.shared_expert)
+            + nbytes(experts) * block.top_k // block.gate.weight.shape[0])
+
+
 def time_projections(plan: DecodePlan, model: nn.Module) -> None:
     """Wraps each of the plan's projection calls, named by role, and notes the weight bytes a call reads."""
     layers = []
-    for layer in plan.layers:
+    for layer, module in zip(plan.layers, model.model.layers):
         m, kind = layer.mixer, "DeltaNet" if layer.linear else "attention"
         inputs = ([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a] if layer.linear
                   else [m.q_proj, m.k_proj, m.v_proj])
-        roles = {"project": (f"{kind} in-projections", inputs),
-                 "out": (f"{kind} out-projection", [m.out_proj if layer.linear else m.o_proj])}
-        if layer.gate_up is not None:
-            roles["gate_up"] = ("MLP gate and up (SwiGLU)", [layer.mlp.gate_proj, layer.mlp.up_proj])
-            roles["down"] = ("MLP down", [layer.mlp.down_proj])
-        for name, modules in roles.values():
-            weight_bytes[name] = nbytes(*modules)
-        layers.append(layer._replace(**{attr: timed(name, getattr(layer, attr)) for attr, (name, _) in roles.items()}))
+        roles = {"project": (f"{kind} in-projections", nbytes(*inputs)),
+                 "out": (f"{kind} out-projection", nbytes(m.out_proj if layer.linear else m.o_proj))}
+        mlp = module.mlp
+        if isinstance(layer.mlp, tuple):
+            gate_up, down = layer.mlp
+            weight_bytes["MLP gate and up (SwiGLU)"] = nbytes(mlp.gate_proj, mlp.up_proj)
+            weight_bytes["MLP down"] = nbytes(mlp.down_proj)
+            timed_mlp = (timed("MLP gate and up (SwiGLU)", gate_up), timed("MLP down", down))
+        else:
+            weight_bytes["MoE block"] = moe_bytes(mlp)
+            timed_mlp = timed("MoE block", layer.mlp)
+        for name, size in roles.values():
+            weight_bytes[name] = size
+        layers.append(layer._replace(mlp=timed_mlp,
+                                     **{attr: timed(name, getattr(layer, attr)) for attr, (name, _) in roles.items()}))
     plan.layers = layers
     plan.head = timed("LM head", plan.head)
     weight_bytes["LM head"] = nbytes(model.lm_head)
+
+
+def python_forward(k, eps: float):
+    """decode_plan._forward as a Python loop over the plan's layers, a call per kernel (decode: one row per
+    sequence)."""
+
+    def forward(stack, layers, x, where, final_norm, saved=None):
+        delta = None
+        for layer in layers:
+            x, h = k.rms_norm(x, delta, layer.input_norm, eps)
+            i = layer.index
+            if layer.linear:
+                mixed, z, b, a = layer.project(h, mode="bf16")
+                o = torch.cat([layer.mixer.native_step(k, mixed[r:r + 1], z[r:r + 1], b[r:r + 1], a[r:r + 1],
+                                                       s.conv[i], s.recurrent[i])
+                               for r, s in enumerate(where.sequences)])
+            else:
+                o = layer.mixer.native_step(k, *layer.project(h, mode="bf16"), where.cos, where.sin,
+                                            where.sequences, where.lengths, where.counts)
+            x, h = k.rms_norm(x, layer.out(o, mode="bf16")[0], layer.post_norm, eps)
+            if isinstance(layer.mlp, tuple):
+                gate_up, down = layer.mlp
+                delta = down(gate_up(h, mode="swiglu")[0], mode="bf16")[0]
+            else:
+                delta = layer.mlp(h)
+        return k.rms_norm(x, delta, final_norm, eps)[1]
+
+    return forward
 
 
 def main() -> None:
@@ -104,9 +147,9 @@ def main() -> None:
         token, _ = steps(token, cache)  # warm-up: first-call costs, the plan built
         token, engine_ms = steps(token, cache)
         plan = DecodePlan.for_model(model)
-        path = "modules" if plan is None else "native layer stack" if plan.stack else "native kernels from Python"
-        if plan is not None:
-            plan.stack = None  # from here on the Python loop: the same kernels, one call each
+        path = "modules" if plan is None else "native layer stack"
+        if plan is not None:  # from here on the Python loop: the same kernels, one call each
+            qwenrt.decode_plan._forward = python_forward(plan.kernels, plan.eps)
             time_projections(plan, model)
         seconds.clear(), calls.clear()
         with profile(activities=[ProfilerActivity.CPU]) as prof:

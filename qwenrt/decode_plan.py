@@ -1,11 +1,11 @@
 """The decode step (one new token per sequence) as native kernel calls with their weights bound once.
 
 It computes what the modules compute on their native paths (tests/test_kernels.py holds the two together) without
-the per-module Python work. The dense layers run as one native call per step (`kernels.LayerStack`, the layer
-loop in C++): on a small model the Python around ~8 kernel calls per layer cost more than their arithmetic, and on
-a 0.8B model it was ~3.5 ms of a 28-72 ms step. Models with MoE MLPs loop over their layers from Python
-(_run_layers), a call per kernel. The weight reads are shared by the batch; the token mixers run one native call
-per sequence on its own state. The MTP head's draft step has a plan of its own (MTPPlan, held to its modules by
+the per-module Python work. The layers run as one native call per step (`kernels.LayerStack`, the layer loop in
+C++): on a small model the Python around ~8 kernel calls per layer cost more than their arithmetic, and on a 0.8B
+model it was ~3.5 ms of a 28-72 ms step. An MoE block is one native object in it (`kernels.MoE`: router, the used
+experts, the shared expert). The weight reads are shared by the batch; the token mixers run one native call per
+sequence on its own state. The MTP head's draft step has a plan of its own (MTPPlan, held to its modules by
 tests/test_mtp.py), and a greedy speculative cycle binds both into one native call (CyclePlan). Built at the first
 step and rebuilt after any module, parameter or buffer is registered anywhere in the process (quantization swaps
 modules in, load_state_dict(assign=True) replaces parameters) or the dtype changes.
@@ -22,9 +22,10 @@ from torch import nn
 
 from qwenrt.cache import HybridCache, SequenceState
 from qwenrt.kernels import cpu_kernels
+from qwenrt.mlp import Experts
 from qwenrt.ops.linear import Linear
 from qwenrt.ops.rope import rope_cos_sin
-from qwenrt.quant import QuantEmbedding, QuantLinear
+from qwenrt.quant import QuantEmbedding, QuantExperts, QuantLinear
 
 _generation = [0]  # bumped by every module / parameter / buffer registration
 _plans = weakref.WeakKeyDictionary()  # model -> {what: ((generation, dtype), plan)}; not in the model: it pickles
@@ -41,12 +42,12 @@ for _hook in (nn.modules.module.register_module_module_registration_hook,
     _hook(_registered)
 
 
-def _format(module: nn.Module) -> tuple | None:
-    """What a GEMV call takes `module` as: ("bf16", None), ("q8" | "q4" | "q8g" | "q4g", its QuantSpec); None where
-    none does."""
+def _format(module: nn.Module, experts: bool = False) -> tuple | None:
+    """What a GEMV call takes `module` as: ("bf16", None), ("q8" | "q4" | "q8g" | "q4g" | "q4k", its QuantSpec);
+    None where none does. experts: a QuantLinear over E experts (a 3-D weight)."""
     if type(module) is Linear and module.weight.dtype == torch.bfloat16:
         return "bf16", None
-    if type(module) is QuantLinear and module.qweight.dim() == 2 and not module.torch_int4:
+    if type(module) is QuantLinear and module.qweight.dim() == 2 + experts and not module.torch_int4:
         return module.spec.kernel_format, module.spec
     return None
 
@@ -95,9 +96,40 @@ class _Layer(NamedTuple):
     post_norm: torch.Tensor
     project: object  # the mixer's input projections, one call
     out: object  # its output projection
-    gate_up: object | None  # the dense MLP (SwiGLU fused), or None: call `mlp` (MoE)
-    down: object | None
-    mlp: nn.Module
+    mlp: object  # a dense MLP's (gate_up (SwiGLU fused), down), or a kernels.MoE
+
+
+def _expert_bank(kernels, weight: nn.Module | torch.Tensor):
+    """One projection of an expert bank as a `kernels.ExpertBank`: a bf16 weight [E, N, K] or a QuantLinear over E
+    experts; None where the kernels have no format for it."""
+    if isinstance(weight, torch.Tensor):
+        return kernels.ExpertBank("bf16", weight, None, None, 0) if weight.dtype == torch.bfloat16 else None
+    fmt = _format(weight, experts=True)
+    if fmt is None:
+        return None
+    return kernels.ExpertBank(fmt[0], weight.qweight, weight.scales, weight.zeros, fmt[1].group_size or 0)
+
+
+def _bind_moe(kernels, block: nn.Module):
+    """A SparseMoeBlock as one `kernels.MoE`, or None where some part has no native format."""
+    experts, shared = block.experts, block.shared_expert
+    if type(experts) not in (Experts, QuantExperts):
+        return None
+    banks = [_expert_bank(kernels, w) for w in (experts.gate_up_proj, experts.down_proj)]
+    router = _bind(kernels, [block.gate, block.shared_expert_gate])
+    gate_up = _bind(kernels, [shared.gate_proj, shared.up_proj], one_format=True)
+    down = _bind(kernels, [shared.down_proj])
+    if None in (*banks, router, gate_up, down):
+        return None
+    return kernels.MoE(router, *banks, gate_up, down, block.top_k)
+
+
+def _bind_mlp(kernels, mlp: nn.Module):
+    """A layer's MLP as _Layer.mlp holds it, or None where some part has no native format."""
+    if not hasattr(mlp, "gate_proj"):
+        return _bind_moe(kernels, mlp)
+    gate_up, down = _bind(kernels, [mlp.gate_proj, mlp.up_proj], one_format=True), _bind(kernels, [mlp.down_proj])
+    return None if gate_up is None or down is None else (gate_up, down)
 
 
 def _bind_layer(kernels, layer: nn.Module) -> _Layer | None:
@@ -109,13 +141,11 @@ def _bind_layer(kernels, layer: nn.Module) -> _Layer | None:
     else:
         m = layer.self_attn
         project, out = _bind(kernels, [m.q_proj, m.k_proj, m.v_proj]), _bind(kernels, [m.o_proj])
-    dense = hasattr(layer.mlp, "gate_proj")
-    gate_up = _bind(kernels, [layer.mlp.gate_proj, layer.mlp.up_proj], one_format=True) if dense else None
-    down = _bind(kernels, [layer.mlp.down_proj]) if dense else None
-    if project is None or out is None or (dense and (gate_up is None or down is None)):
+    mlp = _bind_mlp(kernels, layer.mlp)
+    if project is None or out is None or mlp is None:
         return None
     return _Layer(layer.layer_idx, m, layer.is_linear, layer.input_layernorm.weight.float(),
-                  layer.post_attention_layernorm.weight.float(), project, out, gate_up, down, layer.mlp)
+                  layer.post_attention_layernorm.weight.float(), project, out, mlp)
 
 
 def _cached(model: nn.Module, what, build):
@@ -183,69 +213,29 @@ def _rows(sequences: list[SequenceState], counts: list[int], rope: RopeTable, de
     return _Rows(sequences, counts, cos, sin, lengths)
 
 
-def _deltanet(layer: _Layer, k, mixed, z, b, a, where: _Rows, saved: list[list] | None) -> torch.Tensor:
-    """A DeltaNet layer's token mixing over the rows, one native call per sequence on its own state. saved: as in
-    DecodePlan.hidden."""
-    mixer, i, out, start = layer.mixer, layer.index, [], 0
-    for seq, (s, n) in enumerate(zip(where.sequences, where.counts)):
-        rows = (mixed[start:start + n], z[start:start + n], b[start:start + n], a[start:start + n])
-        if n == 1:
-            out.append(mixer.native_step(k, *rows, s.conv[i], s.recurrent[i]))
-        else:  # successive tokens in one call, which keeps the state after each but the last
-            conv = s.conv[i].new_empty(n - 1, *s.conv[i].shape[1:])  # [n-1, C, K-1]
-            recurrent = s.recurrent[i].new_empty(n - 1, *s.recurrent[i].shape[1:])  # [n-1, Hv, Dk, Dv]
-            out.append(mixer.native_steps(k, *rows, s.conv[i], s.recurrent[i], conv, recurrent))
-            if saved is not None:
-                for t in range(n - 1):
-                    saved[seq][t][i] = (conv[t:t + 1], recurrent[t:t + 1])
-        start += n
-    return out[0] if len(out) == 1 else torch.cat(out)
-
-
-def _run_layers(k, layers: list[_Layer], x: torch.Tensor, where: _Rows, eps: float, saved: list[list] | None):
-    """The residual stream x [N, D] through `layers` from Python, a call per kernel (models with MoE MLPs); returns
-    (x, delta) after the last, delta its MLP output still to add. saved: as in DecodePlan.hidden."""
-    delta = None
-    for layer in layers:
-        x, h = k.rms_norm(x, delta, layer.input_norm, eps)
-        if layer.linear:
-            o = _deltanet(layer, k, *layer.project(h, mode="bf16"), where, saved)
-        else:
-            o = layer.mixer.native_step(k, *layer.project(h, mode="bf16"), where.cos, where.sin, where.sequences,
-                                        where.lengths, where.counts)
-        x, h = k.rms_norm(x, layer.out(o, mode="bf16")[0], layer.post_norm, eps)
-        if layer.gate_up is not None:
-            delta = layer.down(layer.gate_up(h, mode="swiglu")[0], mode="bf16")[0]
-        else:
-            delta = layer.mlp(h[:, None])[:, 0]
-    return x, delta
-
-
 def _stack(kernels, layers: list[_Layer], eps: float):
-    """The layers as one native call per step (`kernels.LayerStack`: no Python between the kernels), or None where
-    one has an MoE MLP (those run through _run_layers)."""
-    if any(layer.gate_up is None for layer in layers):
-        return None
+    """The layers as one native call per step (`kernels.LayerStack`: no Python between the kernels)."""
     stack = kernels.LayerStack(eps)
     for layer in layers:
         m = layer.mixer
-        common = (layer.index, layer.input_norm, layer.post_norm, layer.project, layer.out, layer.gate_up, layer.down)
+        common = (layer.index, layer.input_norm, layer.post_norm, layer.project, layer.out)
         if layer.linear:
             stack.add_deltanet(*common, *m.fp32_parameters(), m.num_k_heads, m.num_v_heads, m.head_v_dim,
                                m.norm.eps)
         else:
             stack.add_attention(*common, m.q_norm.weight.float(), m.k_norm.weight.float(), m.num_heads, m.head_dim,
                                 m.q_norm.eps)
+        if isinstance(layer.mlp, tuple):
+            stack.add_mlp(*layer.mlp)
+        else:
+            stack.add_moe(layer.mlp)
     return stack
 
 
-def _forward(k, stack, layers: list[_Layer], x: torch.Tensor, where: _Rows, final_norm: torch.Tensor, eps: float,
+def _forward(stack, layers: list[_Layer], x: torch.Tensor, where: _Rows, final_norm: torch.Tensor,
              saved: list[list] | None = None) -> torch.Tensor:
-    """x [N, D] through `layers` and the final norm -> [N, D] bf16: one native call where there is a stack, the
-    Python loop otherwise (the two call the same kernels in the same order). saved: as in DecodePlan.hidden."""
-    if stack is None:
-        x, delta = _run_layers(k, layers, x, where, eps, saved)
-        return k.rms_norm(x, delta, final_norm, eps)[1]
+    """x [N, D] through `layers` and the final norm -> [N, D] bf16, one native call. saved: as in
+    DecodePlan.hidden."""
     seqs = where.sequences
     h, kept = stack.run(x, final_norm, where.cos, where.sin, where.counts, [s.conv for s in seqs],
                         [s.recurrent for s in seqs], [s.keys for s in seqs], [s.values for s in seqs], where.lengths)
@@ -303,13 +293,12 @@ class DecodePlan:
         saved: a list per sequence; it receives, after each of that sequence's tokens but the last, the DeltaNet
         state of every layer as {layer: (conv, recurrent)} copies (speculative verification commits one of them).
         """
-        k = self.kernels
         where = _rows(sequences, counts, self.rope, input_ids.device)
         if saved is not None:
             for b, n in enumerate(counts):
                 saved[b].extend({} for _ in range(n - 1))
         x = self.embed(input_ids)  # [N, D] (an nn.Embedding or a quantized lookup)
-        return _forward(k, self.stack, self.layers, x, where, self.final_norm, self.eps, saved)
+        return _forward(self.stack, self.layers, x, where, self.final_norm, saved)
 
 
 class MTPPlan:
@@ -354,7 +343,7 @@ class MTPPlan:
         e = k.rms_norm(self.embed(next_ids), None, self.norm_embed, self.eps)[1]
         h = k.rms_norm(hidden, None, self.norm_hidden, self.eps)[1]
         z = self.fc(torch.cat([e, h], dim=-1), mode="bf16")[0]
-        return _forward(k, self.stack, self.layers, z, where, self.final_norm, self.eps)
+        return _forward(self.stack, self.layers, z, where, self.final_norm)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The head's outputs h [R, D] -> logits [R, draft_vocab] bf16 (an argmax needs no more)."""
@@ -365,8 +354,8 @@ class CyclePlan:
     """A greedy speculative cycle as one native call (`kernels.GreedyCycle`): the decode plan's layers and head and
     the MTP plan's, bound together. It does what verify, the greedy picks, commit and the MTP draft do one call each
     (engine/runner.py), and gives the same tokens, states and drafts; a cycle through those calls cost twice a plain
-    step on qwenrt-tiny, far more than its arithmetic. Dense models with an MTP head whose tokens are looked up in a
-    bf16 table or a tied quantized head."""
+    step on qwenrt-tiny, far more than its arithmetic. Models with an MTP head whose tokens are looked up in a bf16
+    table or a tied quantized head."""
 
     def __init__(self, native, rope: RopeTable):
         self.native, self.rope = native, rope
@@ -376,7 +365,7 @@ class CyclePlan:
         def build(kernels):
             decode, draft = DecodePlan.for_model(model), MTPPlan.for_model(model, draft_vocab)
             lookup = _bind_lookup(kernels, model.model.embed_tokens)
-            if decode is None or draft is None or decode.stack is None or draft.stack is None or lookup is None:
+            if decode is None or draft is None or lookup is None:
                 return None
             return cls(kernels.GreedyCycle(decode.stack, decode.final_norm, decode.head, lookup,
                                            draft.norm_embed, draft.norm_hidden, draft.fc, draft.stack,

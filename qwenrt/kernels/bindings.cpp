@@ -75,7 +75,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_allowed_rows", &argmax_allowed_rows,
         "x [B, V] fp32, allowed [ceil(V / 32)] int32 packed bits -> [B] int64: argmax_rows with the tokens the "
         "mask does not allow at -inf", arg("x"), arg("allowed"));
-  using qwenrt::GreedyCycle, qwenrt::LayerStack, qwenrt::Projection;
+  using qwenrt::ExpertBank, qwenrt::GreedyCycle, qwenrt::LayerStack, qwenrt::MoE, qwenrt::Projection;
   pybind11::class_<Projection>(m, "Projection",
                                 "projections sharing one input, a GEMV call per run of one format (bf16, q8 or q4)")
       .def(pybind11::init<std::string, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
@@ -83,10 +83,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            arg("format"), arg("weights"), arg("scales"), arg("zeros"), arg("group_size"))
       .def(pybind11::init<std::vector<Projection>>(), arg("parts"), "the parts' projections, outputs in order")
       .def("__call__", &Projection::operator(), arg("x"), arg("mode"));
-  pybind11::class_<LayerStack>(m, "LayerStack", "dense decoder layers bound once; run() is a decode step's layers")
+  pybind11::class_<ExpertBank>(m, "ExpertBank", "E experts' stacked weights of one projection, in one format")
+      .def(pybind11::init([](std::string format, at::Tensor weight, std::optional<at::Tensor> scales,
+                             std::optional<at::Tensor> zeros, int64_t group_size) {
+             return ExpertBank{std::move(format), std::move(weight), std::move(scales), std::move(zeros),
+                               group_size};
+           }),
+           arg("format"), arg("weight"), arg("scales"), arg("zeros"), arg("group_size"));
+  pybind11::class_<MoE>(m, "MoE", "a sparse MoE block bound once: router, experts and shared expert in one call")
+      .def(pybind11::init<Projection, const ExpertBank&, const ExpertBank&, Projection, Projection, int64_t>(),
+           arg("router"), arg("gate_up"), arg("down"), arg("shared_gate_up"), arg("shared_down"), arg("top_k"))
+      .def("__call__", &MoE::operator(), arg("h"), pybind11::call_guard<pybind11::gil_scoped_release>());
+  pybind11::class_<LayerStack>(m, "LayerStack", "decoder layers bound once; run() is a decode step's layers")
       .def(pybind11::init<double>(), arg("eps"))
       .def("add_deltanet", &LayerStack::add_deltanet)
       .def("add_attention", &LayerStack::add_attention)
+      .def("add_mlp", &LayerStack::add_mlp, arg("gate_up"), arg("down"))
+      .def("add_moe", &LayerStack::add_moe, arg("moe"))
       .def("run", &LayerStack::run, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "rows of successive tokens per sequence through every layer -> (final-normed hidden, saved states)");
   pybind11::class_<GreedyCycle>(m, "GreedyCycle",

@@ -78,23 +78,35 @@ at::Tensor Projection::rows(const at::Tensor& ids) const {
 }
 
 void LayerStack::add_deltanet(int64_t slot, at::Tensor input_norm, at::Tensor post_norm, Projection project,
-                              Projection out, Projection gate_up, Projection down, at::Tensor conv_w,
-                              at::Tensor A_log, at::Tensor dt_bias, at::Tensor norm_w, int64_t num_k_heads,
-                              int64_t num_v_heads, int64_t head_v_dim, double mixer_eps) {
-  TORCH_CHECK(project.outputs() == 4 && gate_up.outputs() == 2,
-              "LayerStack: a DeltaNet layer projects to qkv, z, b, a and has a gate and an up projection");
-  layers_.push_back({slot, true, input_norm, post_norm, std::move(project), std::move(out), std::move(gate_up),
-                     std::move(down), conv_w, A_log, dt_bias, norm_w, num_k_heads, num_v_heads, head_v_dim, {}, {},
-                     0, 0, mixer_eps});
+                              Projection out, at::Tensor conv_w, at::Tensor A_log, at::Tensor dt_bias,
+                              at::Tensor norm_w, int64_t num_k_heads, int64_t num_v_heads, int64_t head_v_dim,
+                              double mixer_eps) {
+  TORCH_CHECK(project.outputs() == 4, "LayerStack: a DeltaNet layer projects to qkv, z, b, a");
+  layers_.push_back({slot, true, input_norm, post_norm, std::move(project), std::move(out), {}, {}, nullptr, conv_w,
+                     A_log, dt_bias, norm_w, num_k_heads, num_v_heads, head_v_dim, {}, {}, 0, 0, mixer_eps});
 }
 
 void LayerStack::add_attention(int64_t slot, at::Tensor input_norm, at::Tensor post_norm, Projection project,
-                               Projection out, Projection gate_up, Projection down, at::Tensor q_norm,
-                               at::Tensor k_norm, int64_t num_heads, int64_t head_dim, double mixer_eps) {
-  TORCH_CHECK(project.outputs() == 3 && gate_up.outputs() == 2,
-              "LayerStack: an attention layer projects to q|gate, k, v and has a gate and an up projection");
-  layers_.push_back({slot, false, input_norm, post_norm, std::move(project), std::move(out), std::move(gate_up),
-                     std::move(down), {}, {}, {}, {}, 0, 0, 0, q_norm, k_norm, num_heads, head_dim, mixer_eps});
+                               Projection out, at::Tensor q_norm, at::Tensor k_norm, int64_t num_heads,
+                               int64_t head_dim, double mixer_eps) {
+  TORCH_CHECK(project.outputs() == 3, "LayerStack: an attention layer projects to q|gate, k, v");
+  layers_.push_back({slot, false, input_norm, post_norm, std::move(project), std::move(out), {}, {}, nullptr, {}, {},
+                     {}, {}, 0, 0, 0, q_norm, k_norm, num_heads, head_dim, mixer_eps});
+}
+
+void LayerStack::add_mlp(Projection gate_up, Projection down) {
+  TORCH_CHECK(!layers_.empty() && !layers_.back().gate_up && !layers_.back().moe,
+              "LayerStack.add_mlp: add a layer without an MLP first");
+  TORCH_CHECK(gate_up.outputs() == 2 && gate_up.runs.size() == 1 && down.outputs() == 1,
+              "LayerStack.add_mlp: a gate and an up projection of one format, and a down projection");
+  layers_.back().gate_up = std::move(gate_up);
+  layers_.back().down = std::move(down);
+}
+
+void LayerStack::add_moe(MoE moe) {
+  TORCH_CHECK(!layers_.empty() && !layers_.back().gate_up && !layers_.back().moe,
+              "LayerStack.add_moe: add a layer without an MLP first");
+  layers_.back().moe = std::make_shared<const MoE>(std::move(moe));
 }
 
 std::vector<int64_t> LayerStack::linear_slots() const {
@@ -129,6 +141,7 @@ std::pair<at::Tensor, std::vector<std::vector<at::Tensor>>> LayerStack::run(
   }
   TORCH_CHECK(x.dim() == 2 && x.size(0) == N && lengths.size() == S && conv.size() == S && recurrent.size() == S &&
               keys.size() == S && values.size() == S, "LayerStack.run: rows, counts and stores disagree");
+  for (const Layer& layer : layers_) TORCH_CHECK(layer.gate_up || layer.moe, "LayerStack.run: a layer has no MLP");
   std::vector<std::vector<at::Tensor>> saved(S);
   std::optional<at::Tensor> delta;  // the last layer's MLP output, still to be added to x
   for (const Layer& layer : layers_) {
@@ -169,7 +182,8 @@ std::pair<at::Tensor, std::vector<std::vector<at::Tensor>>> LayerStack::run(
     }
     normed = rms_norm(x, layer.out(join(parts), "bf16")[0], layer.post_norm, eps_);
     x = normed[0];
-    delta = layer.down(layer.gate_up(normed[1], "swiglu")[0], "bf16")[0];
+    delta = layer.moe ? (*layer.moe)(normed[1])
+                      : (*layer.down)((*layer.gate_up)(normed[1], "swiglu")[0], "bf16")[0];
   }
   return {rms_norm(x, delta, final_norm, eps_)[1], std::move(saved)};
 }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -37,10 +38,38 @@ struct Projection {
   at::Tensor rows(const at::Tensor& ids) const;
 };
 
+// E experts' weights of one projection, stacked as published: gate_up [E, 2I, *] or down [E, D, *] in one format
+// (as a Projection's), scales and zeros [E, ...] where the format has them.
+struct ExpertBank {
+  std::string format;
+  at::Tensor weight;
+  std::optional<at::Tensor> scales, zeros;
+  int64_t group_size = 0;
+};
+
+// A sparse MoE block (qwenrt/mlp.py SparseMoeBlock) bound once: the router and the shared expert's gate as one
+// projection, the experts' fused gate/up and down banks (each expert's slices are views, no copy) and the shared
+// expert's SwiGLU MLP. Its call computes what the module computes at decode sizes, op for op and rounding for
+// rounding: fp32 softmax, top-k, renormalised weights in bf16, each used expert run once on its rows (ascending
+// expert order, index_add into a bf16 sum), plus sigmoid(gate)·shared(x).
+class MoE {
+ public:
+  // router: outputs [N, E] expert logits then [N, 1] shared-expert gate logits
+  MoE(Projection router, const ExpertBank& gate_up, const ExpertBank& down, Projection shared_gate_up,
+      Projection shared_down, int64_t top_k);
+  // h [N, D] bf16 (post-attention-normed) -> the block's output [N, D] bf16
+  at::Tensor operator()(const at::Tensor& h) const;
+
+ private:
+  Projection router_, shared_gate_up_, shared_down_;
+  std::vector<Projection> gate_up_, down_;  // per expert
+  int64_t top_k_;
+};
+
 // One stored tensor per layer slot of a sequence (None where the layer is of the other kind).
 using Stores = std::vector<std::optional<at::Tensor>>;
 
-// Dense decoder layers (DeltaNet or gated attention, SwiGLU MLP) bound once; `run` takes a decode step's rows
+// Decoder layers (DeltaNet or gated attention, then a SwiGLU MLP or an MoE block) bound once; `run` takes a decode step's rows
 // through all of them, as qwenrt/decode_plan.py's _run_layers does call for call (the results are bit-identical).
 class LayerStack {
  public:
@@ -48,13 +77,15 @@ class LayerStack {
 
   // conv_w [C, K], A_log, dt_bias [Hv], norm_w [Dv]: fp32, as GatedDeltaNet.fp32_parameters gives them
   void add_deltanet(int64_t slot, at::Tensor input_norm, at::Tensor post_norm, Projection project, Projection out,
-                    Projection gate_up, Projection down, at::Tensor conv_w, at::Tensor A_log, at::Tensor dt_bias,
-                    at::Tensor norm_w, int64_t num_k_heads, int64_t num_v_heads, int64_t head_v_dim,
-                    double mixer_eps);
+                    at::Tensor conv_w, at::Tensor A_log, at::Tensor dt_bias, at::Tensor norm_w, int64_t num_k_heads,
+                    int64_t num_v_heads, int64_t head_v_dim, double mixer_eps);
   // q_norm, k_norm [Dh] fp32 (stored w)
   void add_attention(int64_t slot, at::Tensor input_norm, at::Tensor post_norm, Projection project,
-                     Projection out, Projection gate_up, Projection down, at::Tensor q_norm, at::Tensor k_norm,
-                     int64_t num_heads, int64_t head_dim, double mixer_eps);
+                     Projection out, at::Tensor q_norm, at::Tensor k_norm, int64_t num_heads, int64_t head_dim,
+                     double mixer_eps);
+  // the MLP of the layer added last: a SwiGLU MLP (gate and up, down) or an MoE block
+  void add_mlp(Projection gate_up, Projection down);
+  void add_moe(MoE moe);
 
   // x [N, D] bf16: counts[b] successive tokens of sequence b, in sequence order; cos, sin [N, R] bf16; per sequence
   // its stores (conv, recurrent, keys, values, each a slot per layer) and lengths[b] (int64 [counts[b]], the cache
@@ -74,7 +105,9 @@ class LayerStack {
     int64_t slot;
     bool linear;
     at::Tensor input_norm, post_norm;
-    Projection project, out, gate_up, down;
+    Projection project, out;
+    std::optional<Projection> gate_up, down;  // a dense MLP, or
+    std::shared_ptr<const MoE> moe;  // an MoE block
     at::Tensor conv_w, A_log, dt_bias, norm_w;  // DeltaNet
     int64_t num_k_heads, num_v_heads, head_v_dim;
     at::Tensor q_norm, k_norm;  // attention

@@ -1,0 +1,89 @@
+"""The native MoE block (kernels.MoE: router, the used experts, the shared expert in one call) against the module
+it runs for: bit-identical at decode sizes in every expert format, ties in the router included, and within bf16's
+rounding of the torch path (kernels off)."""
+
+import os
+
+import pytest
+import torch
+
+import qwenrt.ops.linear
+import qwenrt.quant
+from qwenrt.config import parse_config
+from qwenrt.decode_plan import _bind_moe
+from qwenrt.kernels import cpu_kernels
+from qwenrt.mlp import SparseMoeBlock
+from qwenrt.quant import QuantExperts, QuantLinear, QuantSpec, quantize_weight
+from tests.checkpoints import MOE
+from tests.numerics import rel_err
+
+needs_kernels = pytest.mark.skipif(os.environ.get("QWENRT_KERNELS") == "0", reason="QWENRT_KERNELS=0: torch paths only")
+FORMATS = {"bf16": None, "int8": QuantSpec(8), "int4": QuantSpec(4, 32)}
+
+
+def block(fmt: str, ties: bool = False, seed: int = 0) -> SparseMoeBlock:
+    """A bf16 MoE block of the test checkpoints' shape (8 experts, top 3), experts in `fmt`. ties: router rows in
+    equal pairs, so every token's expert logits tie."""
+    c = parse_config(dict(MOE, model_type="qwen3_5_moe_text"), where="test").text
+    g = torch.Generator().manual_seed(seed)
+    m = SparseMoeBlock(c)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        if ties:
+            m.gate.weight[1::2] = m.gate.weight[0::2]
+    m = m.bfloat16().requires_grad_(False)
+    spec = FORMATS[fmt]
+    if spec is not None:
+        def quantized(w):
+            return QuantLinear.from_stored(quantize_weight(w, spec), spec, torch.bfloat16)
+
+        m.experts = QuantExperts(quantized(m.experts.gate_up_proj), quantized(m.experts.down_proj))
+    return m
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("ties", [False, True])
+def test_native_moe_equals_the_module(fmt, ties):
+    """1, 3 and 8 rows (rows sharing experts; with 3 of 8 experts per row some get none): the native block gives
+    the module's output bit for bit, also where router logits tie (top-k's order decides between equal experts)."""
+    m = block(fmt, ties)
+    native = _bind_moe(cpu_kernels(), m)
+    assert native is not None
+    g = torch.Generator().manual_seed(1)
+    for rows in (1, 3, 8):
+        h = torch.randn(rows, m.gate.in_features, generator=g).bfloat16()
+        assert torch.equal(native(h), m(h[:, None])[:, 0])
+
+
+@needs_kernels
+def test_router_zero_weights_tie_every_expert():
+    """All expert logits equal: every row takes the same top-k (torch's choice among ties) natively too."""
+    m = block("int8")
+    m.gate.weight.zero_()
+    h = torch.randn(5, m.gate.in_features, generator=torch.Generator().manual_seed(2)).bfloat16()
+    assert torch.equal(_bind_moe(cpu_kernels(), m)(h), m(h[:, None])[:, 0])
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_native_moe_matches_the_torch_path(fmt, monkeypatch):
+    """Against the block on torch's ops alone (no native kernel anywhere), 11 rows (more than one kernel call's):
+    within bf16's rounding."""
+    m = block(fmt, seed=3)
+    h = torch.randn(11, m.gate.in_features, generator=torch.Generator().manual_seed(3)).bfloat16()
+    ours = _bind_moe(cpu_kernels(), m)(h)
+    for module in (qwenrt.ops.linear, qwenrt.quant):
+        for name in ("cpu_kernels", "inference_kernels"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, lambda *tensors: None)
+    reference = block(fmt, seed=3)(h[:, None])[:, 0]
+    assert rel_err(ours, reference) < 1e-2
+
+
+@needs_kernels
+def test_unbindable_experts_leave_the_module_path():
+    """fp32 experts have no native format: no native block (the model then decodes through its modules)."""
+    m = block("bf16").float()
+    assert _bind_moe(cpu_kernels(), m) is None
