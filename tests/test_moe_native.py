@@ -87,3 +87,29 @@ def test_unbindable_experts_leave_the_module_path():
     """fp32 experts have no native format: no native block (the model then decodes through its modules)."""
     m = block("bf16").float()
     assert _bind_moe(cpu_kernels(), m) is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_swiglu_over_several_pairs_equals_each_pair_alone(fmt):
+    """The GEMV's swiglu mode over three (gate, up) pairs of different row counts (an MoE token's experts in one
+    call): each pair's output as from a call of its own."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 128, generator=g).bfloat16()
+    pairs = [[torch.randn(rows, 128, generator=g).bfloat16() * 0.1 for _ in range(2)] for rows in (48, 32, 80)]
+    k = cpu_kernels()
+    if fmt == "bf16":
+        def call(weights):
+            return k.gemv_bf16(x, weights, "swiglu")
+    else:
+        spec = QuantSpec(4, 32)
+        stored = {id(w): quantize_weight(w, spec) for pair in pairs for w in pair}
+
+        def call(weights):
+            pieces = [stored[id(w)] for w in weights]
+            return k.gemv_q4(x, [p["qweight"] for p in pieces], [p["scales"] for p in pieces],
+                             [p["zeros"] for p in pieces], 32, "swiglu")
+    together = call([w for pair in pairs for w in pair])
+    assert len(together) == 3
+    for out, pair in zip(together, pairs):
+        assert torch.equal(out, call(pair)[0])

@@ -75,8 +75,8 @@ inline float bf16_round(float f) { return bf16_to_float(bf16_bits(f)); }
 
 // What the caller gets from a call's fp32 sums (one [M, N_i] slice per weight):
 //   "fp32": the sums; "bf16": each rounded to bf16 once; "bf16_fp32": the same values held in fp32 (logits);
-//   "swiglu": two weights (gate, up) -> silu(gate)·up [M, N] rounded as torch's bf16 ops round (gate, up,
-//   silu(gate) and the product each to bf16).
+//   "swiglu": pairs of weights (gate, up) -> silu(gate)·up [M, N] per pair, rounded as torch's bf16 ops round (gate,
+//   up, silu(gate) and the product each to bf16). Several pairs: an MoE token's experts in one call.
 // Each thread finishes the rows it summed while they are in its cache, so no pass over the outputs is left for one
 // thread at the end (the 0.8B's LM head alone is 248K of them).
 struct Outputs {
@@ -93,8 +93,11 @@ struct Outputs {
     else if (name == "bf16_fp32") mode = Mode::kBf16Fp32;
     else if (name == "swiglu") mode = Mode::kSwiglu;
     else TORCH_CHECK(false, "gemv: output mode fp32, bf16, bf16_fp32 or swiglu");
-    TORCH_CHECK(mode != Mode::kSwiglu || (ws.size() == 2 && ws[0].size(0) == ws[1].size(0)),
-                "gemv: swiglu takes two weights (gate, up) of the same rows");
+    if (mode == Mode::kSwiglu) {
+      TORCH_CHECK(ws.size() % 2 == 0, "gemv: swiglu takes pairs of weights (gate, up)");
+      for (size_t i = 0; i < ws.size(); i += 2)
+        TORCH_CHECK(ws[i].size(0) == ws[i + 1].size(0), "gemv: swiglu takes a gate and an up weight of the same rows");
+    }
     const bool in_place = mode == Mode::kFp32 || mode == Mode::kBf16Fp32;
     int64_t total = 0;
     for (const auto& w : ws) {
@@ -108,7 +111,7 @@ struct Outputs {
       if (in_place) {
         results.push_back(at::empty({M, w.size(0)}, x.options().dtype(at::kFloat)));
         out = results.back().data_ptr<float>();
-      } else if (mode == Mode::kBf16 || results.empty()) {
+      } else if (mode == Mode::kBf16 || segs.size() % 2 == 0) {  // swiglu: one result per pair, made at its gate
         results.push_back(at::empty({M, w.size(0)}, x.options().dtype(at::kBFloat16)));
       }
       segs.push_back({static_cast<const uint8_t*>(w.data_ptr()), nullptr, nullptr, w.size(0), out});
@@ -116,14 +119,21 @@ struct Outputs {
     }
   }
 
-  // The segments whose row blocks the threads share: for swiglu the gate's, each block then summed through both.
+  // The segments whose row blocks the threads share: for swiglu each pair's gate, each block then summed through
+  // both weights of the pair.
   std::vector<Segment> listed() const {
-    return mode == Mode::kSwiglu ? std::vector<Segment>{segs[0]} : segs;
+    if (mode != Mode::kSwiglu) return segs;
+    std::vector<Segment> gates;
+    for (size_t i = 0; i < segs.size(); i += 2) gates.push_back(segs[i]);
+    return gates;
   }
 
-  // Rows [n0, n1) of listed segment i are summed (for swiglu, through both weights): finish them.
+  // The segment of listed segment i's rows (for swiglu, its pair's first: the gate)
+  size_t segment(size_t i) const { return mode == Mode::kSwiglu ? 2 * i : i; }
+
+  // Rows [n0, n1) of listed segment i are summed (for swiglu, through both weights of its pair): finish them.
   void finish_rows(size_t i, int64_t n0, int64_t n1) const {
-    const Segment& s = segs[i];
+    const Segment& s = segs[segment(i)];
     for (int64_t m = 0; m < M; ++m) {
       const int64_t a = m * s.N + n0, b = m * s.N + n1;
       if (mode == Mode::kBf16Fp32) {
@@ -132,8 +142,8 @@ struct Outputs {
         auto* y = reinterpret_cast<uint16_t*>(results[i].data_ptr<at::BFloat16>());
         for (int64_t j = a; j < b; ++j) y[j] = bf16_bits(s.out[j]);
       } else if (mode == Mode::kSwiglu) {
-        auto* y = reinterpret_cast<uint16_t*>(results[0].data_ptr<at::BFloat16>());
-        const float *G = segs[0].out, *U = segs[1].out;
+        auto* y = reinterpret_cast<uint16_t*>(results[i].data_ptr<at::BFloat16>());
+        const float *G = segs[2 * i].out, *U = segs[2 * i + 1].out;
         int64_t j = a;
         for (; kFma && j + kLanes <= b; j += kLanes) {
           const F g = round_bf16(load(G + j));
@@ -164,8 +174,8 @@ void run_blocks(const Outputs& outs, int64_t row_work, RowFn&& rows_fn) {
       int64_t e = b + 1;
       while (e < b1 && bl.seg[e] == i) ++e;
       const int64_t n1 = std::min(listed[i].N, bl.start[e - 1] + BlockList::kGrain);
-      rows_fn(outs.segs[i], n0, n1);
-      if (pair) rows_fn(outs.segs[1], n0, n1);
+      rows_fn(outs.segs[outs.segment(i)], n0, n1);
+      if (pair) rows_fn(outs.segs[outs.segment(i) + 1], n0, n1);
       outs.finish_rows(i, n0, n1);
       b = e;
     }

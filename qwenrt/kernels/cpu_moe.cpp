@@ -55,6 +55,17 @@ MoE::MoE(Projection router, const ExpertBank& gate_up, const ExpertBank& down, P
   }
 }
 
+Projection::Run MoE::merged_gate_up(const std::vector<int64_t>& experts) const {
+  Projection::Run merged = gate_up_[experts[0]].runs[0];
+  for (size_t j = 1; j < experts.size(); ++j) {
+    const Projection::Run& run = gate_up_[experts[j]].runs[0];
+    merged.weights.insert(merged.weights.end(), run.weights.begin(), run.weights.end());
+    merged.scales.insert(merged.scales.end(), run.scales.begin(), run.scales.end());
+    merged.zeros.insert(merged.zeros.end(), run.zeros.begin(), run.zeros.end());
+  }
+  return merged;
+}
+
 at::Tensor MoE::operator()(const at::Tensor& h) const {
   const int64_t N = h.size(0), E = static_cast<int64_t>(gate_up_.size());
   const auto routed = router_(h, "bf16");  // [N, E] expert logits, [N, 1] shared-expert gate logits
@@ -71,17 +82,22 @@ at::Tensor MoE::operator()(const at::Tensor& h) const {
       rows[idx[n * top_k_ + a]].push_back(n);
       slots[idx[n * top_k_ + a]].push_back(a);
     }
+  std::vector<int64_t> used;
+  for (int64_t e = 0; e < E; ++e)
+    if (!rows[e].empty()) used.push_back(e);
+  // one row (a decode step's token): every used expert's gate and up in one call, one pass over the threads
+  std::vector<at::Tensor> acts;
+  if (N == 1) acts = merged_gate_up(used)(h, "swiglu");
   auto out = at::zeros_like(h);
   const auto* w = weight.data_ptr<at::BFloat16>();
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = static_cast<int64_t>(rows[e].size());
-    if (n == 0) continue;
+  for (size_t j = 0; j < used.size(); ++j) {
+    const int64_t e = used[j], n = static_cast<int64_t>(rows[e].size());
     const auto which = longs(rows[e]);
     auto scale = at::empty({n, 1}, weight.options());
     auto* s = scale.data_ptr<at::BFloat16>();
     for (int64_t r = 0; r < n; ++r) s[r] = w[rows[e][r] * top_k_ + slots[e][r]];
-    const auto y = down_[e](gate_up_[e](h.index_select(0, which), "swiglu")[0], "bf16")[0];
-    out.index_add_(0, which, y.mul(scale));
+    const auto act = N == 1 ? acts[j] : gate_up_[e](h.index_select(0, which), "swiglu")[0];
+    out.index_add_(0, which, down_[e](act, "bf16")[0].mul(scale));
   }
   const auto shared = shared_down_(shared_gate_up_(h, "swiglu")[0], "bf16")[0];
   return out.add(routed[1].sigmoid().mul(shared));

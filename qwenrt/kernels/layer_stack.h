@@ -30,7 +30,8 @@ struct Projection {
   // the parts' runs in order: their outputs, one after another
   explicit Projection(const std::vector<Projection>& parts);
   // x [M, K] bf16 -> one [M, N_i] per weight ("bf16"; "bf16_fp32" those values in fp32; "fp32" unrounded), or
-  // silu(gate)·up [M, N] ("swiglu", one run); more than gemv::kMaxRows rows go that many at a time
+  // silu(gate)·up [M, N] per (gate, up) pair ("swiglu", one run); more than gemv::kMaxRows rows go that many at a
+  // time
   std::vector<at::Tensor> operator()(const at::Tensor& x, const std::string& mode) const;
   size_t outputs() const;  // the weights, over all runs
   // ids [N] int64 -> rows ids of the one weight, bf16 [N, K] (quantized ones dequantized as looked up): the token
@@ -61,8 +62,11 @@ class MoE {
   at::Tensor operator()(const at::Tensor& h) const;
 
  private:
+  // the gate and up weights of `experts` as one run of (gate, up) pairs: swiglu over them all in one GEMV call
+  Projection::Run merged_gate_up(const std::vector<int64_t>& experts) const;
+
   Projection router_, shared_gate_up_, shared_down_;
-  std::vector<Projection> gate_up_, down_;  // per expert
+  std::vector<Projection> gate_up_, down_;  // per expert, one run each
   int64_t top_k_;
 };
 
