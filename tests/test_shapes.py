@@ -1,6 +1,7 @@
 """Random checkpoints at the published shapes, and the streaming safetensors writer under them."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -101,3 +102,31 @@ def test_random_values_do_not_depend_on_the_write_order(small_shapes):
     joined = lambda out: torch.cat(list(out)) if not isinstance(out, torch.Tensor) else out  # noqa: E731
     later = {e.name: joined(backward(e)) for e in reversed(entries)}
     assert all(torch.equal(joined(forward(e)), later[e.name]) for e in entries)
+
+
+def test_bench_builds_a_quantized_shape_without_its_bf16_checkpoint(small_shapes, tmp_path, monkeypatch, capsys):
+    """`qwenrt bench --shape S --quantize int4,int8` writes each format directly (never the bf16 one, 70 GB for the
+    35B-A3B), once; with too little disk it says how much it needs, where, and leaves nothing half-written."""
+    from qwenrt import bench
+    from qwenrt.cli import main
+
+    monkeypatch.setattr(shapes, "SHAPES", (*shapes.SHAPES, "tiny-moe"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    measured = []
+
+    def measure(job):
+        measured.append(job["path"])
+        raise QwenrtError("measured")
+
+    monkeypatch.setattr(bench, "_run", measure)
+    assert main(["bench", "--shape", "tiny-moe", "--quantize", "int4,int8", "--repeats", "1"]) == 1
+    built = sorted(p.name for p in bench.cache_dir().iterdir())
+    assert built == ["random-tiny-moe-mtp-seed0-int4g64", "random-tiny-moe-mtp-seed0-int8"]
+    assert measured == [str(bench.cache_dir() / built[0])]
+    capsys.readouterr()
+    monkeypatch.setattr(shapes.shutil, "disk_usage", lambda path: SimpleNamespace(free=1 << 20))
+    assert main(["bench", "--shape", "tiny-moe", "--quantize", "none", "--repeats", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("qwenrt: error: not enough disk space for random Qwen3.5-tiny-moe: it needs 0.3 GiB in "
+                          f"{bench.cache_dir()} (") and err.endswith("0.0 GiB is free")
+    assert sorted(p.name for p in bench.cache_dir().iterdir()) == built
