@@ -90,6 +90,7 @@ import json, sys
 import torch
 import qwenrt
 from qwenrt.convert import quantize_checkpoint
+from qwenrt.kernels import cpu_kernels
 
 def status(field):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))
@@ -116,7 +117,7 @@ def _child(*args) -> dict:
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc")
 def test_quantize_and_load_hold_a_few_tensors_not_the_checkpoint(tmp_path, monkeypatch):
-    """A 376 MB bf16 checkpoint of 7 MoE layers (256 experts; the largest tensor, an expert bank, 33.5 MB) is
+    """A 376 MB bf16 checkpoint of 6 MoE layers and an MoE MTP layer (256 experts; the largest tensor, an expert bank, 33.5 MB) is
     quantized to int4 within 200 MiB over the child's baseline (the source's pages leave its RSS as it goes; the
     quantizer's fp32 slices take ~100 MiB), and its 109 MB int4 copy loads, memory-mapped, within 48 MiB (what load
     touches: norms, scales, the NaN scan) and generates."""
