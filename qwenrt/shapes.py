@@ -93,10 +93,12 @@ def _random_rows(name: str, shape: tuple[int, ...], seed: int):
         elif name.endswith(".dt_bias"):
             x = 1.0 + 0.1 * x
         elif name.endswith("conv1d.weight"):  # depthwise, 4 taps: keep the conv output O(input)
-            x = x * 0.5
+            x.mul_(0.5)
         else:  # matrices, embeddings, and the (1 + w) norms' w
-            x = x * INIT_STD
-        yield x.to(torch.bfloat16)
+            x.mul_(INIT_STD)
+        chunk = x.to(torch.bfloat16)
+        del x  # not held while the chunk is used
+        yield chunk
 
 
 def _with_mtp(model: Qwen35ForCausalLM) -> Qwen35ForCausalLM:
