@@ -21,7 +21,7 @@ from qwenrt.kernels import cpu_kernels
 from qwenrt.model import Qwen35ForCausalLM
 from qwenrt.mtp import PREFIX as MTP_PREFIX, MTPHead
 from qwenrt.quant import (EMBEDDING, LoadQuantizer, QuantEmbedding, QuantLinear, QuantSpec, install_placeholders,
-                          install_stored, plan_units, storage_entries, stored_spec)
+                          install_stored, storage_entries, stored_spec)
 from qwenrt.tokenizer import Tokenizer, load_tokenizer
 from qwenrt.validation import check_flag, check_path
 from qwenrt.writer import DTYPE_NAMES
@@ -206,20 +206,20 @@ def _quantizer(model, config, quantize, dtype, device) -> LoadQuantizer | None:
     return LoadQuantizer(model, None if stored else QuantSpec.parse(quantize), dtype)
 
 
-def weight_bytes(model, dtype: torch.dtype, quantize: QuantSpec | None) -> int:
+def weight_bytes(model, dtype: torch.dtype, quantizer: LoadQuantizer | None) -> int:
     """The bytes the weights of `model` (on `meta`) hold once loaded: stored quantized pieces (placeholders' buffers,
-    a GGUF file's blocks among them) at their stored sizes, the weights quantized while loading (`quantize`) at
+    a GGUF file's blocks among them) at their stored sizes, the weights `quantizer` quantizes while loading at
     theirs, the fp32 parameters in fp32 and the other float tensors in `dtype`."""
+    params = dict(model.named_parameters())
     quantized, replaced = 0, set()
-    if quantize is not None:
-        units, _ = plan_units(model, quantize)
-        for weights in units.values():
-            for source, shape in weights.values():
-                replaced.add(source)
-                quantized += sum(math.prod(s) * d.itemsize for s, d in storage_entries(shape, quantize).values())
+    if quantizer is not None and not quantizer.stored:
+        for source, paths in quantizer.claimed.items():  # a tied embedding: the head's source
+            replaced.add(source)
+            quantized += sum(math.prod(shape) * d.itemsize for path in paths for shape, d in
+                             storage_entries(tuple(params[source].shape), quantizer.specs[path]).values())
     keep_fp32 = _fp32_parameters(model)
     floats = sum(p.numel() * (4 if name in keep_fp32 else dtype.itemsize)
-                 for name, p in model.named_parameters() if name not in replaced)
+                 for name, p in params.items() if name not in replaced)
     embed = model.model.embed_tokens  # an untied table stored quantized: its pieces are no module's buffers
     pieces = [*model.buffers(), *(embed.stored.values() if isinstance(embed, QuantEmbedding) else ())]
     stored = sum(t.numel() * t.element_size() for t in {id(t): t for t in pieces}.values())
@@ -304,8 +304,7 @@ def _load_verified(path, verified: tuple, dtype, device: torch.device, progress:
     dtype = resolve_dtype(dtype, stored_float_dtype(ckpt, plan))
     quantizer = _quantizer(model, config, quantize, dtype, device)
     if device.type == "cpu":  # before any weight is read
-        check_memory(path, weight_bytes(model, dtype, None if quantizer is None or quantizer.stored else
-                                        QuantSpec.parse(quantize)))
+        check_memory(path, weight_bytes(model, dtype, quantizer))
     state = {}
     weights = read_weights(path, verified, dtype, device, quantizer, check_finite)
     for name, tensor in tqdm(weights, total=len(plan), desc="loading weights", unit="tensor", disable=not progress,

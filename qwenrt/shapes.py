@@ -110,18 +110,17 @@ def _with_mtp(model: Qwen35ForCausalLM) -> Qwen35ForCausalLM:
     return model
 
 
-def _producer(units: dict, spec: QuantSpec | None, seed: int):
-    """produce(entry) for a random checkpoint: tensors in bf16, and the stored pieces of the weights in `units` (see
-    `plan_units`; none for bf16) quantized row chunk by row chunk as they are generated. A pass over a weight streams
-    one piece and holds its other small ones (scales, zeros) until written; a qweight written after them costs a
-    second pass (only odd-sized pieces are placed so, see `aligned_order`)."""
-    sources = {path: source for weights in units.values() for path, source in weights.items()}
-    todo = {path: set(spec.pieces) for path in sources}  # pieces not yet written
+def _producer(weights: dict, seed: int):
+    """produce(entry) for a random checkpoint: tensors in bf16, and the stored pieces of `weights` (see
+    `_quantized_weights`; none for bf16) quantized row chunk by row chunk as they are generated. A pass over a weight
+    streams one piece and holds its other small ones (scales, zeros) until written; a qweight written after them costs
+    a second pass (only odd-sized pieces are placed so, see `aligned_order`)."""
+    todo = {path: set(spec.pieces) for path, (_, _, spec) in weights.items()}  # pieces not yet written
     held: dict[str, dict[str, list[torch.Tensor]]] = {}  # path -> piece -> row chunks computed on an earlier pass
 
     def produce(entry: Entry):
         path, _, key = entry.name.rpartition(".")
-        if path not in sources:  # a tensor kept in bf16
+        if path not in weights:  # a tensor kept in bf16
             return _random_rows(entry.name, entry.shape, seed)
         todo[path].discard(key)
         if key in held.get(path, {}):
@@ -132,7 +131,7 @@ def _producer(units: dict, spec: QuantSpec | None, seed: int):
         return _stream(path, key, todo[path] - {"qweight"} - held.get(path, {}).keys())
 
     def _stream(path: str, key: str, hold: set[str]):
-        source, shape = sources[path]
+        source, shape, spec = weights[path]
         for chunk in _random_rows(source, shape, seed):
             pieces = quantize_weight(chunk, spec, path)
             for other in hold:
@@ -142,20 +141,27 @@ def _producer(units: dict, spec: QuantSpec | None, seed: int):
     return produce
 
 
-def planned_entries(name: str, quantize: QuantSpec | None = None) -> tuple[list[Entry], dict, list[str]]:
-    """The tensors of the random checkpoint of Qwen3.5-`name` in file order, as `write_random_checkpoint` writes
-    them, and (quantized) as `qwenrt quantize` writes that of the bf16 one: (entries, quantized units, modules kept
-    in full precision)."""
+def _quantized_weights(model: Qwen35ForCausalLM, spec: QuantSpec) -> tuple[dict, dict]:
+    """What `qwenrt quantize` quantizes in `model`, as it plans it: ({weight path: (source parameter, shape,
+    format)}, config.json's quantization_config)."""
+    units, kept = plan_units(model, spec)
+    weights = {path: (source, shape, spec) for unit in units.values() for path, (source, shape) in unit.items()}
+    return weights, spec.config(kept)
+
+
+def planned_entries(name: str, quantize: QuantSpec | None = None) -> tuple[list[Entry], dict, dict | None]:
+    """The tensors of the random checkpoint of Qwen3.5-`name` in file order as `write_random_checkpoint` writes
+    them, quantized as `qwenrt quantize` writes the bf16 one: (entries, the quantized weights as
+    `_quantized_weights` gives them, the quantization_config or None)."""
     model = _with_mtp(meta_model(name))
     entries = aligned_order([Entry(n, tuple(p.shape), torch.bfloat16) for n, p in model.named_parameters()])
     if quantize is None:
-        return entries, {}, []
-    units, kept = plan_units(model, quantize)
-    replaced = {source for weights in units.values() for source, _ in weights.values()}
-    quantized = [Entry(f"{path}.{key}", shape, dtype) for weights in units.values()
-                 for path, (_, w_shape) in weights.items()
-                 for key, (shape, dtype) in storage_entries(w_shape, quantize).items()]
-    return aligned_order([e for e in entries if e.name not in replaced] + quantized), units, kept
+        return entries, {}, None
+    weights, config = _quantized_weights(model, quantize)
+    replaced = {source for source, _, _ in weights.values()}
+    quantized = [Entry(f"{path}.{key}", shape, dtype) for path, (_, w_shape, spec) in weights.items()
+                 for key, (shape, dtype) in storage_entries(w_shape, spec).items()]
+    return aligned_order([e for e in entries if e.name not in replaced] + quantized), weights, config
 
 
 def _check_disk(path: Path, needed: int, what: str) -> None:
@@ -175,20 +181,19 @@ def write_random_checkpoint(name: str, path: str | Path, seed: int = 0, progress
     path = Path(path)
     if path.exists():
         raise QwenrtError(f"{path}: already exists")
-    entries, units, kept = planned_entries(name, quantize)
+    entries, weights, quantization = planned_entries(name, quantize)
     what = f"random Qwen3.5-{name}" + ("" if quantize is None else f" in {quantize}")
     path.parent.mkdir(parents=True, exist_ok=True)
     _check_disk(path, sum(e.nbytes for e in entries), what)
-    produce = _producer(units, quantize, seed)
     config = dict(text_config(name), dtype="bfloat16")
-    if quantize is not None:
-        config["quantization_config"] = quantize.config(kept)
+    if quantization is not None:
+        config["quantization_config"] = quantization
     tmp = path.with_name(f".{path.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
         kwargs = {} if shard_bytes is None else {"shard_bytes": shard_bytes}
-        write_safetensors(tmp, entries, produce, progress=progress, desc=what, **kwargs)
+        write_safetensors(tmp, entries, _producer(weights, seed), progress=progress, desc=what, **kwargs)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         tmp.rename(path)  # complete or absent, never half-written
     except BaseException:

@@ -1,4 +1,4 @@
-"""Memory: load refuses a model larger than the memory available; quantize and load hold a few tensors, not the model."""
+"""Memory: load refuses a model larger than the memory available; quantize and load hold a few tensors, not all."""
 
 import json
 import os
@@ -117,10 +117,10 @@ def _child(*args) -> dict:
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc")
 def test_quantize_and_load_hold_a_few_tensors_not_the_checkpoint(tmp_path, monkeypatch):
-    """A 376 MB bf16 checkpoint of 6 MoE layers and an MoE MTP layer (256 experts; the largest tensor, an expert bank, 33.5 MB) is
-    quantized to int4 within 200 MiB over the child's baseline (the source's pages leave its RSS as it goes; the
-    quantizer's fp32 slices take ~100 MiB), and its 109 MB int4 copy loads, memory-mapped, within 48 MiB (what load
-    touches: norms, scales, the NaN scan) and generates."""
+    """A 376 MB bf16 checkpoint of 6 MoE layers and an MoE MTP layer (256 experts; its largest tensor, an expert
+    bank, 33.5 MB) is quantized to int4 within 200 MiB over the child's baseline (the source's pages leave its RSS as
+    it goes; the quantizer's fp32 slices take ~100 MiB; 492 MB when they stayed), and its 109 MB int4 copy loads,
+    memory-mapped, within 48 MiB (what load touches: norms, scales, the NaN scan; measured 28) and generates."""
     monkeypatch.setitem(shapes._TABLE, "many-experts", (6, 128, 0, 2, 1, 16, False, (256, 8, 256, 128)))
     monkeypatch.setitem(shapes._COMMON, "vocab_size", 16384)
     src = shapes.write_random_checkpoint("many-experts", tmp_path / "bf16")

@@ -96,9 +96,8 @@ def test_random_checkpoint_written_quantized_is_the_quantized_bf16_one(name, spe
 def test_random_values_do_not_depend_on_the_write_order(small_shapes):
     """Each tensor has its own generator, and a weight's pieces are the same whichever is written first (the odd-sized
     ones go last in the file: held from the qweight's pass, or computed on a pass of their own)."""
-    entries, units, _ = shapes.planned_entries("tiny-moe", QuantSpec(8))
-    forward = shapes._producer(units, QuantSpec(8), 0)
-    backward = shapes._producer(units, QuantSpec(8), 0)
+    entries, weights, _ = shapes.planned_entries("tiny-moe", QuantSpec(8))
+    forward, backward = shapes._producer(weights, 0), shapes._producer(weights, 0)
     joined = lambda out: torch.cat(list(out)) if not isinstance(out, torch.Tensor) else out  # noqa: E731
     later = {e.name: joined(backward(e)) for e in reversed(entries)}
     assert all(torch.equal(joined(forward(e)), later[e.name]) for e in entries)
