@@ -239,8 +239,8 @@ def available_memory() -> int | None:
 
 
 def check_memory(path, needed: int) -> None:
-    """Refuse, in one line, weights of `needed` bytes that do not fit the memory available beside a margin (the
-    CPU's memory; unknown, or QWENRT_SKIP_MEMORY_CHECK=1: not checked)."""
+    """Refuse, in one line, weights of `needed` bytes beyond the memory available less a margin; not checked where
+    /proc/meminfo is missing or QWENRT_SKIP_MEMORY_CHECK=1."""
     available = available_memory()
     if available is None or os.environ.get(SKIP_MEMORY_CHECK) == "1" or needed + MEMORY_MARGIN <= available:
         return
