@@ -3,7 +3,8 @@
 Every measurement runs in a fresh process (so peak RSS is honest); configurations, and transformers with
 `--compare transformers`, are interleaved repeat by repeat and reported as medians, since separate processes on
 shared CPUs differ by 10-30% while samples inside one run agree. Quantized configurations load a checkpoint
-written once by `qwenrt quantize` (as a user would), not quantized at load time.
+written once by `qwenrt quantize` (as a user would), not quantized at load time; a random --shape is written directly
+in each format (the same weights: see qwenrt.shapes).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from qwenrt.default_model import DEFAULT_MODEL
 from qwenrt.errors import QwenrtError
 from qwenrt.kernels import kernel_path
+from qwenrt.quant import QuantSpec
 
 GIB = 1 << 30
 
@@ -46,21 +48,24 @@ def cache_dir() -> Path:
     return Path(root) / "qwenrt" / "bench"
 
 
-def shape_checkpoint(shape: str, seed: int = 0) -> Path:
-    """The random checkpoint at a published shape, built once into the cache (with a progress bar)."""
+def shape_checkpoint(shape: str, seed: int = 0, quantize: QuantSpec | None = None) -> Path:
+    """The random checkpoint at a published shape, built once into the cache (with a progress bar): bf16, or written
+    directly quantized (a QuantSpec), never through the bf16 one (the 35B-A3B's is 70 GB)."""
     from qwenrt.shapes import write_random_checkpoint
 
-    path = cache_dir() / f"random-{shape}-mtp-seed{seed}"
+    name = f"random-{shape}-mtp-seed{seed}"
+    if quantize is not None:
+        name += f"-int{quantize.bits}" + (f"g{quantize.group_size}" if quantize.group_size else "")
+    path = cache_dir() / name
     if not path.exists():
         print(f"building a random-weight Qwen3.5-{shape} checkpoint in {path}", file=sys.stderr)
-        write_random_checkpoint(shape, path, seed=seed, progress=True)
+        write_random_checkpoint(shape, path, seed=seed, progress=True, quantize=quantize)
     return path
 
 
 def quantized_checkpoint(src: Path, quantize: str, group_size: int | None) -> Path:
     """`src` quantized, written once into the cache next to the other benchmark checkpoints."""
     from qwenrt.convert import quantize_checkpoint
-    from qwenrt.quant import QuantSpec
 
     spec = QuantSpec.parse(quantize, group_size)
     stat = (src / "config.json").stat()
@@ -70,6 +75,16 @@ def quantized_checkpoint(src: Path, quantize: str, group_size: int | None) -> Pa
         path.parent.mkdir(parents=True, exist_ok=True)
         quantize_checkpoint(src, path, spec.bits, spec.group_size, progress=True)
     return path
+
+
+def _checkpoint(args, source: Path | None, quantize: str) -> Path:
+    """What a configuration loads: the random checkpoint of --shape in its format, or `source` as it is or quantized
+    once into the cache."""
+    group_size = args.group_size if quantize == "int4" else None
+    if args.shape is not None:
+        spec = None if quantize == "none" else QuantSpec.parse(quantize, group_size)
+        return shape_checkpoint(args.shape, quantize=spec)
+    return source if quantize == "none" else quantized_checkpoint(source, quantize, group_size)
 
 
 def _run(job: dict) -> dict:
@@ -130,9 +145,8 @@ def run(args) -> str:
         raise QwenrtError(f"--dtype must be bf16 or fp32, got {args.dtype!r}")
     if args.compare not in (None, "transformers"):
         raise QwenrtError(f"--compare supports only 'transformers', got {args.compare!r}")
-    if args.shape is not None:
-        path = shape_checkpoint(args.shape)
-    else:
+    path = None  # --shape: each configuration's random checkpoint is built in its own format
+    if args.shape is None:
         from qwenrt.hub import resolve_model_path
 
         path = resolve_model_path(DEFAULT_MODEL if args.model is None else args.model)
@@ -142,16 +156,15 @@ def run(args) -> str:
         counts = [speculative_tokens(k) for k in args.speculative_tokens.split(",")]
     except Exception as e:
         raise QwenrtError(f"--speculative-tokens: {e}") from None
-    configs = {Config("qwenrt", args.dtype, q, k): path for q in args.quantize.split(",") for k in counts}
+    configs = {Config("qwenrt", args.dtype, q, k): None for q in args.quantize.split(",") for k in counts}
     for config in configs:
         if config.quantize not in ("none", "int8", "int4"):
             raise QwenrtError(f"--quantize takes none, int8 or int4 (comma-separated), got {config.quantize!r}")
-        if config.quantize != "none":
-            group_size = args.group_size if config.quantize == "int4" else None
-            configs[config] = quantized_checkpoint(path, config.quantize, group_size)
+    for config in configs:  # built (once) after every argument is checked
+        configs[config] = _checkpoint(args, path, config.quantize)
     reference = Config("transformers", "bf16") if args.compare else None
     if reference is not None:
-        configs[reference] = path
+        configs[reference] = _checkpoint(args, path, "none")
     from qwenrt.loader import prepare_kernels
 
     prepare_kernels(progress=True)  # compiled once here on a fresh install, not inside a measured load

@@ -55,6 +55,11 @@ class Checkpoint:
         except (SafetensorError, OSError, RuntimeError, TypeError) as e:
             raise QwenrtError(f"{file}: cannot read tensor '{name}' ({' '.join(str(e).split())})") from None
 
+    def release(self) -> None:
+        """Close the files: the pages read so far leave this process's memory once their tensors are freed (they
+        stay in the page cache). Reading tensor by tensor, a reader that calls it between tensors holds one."""
+        self._handles.clear()
+
     def names(self, prefix: str = "") -> list[str]:
         return [n for n in self.location if n.startswith(prefix)]
 

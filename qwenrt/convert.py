@@ -98,6 +98,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int, group_size:
     pending: dict[str, dict[str, torch.Tensor]] = {}  # pieces of weights being written (odd-sized ones come last)
 
     def produce(entry: Entry) -> torch.Tensor:
+        ckpt.release()  # the tensors written so far leave RSS: the peak is a few tensors, not the checkpoint
         if entry.name in plan:
             return materialize(ckpt, plan[entry.name], entry.dtype)
         if entry.name in ckpt.location:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,7 +21,7 @@ from qwenrt.kernels import cpu_kernels
 from qwenrt.model import Qwen35ForCausalLM
 from qwenrt.mtp import PREFIX as MTP_PREFIX, MTPHead
 from qwenrt.quant import (EMBEDDING, LoadQuantizer, QuantEmbedding, QuantLinear, QuantSpec, install_placeholders,
-                          install_stored, stored_spec)
+                          install_stored, storage_entries, stored_spec)
 from qwenrt.tokenizer import Tokenizer, load_tokenizer
 from qwenrt.validation import check_flag, check_path
 from qwenrt.writer import DTYPE_NAMES
@@ -29,6 +31,9 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 STORED_DTYPES = {**SAFETENSORS_DTYPES, "I8": torch.int8, "U8": torch.uint8}
 VISUAL_PREFIX = "model.visual."
+GIB = 1 << 30
+MEMORY_MARGIN = 512 << 20  # left free beside the weights: activations, caches, the rest of the process
+SKIP_MEMORY_CHECK = "QWENRT_SKIP_MEMORY_CHECK"
 
 
 def resolve_dtype(dtype, stored: str | None) -> torch.dtype:
@@ -201,6 +206,49 @@ def _quantizer(model, config, quantize, dtype, device) -> LoadQuantizer | None:
     return LoadQuantizer(model, None if stored else QuantSpec.parse(quantize), dtype)
 
 
+def weight_bytes(model, dtype: torch.dtype, quantizer: LoadQuantizer | None) -> int:
+    """The bytes the weights of `model` (on `meta`) hold once loaded: stored quantized pieces (placeholders' buffers,
+    a GGUF file's blocks among them) at their stored sizes, the weights `quantizer` quantizes while loading at
+    theirs, the fp32 parameters in fp32 and the other float tensors in `dtype`."""
+    params = dict(model.named_parameters())
+    quantized, replaced = 0, set()
+    if quantizer is not None and not quantizer.stored:
+        for source, paths in quantizer.claimed.items():  # a tied embedding: the head's source
+            replaced.add(source)
+            quantized += sum(math.prod(shape) * d.itemsize for path in paths for shape, d in
+                             storage_entries(tuple(params[source].shape), quantizer.specs[path]).values())
+    keep_fp32 = _fp32_parameters(model)
+    floats = sum(p.numel() * (4 if name in keep_fp32 else dtype.itemsize)
+                 for name, p in params.items() if name not in replaced)
+    embed = model.model.embed_tokens  # an untied table stored quantized: its pieces are no module's buffers
+    pieces = [*model.buffers(), *(embed.stored.values() if isinstance(embed, QuantEmbedding) else ())]
+    stored = sum(t.numel() * t.element_size() for t in {id(t): t for t in pieces}.values())
+    return floats + quantized + stored
+
+
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (free memory and the page cache the kernel can reclaim), None where
+    unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_memory(path, needed: int) -> None:
+    """Refuse, in one line, weights of `needed` bytes beyond the memory available less a margin; not checked where
+    /proc/meminfo is missing or QWENRT_SKIP_MEMORY_CHECK=1."""
+    available = available_memory()
+    if available is None or os.environ.get(SKIP_MEMORY_CHECK) == "1" or needed + MEMORY_MARGIN <= available:
+        return
+    raise QwenrtError(f"{path}: needs {(needed + MEMORY_MARGIN) / GIB:.1f} GiB of memory to load (weights "
+                      f"{needed / GIB:.1f} GiB), {available / GIB:.1f} GiB is available; free memory, use a smaller "
+                      f"or quantized model, or set {SKIP_MEMORY_CHECK}=1 to load it anyway")
+
+
 def prepare_kernels(progress: bool) -> None:
     """Build (first time) or load the native CPU kernels now rather than inside the first token."""
     start = time.perf_counter()
@@ -255,6 +303,8 @@ def _load_verified(path, verified: tuple, dtype, device: torch.device, progress:
     config, ckpt, plan, aside, model = verified
     dtype = resolve_dtype(dtype, stored_float_dtype(ckpt, plan))
     quantizer = _quantizer(model, config, quantize, dtype, device)
+    if device.type == "cpu":  # before any weight is read
+        check_memory(path, weight_bytes(model, dtype, quantizer))
     state = {}
     weights = read_weights(path, verified, dtype, device, quantizer, check_finite)
     for name, tensor in tqdm(weights, total=len(plan), desc="loading weights", unit="tensor", disable=not progress,

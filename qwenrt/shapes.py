@@ -1,11 +1,13 @@
 """Random-weight checkpoints at the published Qwen3.5 text shapes (reference.md §1.2): benchmarks without downloads.
 
 The weights are random, so outputs are meaningless; sizes, layouts and therefore speed and memory are those of the
-real models. Written in the text-only layout (`model.*`, fused MoE experts as published), bf16, one tensor at a time.
+real models. Written in the text-only layout (`model.*`, fused MoE experts as published), bf16, one tensor at a time,
+or directly quantized (what `qwenrt quantize` makes of the bf16 one): a 35B-A3B in int4 without its 70 GB in bf16.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -16,6 +18,7 @@ import torch
 from qwenrt.config import parse_config
 from qwenrt.errors import QwenrtError
 from qwenrt.model import Qwen35ForCausalLM
+from qwenrt.quant import QuantSpec, plan_units, quantize_weight, storage_entries
 from qwenrt.writer import Entry, aligned_order, write_safetensors
 
 _COMMON = dict(vocab_size=248320, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
@@ -36,6 +39,8 @@ _TABLE = {
 SHAPES = tuple(_TABLE)
 INIT_STD = 0.02
 ROWS_PER_CHUNK = 1 << 14  # big tensors are generated in row chunks: bounded memory whatever the model size
+GIB = 1 << 30
+DISK_MARGIN = 256 << 20  # headers, config.json, and room left for the rest of the machine
 
 
 def text_config(name: str) -> dict:
@@ -65,8 +70,16 @@ def parameter_count(name: str) -> int:
     return sum(p.numel() for p in meta_model(name).parameters())
 
 
-def _random_rows(name: str, shape: tuple[int, ...], g: torch.Generator):
+def _generator(seed: int, name: str) -> torch.Generator:
+    """The generator of the tensor `name`: its values do not depend on which tensors are written, or in what order
+    (a checkpoint written quantized holds the bf16 one's values quantized)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+def _random_rows(name: str, shape: tuple[int, ...], seed: int):
     """Yield the tensor `name` as bf16 row chunks. Matrices N(0, 0.02); norms, A_log, dt_bias near their inits."""
+    g = _generator(seed, name)
     rows = shape[0]
     per_row = math.prod(shape[1:])
     step = max(1, ROWS_PER_CHUNK * 1024 // max(per_row, 1))
@@ -80,34 +93,110 @@ def _random_rows(name: str, shape: tuple[int, ...], g: torch.Generator):
         elif name.endswith(".dt_bias"):
             x = 1.0 + 0.1 * x
         elif name.endswith("conv1d.weight"):  # depthwise, 4 taps: keep the conv output O(input)
-            x = x * 0.5
+            x.mul_(0.5)
         else:  # matrices, embeddings, and the (1 + w) norms' w
-            x = x * INIT_STD
-        yield x.to(torch.bfloat16)
+            x.mul_(INIT_STD)
+        chunk = x.to(torch.bfloat16)
+        del x  # not held while the chunk is used
+        yield chunk
+
+
+def _with_mtp(model: Qwen35ForCausalLM) -> Qwen35ForCausalLM:
+    """`model` with an MTP head, as published checkpoints have (and as the loader builds it: `mtp.*`)."""
+    from qwenrt.mtp import MTPHead
+
+    with torch.device("meta"):
+        model.mtp = MTPHead(model.config.text)
+    return model
+
+
+def _producer(weights: dict, seed: int):
+    """produce(entry) for a random checkpoint: tensors in bf16, and the stored pieces of `weights` (see
+    `_quantized_weights`; none for bf16) quantized row chunk by row chunk as they are generated. A pass over a weight
+    streams one piece and holds its other small ones (scales, zeros) until written; a qweight written after them costs
+    a second pass (only odd-sized pieces are placed so, see `aligned_order`)."""
+    todo = {path: set(spec.pieces) for path, (_, _, spec) in weights.items()}  # pieces not yet written
+    held: dict[str, dict[str, list[torch.Tensor]]] = {}  # path -> piece -> row chunks computed on an earlier pass
+
+    def produce(entry: Entry):
+        path, _, key = entry.name.rpartition(".")
+        if path not in weights:  # a tensor kept in bf16
+            return _random_rows(entry.name, entry.shape, seed)
+        todo[path].discard(key)
+        if key in held.get(path, {}):
+            chunks = held[path].pop(key)
+            if not held[path]:
+                del held[path]
+            return chunks
+        return _stream(path, key, todo[path] - {"qweight"} - held.get(path, {}).keys())
+
+    def _stream(path: str, key: str, hold: set[str]):
+        source, shape, spec = weights[path]
+        for chunk in _random_rows(source, shape, seed):
+            pieces = quantize_weight(chunk, spec, path)
+            for other in hold:
+                held.setdefault(path, {}).setdefault(other, []).append(pieces[other])
+            yield pieces[key]
+
+    return produce
+
+
+def _quantized_weights(model: Qwen35ForCausalLM, spec: QuantSpec) -> tuple[dict, dict]:
+    """What `qwenrt quantize` quantizes in `model`, as it plans it: ({weight path: (source parameter, shape,
+    format)}, config.json's quantization_config)."""
+    units, kept = plan_units(model, spec)
+    weights = {path: (source, shape, spec) for unit in units.values() for path, (source, shape) in unit.items()}
+    return weights, spec.config(kept)
+
+
+def planned_entries(name: str, quantize: QuantSpec | None = None) -> tuple[list[Entry], dict, dict | None]:
+    """The tensors of the random checkpoint of Qwen3.5-`name` in file order as `write_random_checkpoint` writes
+    them, quantized as `qwenrt quantize` writes the bf16 one: (entries, the quantized weights as
+    `_quantized_weights` gives them, the quantization_config or None)."""
+    model = _with_mtp(meta_model(name))
+    entries = aligned_order([Entry(n, tuple(p.shape), torch.bfloat16) for n, p in model.named_parameters()])
+    if quantize is None:
+        return entries, {}, None
+    weights, config = _quantized_weights(model, quantize)
+    replaced = {source for source, _, _ in weights.values()}
+    quantized = [Entry(f"{path}.{key}", shape, dtype) for path, (_, w_shape, spec) in weights.items()
+                 for key, (shape, dtype) in storage_entries(w_shape, spec).items()]
+    return aligned_order([e for e in entries if e.name not in replaced] + quantized), weights, config
+
+
+def _check_disk(path: Path, needed: int, what: str) -> None:
+    free = shutil.disk_usage(path.parent).free
+    if needed + DISK_MARGIN > free:
+        raise QwenrtError(f"not enough disk space for {what}: it needs {(needed + DISK_MARGIN) / GIB:.1f} GiB in "
+                          f"{path.parent} ({needed / GIB:.1f} GiB and a {DISK_MARGIN >> 20} MiB margin), "
+                          f"{free / GIB:.1f} GiB is free")
 
 
 def write_random_checkpoint(name: str, path: str | Path, seed: int = 0, progress: bool = False,
-                            shard_bytes: int | None = None) -> Path:
-    """Write a random bf16 checkpoint of Qwen3.5-`name` (with an MTP head) to `path` (created; must not exist).
-    Returns the path."""
+                            shard_bytes: int | None = None, quantize: QuantSpec | None = None) -> Path:
+    """Write a random checkpoint of Qwen3.5-`name` (with an MTP head) to `path` (created; must not exist): bf16, or
+    written directly quantized to `quantize`, tensor for tensor what `qwenrt quantize` makes of the bf16 one of the
+    same seed, without writing that. Holds about one row chunk (ROWS_PER_CHUNK × 1024 values) at a time, plus the
+    scales and zeros of one weight. Returns the path."""
     path = Path(path)
     if path.exists():
         raise QwenrtError(f"{path}: already exists")
-    cfg = text_config(name)
-    from qwenrt.mtp import PREFIX, MTPHead
-
-    model = meta_model(name)
-    with torch.device("meta"):  # an MTP head too, as published checkpoints have
-        head = MTPHead(model.config.text)
-    params = [*model.named_parameters(), *((PREFIX + n, p) for n, p in head.named_parameters())]
-    entries = aligned_order([Entry(n, tuple(p.shape), torch.bfloat16) for n, p in params])
-    g = torch.Generator().manual_seed(seed)
+    entries, weights, quantization = planned_entries(name, quantize)
+    what = f"random Qwen3.5-{name}" + ("" if quantize is None else f" in {quantize}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _check_disk(path, sum(e.nbytes for e in entries), what)
+    config = dict(text_config(name), dtype="bfloat16")
+    if quantization is not None:
+        config["quantization_config"] = quantization
     tmp = path.with_name(f".{path.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    kwargs = {} if shard_bytes is None else {"shard_bytes": shard_bytes}
-    write_safetensors(tmp, entries, lambda e: _random_rows(e.name, e.shape, g), progress=progress,
-                      desc=f"random Qwen3.5-{name}", **kwargs)
-    (tmp / "config.json").write_text(json.dumps(dict(cfg, dtype="bfloat16"), indent=2))
-    tmp.rename(path)  # complete or absent, never half-written
+    tmp.mkdir()
+    try:
+        kwargs = {} if shard_bytes is None else {"shard_bytes": shard_bytes}
+        write_safetensors(tmp, entries, _producer(weights, seed), progress=progress, desc=what, **kwargs)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        tmp.rename(path)  # complete or absent, never half-written
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return path

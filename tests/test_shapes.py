@@ -1,6 +1,7 @@
 """Random checkpoints at the published shapes, and the streaming safetensors writer under them."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,7 +10,9 @@ from safetensors.torch import load_file
 import qwenrt
 from qwenrt import shapes
 from qwenrt.checkpoint import INDEX_FILE
+from qwenrt.convert import quantize_checkpoint
 from qwenrt.errors import QwenrtError
+from qwenrt.quant import QuantSpec
 from qwenrt.writer import Entry, write_safetensors
 
 
@@ -58,3 +61,71 @@ def test_random_checkpoint_loads_and_runs(table, tmp_path, monkeypatch):
     assert logits.shape == (1, 3, 248320) and torch.isfinite(logits).all()
     with pytest.raises(QwenrtError, match="already exists"):
         shapes.write_random_checkpoint("tiny", path)
+
+
+@pytest.fixture
+def small_shapes(monkeypatch):
+    """Shrunken table entries and vocabulary, and small row chunks, so every tensor is written in several."""
+    monkeypatch.setitem(shapes._TABLE, "tiny-moe", (4, 64, 0, 4, 2, 16, False, (8, 2, 32, 48)))
+    monkeypatch.setitem(shapes._TABLE, "tiny-dense", (4, 64, 96, 4, 2, 16, True, None))
+    monkeypatch.setitem(shapes._COMMON, "vocab_size", 512)
+    monkeypatch.setattr(shapes, "ROWS_PER_CHUNK", 16)  # 16K values a chunk: the expert banks and head in two
+
+
+def _tensors(path):
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize("name, spec", [("tiny-moe", QuantSpec(4, 32)), ("tiny-moe", QuantSpec(8)),
+                                        ("tiny-dense", QuantSpec(4, 64))], ids=str)
+def test_random_checkpoint_written_quantized_is_the_quantized_bf16_one(name, spec, small_shapes, tmp_path):
+    """Written directly in int8 / int4, tensor for tensor (MTP head, scales, zeros, kept modules) and config.json
+    what `qwenrt quantize` makes of the bf16 checkpoint of the same seed, in the same file layout."""
+    bf16 = shapes.write_random_checkpoint(name, tmp_path / "bf16", seed=3)
+    expected = quantize_checkpoint(bf16, tmp_path / "via-bf16", spec.bits, spec.group_size)
+    direct = shapes.write_random_checkpoint(name, tmp_path / "direct", seed=3, quantize=spec)
+    assert json.loads((direct / "config.json").read_text()) == json.loads((expected / "config.json").read_text())
+    want, got = _tensors(expected), _tensors(direct)
+    assert want.keys() == got.keys() and any(n.startswith("mtp.") and n.endswith(".qweight") for n in got)
+    assert all(got[n].dtype == t.dtype and torch.equal(got[n], t) for n, t in want.items())
+    assert (direct / "model.safetensors").read_bytes() == (expected / "model.safetensors").read_bytes()
+    other_seed = shapes.write_random_checkpoint(name, tmp_path / "seed4", seed=4, quantize=spec)
+    assert not torch.equal(_tensors(other_seed)["lm_head.qweight"], got["lm_head.qweight"])
+
+
+def test_random_values_do_not_depend_on_the_write_order(small_shapes):
+    """Each tensor has its own generator, and a weight's pieces are the same whichever is written first (the odd-sized
+    ones go last in the file: held from the qweight's pass, or computed on a pass of their own)."""
+    entries, weights, _ = shapes.planned_entries("tiny-moe", QuantSpec(8))
+    forward, backward = shapes._producer(weights, 0), shapes._producer(weights, 0)
+    joined = lambda out: torch.cat(list(out)) if not isinstance(out, torch.Tensor) else out  # noqa: E731
+    later = {e.name: joined(backward(e)) for e in reversed(entries)}
+    assert all(torch.equal(joined(forward(e)), later[e.name]) for e in entries)
+
+
+def test_bench_builds_a_quantized_shape_without_its_bf16_checkpoint(small_shapes, tmp_path, monkeypatch, capsys):
+    """`qwenrt bench --shape S --quantize int4,int8` writes each format directly (never the bf16 one, 70 GB for the
+    35B-A3B), once; with too little disk it says how much it needs, where, and leaves nothing half-written."""
+    from qwenrt import bench
+    from qwenrt.cli import main
+
+    monkeypatch.setattr(shapes, "SHAPES", (*shapes.SHAPES, "tiny-moe"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    measured = []
+
+    def measure(job):
+        measured.append(job["path"])
+        raise QwenrtError("measured")
+
+    monkeypatch.setattr(bench, "_run", measure)
+    assert main(["bench", "--shape", "tiny-moe", "--quantize", "int4,int8", "--repeats", "1"]) == 1
+    built = sorted(p.name for p in bench.cache_dir().iterdir())
+    assert built == ["random-tiny-moe-mtp-seed0-int4g64", "random-tiny-moe-mtp-seed0-int8"]
+    assert measured == [str(bench.cache_dir() / built[0])]
+    capsys.readouterr()
+    monkeypatch.setattr(shapes.shutil, "disk_usage", lambda path: SimpleNamespace(free=1 << 20))
+    assert main(["bench", "--shape", "tiny-moe", "--quantize", "none", "--repeats", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("qwenrt: error: not enough disk space for random Qwen3.5-tiny-moe: it needs 0.3 GiB in "
+                          f"{bench.cache_dir()} (") and err.endswith("0.0 GiB is free")
+    assert sorted(p.name for p in bench.cache_dir().iterdir()) == built
