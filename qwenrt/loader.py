@@ -18,6 +18,7 @@ from qwenrt.errors import QwenrtError
 from qwenrt.gguf.reader import GGUFCheckpoint, is_gguf, open_gguf
 from qwenrt.hub import resolve_model_path
 from qwenrt.kernels import cpu_kernels
+from qwenrt.meminfo import meminfo
 from qwenrt.model import Qwen35ForCausalLM
 from qwenrt.mtp import PREFIX as MTP_PREFIX, MTPHead
 from qwenrt.quant import (EMBEDDING, LoadQuantizer, QuantEmbedding, QuantLinear, QuantSpec, install_placeholders,
@@ -226,22 +227,10 @@ def weight_bytes(model, dtype: torch.dtype, quantizer: LoadQuantizer | None) -> 
     return floats + quantized + stored
 
 
-def available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (free memory and the page cache the kernel can reclaim), None where
-    unknown."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def check_memory(path, needed: int) -> None:
     """Refuse, in one line, weights of `needed` bytes beyond the memory available less a margin; not checked where
     /proc/meminfo is missing or QWENRT_SKIP_MEMORY_CHECK=1."""
-    available = available_memory()
+    available = meminfo("MemAvailable")
     if available is None or os.environ.get(SKIP_MEMORY_CHECK) == "1" or needed + MEMORY_MARGIN <= available:
         return
     raise QwenrtError(f"{path}: needs {(needed + MEMORY_MARGIN) / GIB:.1f} GiB of memory to load (weights "

@@ -54,7 +54,7 @@ def test_a_model_larger_than_the_available_memory_is_refused_before_reading(dens
         raise WeightRead
 
     monkeypatch.setattr(loader, "read_weights", read_weights)
-    monkeypatch.setattr(loader, "available_memory", lambda: needed + loader.MEMORY_MARGIN - 1)
+    monkeypatch.setattr(loader, "meminfo", lambda field: needed + loader.MEMORY_MARGIN - 1)
     one_line_error(lambda: qwenrt.load(path), f"{path}: needs 0.5 GiB of memory to load (weights 0.0 GiB), 0.5 GiB "
                    "is available; free memory, use a smaller or quantized model, or set QWENRT_SKIP_MEMORY_CHECK=1 to "
                    "load it anyway")
@@ -66,9 +66,9 @@ def test_a_model_larger_than_the_available_memory_is_refused_before_reading(dens
 def test_a_model_that_fits_loads(dense_ckpt, monkeypatch):
     path, _ = dense_ckpt
     needed = held_bytes(qwenrt.load(path)[0])
-    monkeypatch.setattr(loader, "available_memory", lambda: needed + loader.MEMORY_MARGIN)
+    monkeypatch.setattr(loader, "meminfo", lambda field: needed + loader.MEMORY_MARGIN)
     model, _ = qwenrt.load(path)
-    monkeypatch.setattr(loader, "available_memory", lambda: None)  # no /proc/meminfo: not checked
+    monkeypatch.setattr(loader, "meminfo", lambda field: None)  # no /proc/meminfo: not checked
     assert torch.equal(qwenrt.load(path)[0](torch.tensor([[1, 2]])), model(torch.tensor([[1, 2]])))
 
 
@@ -76,7 +76,7 @@ def test_the_cli_says_it_in_one_line(monkeypatch, capsys):
     from qwenrt.cli import main
     from qwenrt.default_model import default_model_path
 
-    monkeypatch.setattr(loader, "available_memory", lambda: 1 << 20)
+    monkeypatch.setattr(loader, "meminfo", lambda field: 1 << 20)
     assert main(["run", str(default_model_path()), "hi"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"qwenrt: error: {default_model_path()}: needs 0.5 GiB of memory to load (weights 0.0 GiB), 0.0 GiB is "

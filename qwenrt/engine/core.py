@@ -17,7 +17,6 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -31,6 +30,7 @@ from qwenrt.engine.runner import Cycle, ModelRunner, Verified
 from qwenrt.engine.scheduler import Scheduler, SchedulerConfig
 from qwenrt.engine.speculative import DraftPolicy, accept, propose_ngram
 from qwenrt.errors import QueueFullError, QwenrtError
+from qwenrt.meminfo import meminfo
 from qwenrt.model import Qwen35ForCausalLM
 from qwenrt.mtp import DEFAULT_DRAFT_VOCAB
 from qwenrt.prompt import prepare_prompt
@@ -52,26 +52,15 @@ MAX_PENDING = 256  # positions queued for the MTP head's next draft at most (whi
 _engines = weakref.WeakKeyDictionary()  # model -> its default engine (Engine.for_model)
 
 
-def _meminfo(field: str) -> int | None:
-    """A /proc/meminfo figure in bytes (MemTotal, MemAvailable), None where unknown."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def default_memory_budget() -> int:
     """Half the memory available now (the weights are loaded by then), at least 1 GiB; 4 GiB where unknown."""
-    available = _meminfo("MemAvailable")
+    available = meminfo("MemAvailable")
     return 4 << 30 if available is None else max(1 << 30, available // 2)
 
 
 def default_prefix_cache_size() -> int:
     """A tenth of the machine's memory, at most 8 GiB; 1 GiB where unknown."""
-    total = _meminfo("MemTotal")
+    total = meminfo("MemTotal")
     return 1 << 30 if total is None else min(8 << 30, total // 10)
 
 
