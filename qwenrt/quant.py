@@ -40,10 +40,10 @@ DEFAULT_GROUP_SIZE = 64
 QUANT_METHOD = "qwenrt"
 # routers pick and weigh the experts: a flipped choice costs more than their few bytes save
 KEEP_PRECISE = ("mlp.gate", "mlp.shared_expert_gate")
-# int4 holds these (module path suffix) at 8 bits. bench/quality.py --tasks on the built-in model, mean KL vs fp32 of
-# int4 g64 everywhere 0.0391: DeltaNet's decay / beta projections in_proj_a/b at int8 0.0388 (no measurable change,
-# +0.1% of the 35B-A3B's bytes per token: kept for the long contexts the built-in model cannot test); out_proj int8
-# 0.0377 (within noise, +6.5% bytes per token) and lm_head int8 0.0252 (+13%; +26% on the 0.8B) are left at int4
+# int4 holds these weights (path suffixes, see `spec_for`) at 8 bits. bench/quality.py --tasks on the built-in model,
+# mean KL vs fp32 of int4 g64 everywhere 0.0391: DeltaNet's decay / beta projections in_proj_a/b at int8 0.0388 (no
+# measurable change, +0.1% of the 35B-A3B's bytes per token: kept for long contexts the built-in model cannot test);
+# out_proj int8 0.0377 (within noise, +6.5% bytes per token) and lm_head int8 0.0252 (+13%; +26% on the 0.8B): int4
 INT4_OVERRIDES = {"linear_attn.in_proj_a": 8, "linear_attn.in_proj_b": 8}
 EMBEDDING = "model.embed_tokens"
 # up to this many rows the packed kernels win; above, dequantize + GEMM (bench/kernels.py, M = 1..512)
@@ -98,8 +98,8 @@ class QuantSpec:
         return cls(value, (group_size or DEFAULT_GROUP_SIZE) if value == 4 else group_size)
 
     def config(self, not_converted: list[str], overrides: dict[str, QuantSpec]) -> dict:
-        """The `quantization_config` entry of config.json (`overrides` only where there are some: older readers
-        then load what they can)."""
+        """The `quantization_config` entry of config.json (`overrides` only where there are some: a single-format
+        checkpoint's reads as before them)."""
         config = {"quant_method": QUANT_METHOD, "bits": self.bits, "group_size": self.group_size,
                   "modules_not_converted": not_converted}
         if overrides:
@@ -142,7 +142,9 @@ def default_overrides(spec: QuantSpec) -> dict[str, QuantSpec]:
 
 
 def spec_for(path: str, spec: QuantSpec, overrides: dict[str, QuantSpec]) -> QuantSpec:
-    """The format of the weight at `path`: that of the longest override suffix it ends with, else `spec`."""
+    """The format of the weight at `path` (a Linear's module path; an expert bank's + .gate_up_proj / .down_proj):
+    that of the longest override suffix it ends with (whole names: "out_proj" is no suffix of "x_out_proj"), else
+    `spec`."""
     matches = [suffix for suffix in overrides if path == suffix or path.endswith("." + suffix)]
     return overrides[max(matches, key=len)] if matches else spec
 
