@@ -1,9 +1,10 @@
 """`qwenrt quantize`: a full-precision checkpoint -> a weight-only quantized one, written tensor by tensor.
 
 The result loads with `qwenrt.load(DST)` directly: config.json gains a `quantization_config` entry
-({"quant_method": "qwenrt", "bits", "group_size", "modules_not_converted"}) and every quantized weight W is stored
-as W's module path + .qweight / .scales (/ .zeros), see qwenrt.quant. Text tensors are written under the text-only
-names (`model.*`, fused MoE experts); MTP and vision tensors are copied as they are.
+({"quant_method": "qwenrt", "bits", "group_size", "modules_not_converted"(, "overrides": the weights held in another
+format, see qwenrt.quant.INT4_OVERRIDES)}) and every quantized weight W is stored as W's module path + .qweight /
+.scales (/ .zeros), see qwenrt.quant. Text tensors are written under the text-only names (`model.*`, fused MoE
+experts); MTP and vision tensors are copied as they are.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from qwenrt.files import CheckpointDir
 from qwenrt.hub import ALLOW_PATTERNS, resolve_model_path
 from qwenrt.gguf.reader import is_gguf
 from qwenrt.loader import STORED_DTYPES, verify_checkpoint
-from qwenrt.quant import QuantSpec, plan_units, quantize_weight, storage_entries, stored_spec
+from qwenrt.quant import QuantSpec, default_overrides, plan_units, quantize_weight, storage_entries, stored_spec
 from qwenrt.writer import Entry, aligned_order, write_safetensors
 
 
@@ -65,9 +66,10 @@ def _side_files(src: Path) -> list[Path]:
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int, group_size: int | None = None,
-                        progress: bool = False) -> Path:
+                        progress: bool = False, overrides: dict[str, QuantSpec] | None = None) -> Path:
     """Write `src` (a directory or a hub repo id) quantized to int8 / int4 into the new directory `dst` (complete
-    or absent). Returns dst."""
+    or absent). overrides: weights held in another format (None: the format's own, `default_overrides`; {}: none).
+    Returns dst."""
     spec = QuantSpec.parse(bits, group_size)
     dst = Path(dst).expanduser()
     if dst.exists() or dst.is_symlink():
@@ -79,8 +81,10 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int, group_size:
     config, ckpt, plan, aside, model = verify_checkpoint(src)
     if stored_spec(config.raw):
         raise QwenrtError(f"{src}: already quantized")
-    units, kept = plan_units(model, spec)
-    sources = {path: src_name for weights in units.values() for path, (src_name, _) in weights.items()}
+    overrides = default_overrides(spec) if overrides is None else overrides
+    units, kept = plan_units(model, spec, overrides=overrides)
+    planned = {path: w for weights in units.values() for path, w in weights.items()}
+    sources = {path: w.source for path, w in planned.items()}
     replaced = set(sources.values())  # a tied embedding included: its lookup reads the quantized head
 
     def first_name(name):
@@ -89,9 +93,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int, group_size:
 
     copies = [Entry(n, s.shape, _stored_dtype(ckpt, first_name(n))) for n, s in plan.items() if n not in replaced]
     copies += [Entry(n, ckpt.shapes[n], _stored_dtype(ckpt, n)) for n in aside]
-    quantized = [Entry(f"{path}.{key}", shape, dtype) for weights in units.values()
-                 for path, (_, w_shape) in weights.items()
-                 for key, (shape, dtype) in storage_entries(w_shape, spec).items()]
+    quantized = [Entry(f"{path}.{key}", shape, dtype) for path, w in planned.items()
+                 for key, (shape, dtype) in storage_entries(w.shape, w.spec).items()]
     # aligned in the file, the int8 weights are used in place (mapped), not copied at load
     entries = aligned_order(copies + quantized)
 
@@ -107,7 +110,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int, group_size:
         if path not in pending:
             source = sources[path]
             pending[path] = quantize_weight(materialize(ckpt, plan[source], _stored_dtype(ckpt, first_name(source))),
-                                            spec, path)
+                                            planned[path].spec, path)
         piece = pending[path].pop(key)
         if not pending[path]:
             del pending[path]
@@ -118,7 +121,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int, group_size:
         write_safetensors(tmp, entries, produce, progress=progress, desc=f"quantizing to {spec}")
         for file in _side_files(src):
             shutil.copyfile(file, tmp / file.name)
-        raw = dict(config.raw, quantization_config=spec.config(kept))
+        raw = dict(config.raw, quantization_config=spec.config(kept, overrides))
         (tmp / "config.json").write_text(json.dumps(raw, indent=2))
         tmp.rename(dst)
     except OSError as e:  # a full disk, a read-only place, a destination that appeared meanwhile

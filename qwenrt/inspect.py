@@ -14,6 +14,7 @@ from qwenrt.gguf.reader import GGUFCheckpoint
 from qwenrt.loader import VISUAL_PREFIX, check_checkpoint, scan_weights, stored_float_dtype
 from qwenrt.mtp import MTPHead
 from qwenrt.model import Qwen35ForCausalLM
+from qwenrt.quant import stored_spec
 from qwenrt.units import human as _human
 
 
@@ -50,7 +51,6 @@ def inspect_checkpoint(path: str | Path, check_finite: bool = True, mmproj: str 
         active -= c.num_hidden_layers * (c.num_experts - c.num_experts_per_tok) * per_expert
     stored = ckpt.type_summary() if isinstance(ckpt, GGUFCheckpoint) else sorted({ckpt.dtypes[n] for n in ckpt.location})
     compute_bytes = DTYPE_BYTES[stored_float_dtype(ckpt, plan)]
-    quantization = config.raw.get("quantization_config")
     n_full, n_linear = len(c.full_attention_layers), len(c.linear_attention_layers)
     kv_per_token = n_full * 2 * c.num_key_value_heads * c.head_dim * compute_bytes
     state_per_seq = n_linear * (c.conv_dim * (c.linear_conv_kernel_dim - 1) * compute_bytes
@@ -77,7 +77,7 @@ def inspect_checkpoint(path: str | Path, check_finite: bool = True, mmproj: str 
         "params_vision": _count(ckpt.shapes[n] for n in aside if n.startswith("model.visual.")),
         "params_mtp": mtp_params,
         "stored_dtypes": stored,
-        "quantization": _quantization(quantization),
+        "quantization": _quantization(config.raw),
         "file_bytes": ckpt.total_bytes,
         "kv_bytes_per_token": kv_per_token,
         "deltanet_state_bytes_per_sequence": state_per_seq,
@@ -90,12 +90,18 @@ def inspect_checkpoint(path: str | Path, check_finite: bool = True, mmproj: str 
     }
 
 
-def _quantization(q: dict | None) -> str | None:
-    if not q:
+def _quantization(raw_config: dict) -> str | None:
+    """"int4 g64 (int8: linear_attn.in_proj_a, ...), 13 modules kept in full precision" for a `qwenrt quantize`
+    checkpoint."""
+    stored = stored_spec(raw_config)
+    if stored is None:
         return None
-    kept = len(q.get("modules_not_converted", []))
-    return f"int{q['bits']}" + (f" g{q['group_size']}" if q.get("group_size") else "") + (
-        f", {kept} modules kept in full precision" if kept else "")
+    spec, kept, overrides = stored
+    held: dict[str, list[str]] = {}  # format -> the weights (path suffixes) held in it
+    for suffix, other in overrides.items():
+        held.setdefault(other.short, []).append(suffix)
+    return spec.short + "".join(f" ({fmt}: {', '.join(suffixes)})" for fmt, suffixes in held.items()) + (
+        f", {len(kept)} modules kept in full precision" if kept else "")
 
 
 def _pattern(p: str) -> str:

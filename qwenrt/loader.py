@@ -140,7 +140,7 @@ def verify_checkpoint(path: str | Path, mmproj: str | Path | None = None, blocks
         model = Qwen35ForCausalLM(config)
         if any(name.startswith(MTP_PREFIX) for name in plan):  # loaded, quantized and checked with the rest
             model.mtp = MTPHead(config.text)
-    stored = stored_spec(config.raw)
+    stored = stored_spec(config.raw, str(path / "config.json"))
     quantized = install_placeholders(model, *stored) if stored else {}  # stored quantized weights: their pieces
     if isinstance(ckpt, GGUFCheckpoint):
         quantized = install_stored(model, {name.rpartition(".")[0]: spec for name, (_, spec, _) in ckpt.pieces.items()})

@@ -8,7 +8,8 @@ In memory both stay as stored, used in place by the native kernels (qwenrt/kerne
 dequantized per matrix for prefill's GEMM (to fp32, a slice at a time, where bf16 products are emulated); without
 the native kernels int4 is repacked into torch's CPU layout for `_weight_int4pack_mm_for_cpu`.
 Norms, A_log, dt_bias, conv1d, the MoE router and the shared-expert gate stay in full precision, and so does the
-embedding lookup of an untied model (a tied one reads the quantized head's rows, see `QuantEmbedding`).
+embedding lookup of an untied model (a tied one reads the quantized head's rows, see `QuantEmbedding`). A format may
+hold some weights in another (`INT4_OVERRIDES`), said in `quantization_config.overrides`.
 
 fp32 groups (`QuantSpec.fp32_groups`): GGUF's quantized blocks as they are (qwenrt.gguf.blocks), no value rounded:
     int8  qweight int8 [*E, N, K];    scales (, zeros) fp32 [*E, N, K/G], G = 16 or 32   W = q·s + z
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +40,11 @@ DEFAULT_GROUP_SIZE = 64
 QUANT_METHOD = "qwenrt"
 # routers pick and weigh the experts: a flipped choice costs more than their few bytes save
 KEEP_PRECISE = ("mlp.gate", "mlp.shared_expert_gate")
+# int4 holds these weights (path suffixes, see `spec_for`) at 8 bits. bench/quality.py --tasks on the built-in model,
+# mean KL vs fp32 of int4 g64 everywhere 0.0391: DeltaNet's decay / beta projections in_proj_a/b at int8 0.0388 (no
+# measurable change, +0.1% of the 35B-A3B's bytes per token: kept for long contexts the built-in model cannot test);
+# out_proj int8 0.0377 (within noise, +6.5% bytes per token) and lm_head int8 0.0252 (+13%; +26% on the 0.8B): int4
+INT4_OVERRIDES = {"linear_attn.in_proj_a": 8, "linear_attn.in_proj_b": 8}
 EMBEDDING = "model.embed_tokens"
 # up to this many rows the packed kernels win; above, dequantize + GEMM (bench/kernels.py, M = 1..512)
 SMALL_M = 16
@@ -90,10 +97,15 @@ class QuantSpec:
             value = int(value[3:])
         return cls(value, (group_size or DEFAULT_GROUP_SIZE) if value == 4 else group_size)
 
-    def config(self, not_converted: list[str]) -> dict:
-        """The `quantization_config` entry of config.json."""
-        return {"quant_method": QUANT_METHOD, "bits": self.bits, "group_size": self.group_size,
-                "modules_not_converted": not_converted}
+    def config(self, not_converted: list[str], overrides: dict[str, QuantSpec]) -> dict:
+        """The `quantization_config` entry of config.json (`overrides` only where there are some: a single-format
+        checkpoint's reads as before them)."""
+        config = {"quant_method": QUANT_METHOD, "bits": self.bits, "group_size": self.group_size,
+                  "modules_not_converted": not_converted}
+        if overrides:
+            config["overrides"] = {suffix: {"bits": o.bits} | ({"group_size": o.group_size} if o.group_size else {})
+                                   for suffix, o in overrides.items()}
+        return config
 
     @property
     def pieces(self) -> tuple[str, ...]:
@@ -122,8 +134,32 @@ class QuantSpec:
         return f"int{self.bits}" + (f" (groups of {self.group_size})" if self.group_size else "")
 
 
-def stored_spec(raw_config: dict) -> tuple[QuantSpec, list[str]] | None:
-    """A checkpoint's `quantization_config` -> (spec, modules kept in full precision), or None if not quantized."""
+def default_overrides(spec: QuantSpec) -> dict[str, QuantSpec]:
+    """The weights `spec` holds in another format: module path suffix -> that format."""
+    if spec.bits != 4 or spec.fp32_groups:
+        return {}
+    return {suffix: QuantSpec.parse(bits) for suffix, bits in INT4_OVERRIDES.items()}
+
+
+def spec_for(path: str, spec: QuantSpec, overrides: dict[str, QuantSpec]) -> QuantSpec:
+    """The format of the weight at `path` (a Linear's module path; an expert bank's + .gate_up_proj / .down_proj):
+    that of the longest override suffix it ends with (whole names: "out_proj" is no suffix of "x_out_proj"), else
+    `spec`."""
+    matches = [suffix for suffix in overrides if path == suffix or path.endswith("." + suffix)]
+    return overrides[max(matches, key=len)] if matches else spec
+
+
+def stored_spec(raw_config: dict, where: str = "config.json"
+                ) -> tuple[QuantSpec, list[str], dict[str, QuantSpec]] | None:
+    """A checkpoint's `quantization_config` -> (spec, modules kept in full precision, overrides: module path suffix
+    -> the format of its weights), or None if not quantized. Errors name `where`."""
+    try:
+        return _stored_spec(raw_config)
+    except QwenrtError as e:
+        raise QwenrtError(f"{where}: {e}") from None
+
+
+def _stored_spec(raw_config: dict) -> tuple[QuantSpec, list[str], dict[str, QuantSpec]] | None:
     q = raw_config.get("quantization_config")
     if q is None:
         return None
@@ -133,7 +169,23 @@ def stored_spec(raw_config: dict) -> tuple[QuantSpec, list[str]] | None:
     kept = q.get("modules_not_converted", [])
     if not isinstance(kept, list) or not all(isinstance(m, str) for m in kept):
         raise QwenrtError(f"quantization_config.modules_not_converted must be a list of module names, got {kept!r:.60}")
-    return QuantSpec(q.get("bits"), q.get("group_size")), kept
+    return QuantSpec(q.get("bits"), q.get("group_size")), kept, _stored_overrides(q.get("overrides", {}))
+
+
+def _stored_overrides(raw) -> dict[str, QuantSpec]:
+    """`quantization_config.overrides`: {"module path suffix": {"bits": 8 | 4(, "group_size": G)}} -> QuantSpecs."""
+    usage = 'must map module path suffixes to formats such as {"bits": 8}'
+    if not isinstance(raw, dict):
+        raise QwenrtError(f"quantization_config.overrides {usage}, got {raw!r:.60}")
+    overrides = {}
+    for suffix, fmt in raw.items():
+        if not suffix or not isinstance(fmt, dict) or not set(fmt) <= {"bits", "group_size"}:
+            raise QwenrtError(f"quantization_config.overrides {usage}, got {suffix!r:.60}: {fmt!r:.60}")
+        try:
+            overrides[suffix] = QuantSpec(fmt.get("bits"), fmt.get("group_size"))
+        except QwenrtError as e:
+            raise QwenrtError(f"quantization_config.overrides[{suffix!r:.60}]: {e}") from None
+    return overrides
 
 
 # ---- the stored format ------------------------------------------------------------------------------------------
@@ -436,25 +488,37 @@ def _weights(path: str, module: nn.Module) -> dict[str, nn.Parameter]:
     return {path: module.weight}
 
 
-def plan_units(model: nn.Module, spec: QuantSpec, predicate: Callable[[str, nn.Module], bool] = default_predicate):
-    """Which weights to quantize: ({module path: {weight path: (source parameter name, shape)}}, modules kept precise).
+class Planned(NamedTuple):
+    """A weight to quantize: its source parameter's name, its shape [*E, N, K] and its format."""
 
-    A weight stays in full precision (and is listed) where the format cannot hold it: int4 needs N % 16 == 0
-    (torch's packed layout) and K divisible by the group size. A tied LM head is a unit of its own whose source is
-    the embedding, which is then looked up in the quantized table (see `QuantEmbedding`).
+    source: str
+    shape: tuple[int, ...]
+    spec: QuantSpec
+
+
+def plan_units(model: nn.Module, spec: QuantSpec, predicate: Callable[[str, nn.Module], bool] = default_predicate,
+               overrides: dict[str, QuantSpec] | None = None):
+    """Which weights to quantize: ({module path: {weight path: Planned}}, modules kept precise). Each weight takes
+    its override's format (`spec_for`; overrides None: the format's own, `default_overrides`), the rest `spec`.
+
+    A module stays in full precision (and is listed) where its format cannot hold a weight of it: int4 needs
+    N % 16 == 0 (torch's packed layout) and K divisible by the group size. A tied LM head is a unit of its own whose
+    source is the embedding, which is then looked up in the quantized table (see `QuantEmbedding`).
     """
+    overrides = default_overrides(spec) if overrides is None else overrides
     names = {id(p): n for n, p in model.named_parameters()}
     units, kept = {}, []
     for path, module in model.named_modules():
         if not isinstance(module, (nn.Linear, Experts)):
             continue
         weights = _weights(path, module)
-        fits = spec.bits == 8 or all(w.shape[-2] % 16 == 0 and w.shape[-1] % spec.group_size == 0
-                                     for w in weights.values())
+        specs = {p: spec_for(p, spec, overrides) for p in weights}
+        fits = all(specs[p].bits == 8 or (w.shape[-2] % 16 == 0 and w.shape[-1] % specs[p].group_size == 0)
+                   for p, w in weights.items())
         if not (fits and predicate(path, module)):
             kept.append(path)
             continue
-        units[path] = {p: (names[id(w)], tuple(w.shape)) for p, w in weights.items()}
+        units[path] = {p: Planned(names[id(w)], tuple(w.shape), specs[p]) for p, w in weights.items()}
     if not tied_head(model, units):
         kept.insert(0, "model.embed_tokens")
     return units, kept
@@ -484,13 +548,15 @@ def quantizable_weights(model: nn.Module) -> dict[str, str]:
             for p, w in _weights(path, module).items()}
 
 
-def install_placeholders(model: nn.Module, spec: QuantSpec, not_converted: list[str]) -> dict[str, tuple[int, ...]]:
-    """Swap in meta placeholders for a checkpoint stored quantized; returns its stored names -> shapes.
+def install_placeholders(model: nn.Module, spec: QuantSpec, not_converted: list[str],
+                         overrides: dict[str, QuantSpec]) -> dict[str, tuple[int, ...]]:
+    """Swap in meta placeholders for a checkpoint stored quantized (`stored_spec`'s reading of it); returns its
+    stored names -> shapes.
 
     A tied embedding is looked up in the quantized head unless the checkpoint keeps it (older files list it as
     not converted)."""
-    units, _ = plan_units(model, spec, lambda path, _: path not in not_converted)
-    return install_stored(model, {p: spec for weights in units.values() for p in weights},
+    units, _ = plan_units(model, spec, lambda path, _: path not in not_converted, overrides)
+    return install_stored(model, {p: w.spec for weights in units.values() for p, w in weights.items()},
                           EMBEDDING in not_converted)
 
 
@@ -522,18 +588,21 @@ def install_stored(model: nn.Module, specs: dict[str, QuantSpec], embedding_kept
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, bits: int | str = 8, group_size: int | None = None,
-                   predicate: Callable[[str, nn.Module], bool] = default_predicate) -> list[str]:
-    """Quantize a loaded model in place, module by module. Returns the modules kept in full precision."""
+                   predicate: Callable[[str, nn.Module], bool] = default_predicate,
+                   overrides: dict[str, QuantSpec] | None = None) -> list[str]:
+    """Quantize a loaded model in place, module by module (overrides: as `plan_units`). Returns the modules kept in
+    full precision."""
     spec = QuantSpec.parse(bits, group_size)
     if model.device.type != "cpu":
         raise QwenrtError(f"weight-only quantization runs on the CPU; the model is on {model.device}")
-    units, kept = plan_units(model, spec, predicate)
+    units, kept = plan_units(model, spec, predicate, overrides)
     params, dtype = dict(model.named_parameters()), model.dtype
-    stored = {p: quantize_weight(params[src], spec, p) for weights in units.values() for p, (src, _) in weights.items()}
+    planned = {p: w for weights in units.values() for p, w in weights.items()}
+    stored = {p: quantize_weight(params[w.source], w.spec, p) for p, w in planned.items()}
     for path, weights in units.items():
-        install(model, path, {p: QuantLinear.from_stored(stored[p], spec, dtype) for p in weights})
+        install(model, path, {p: QuantLinear.from_stored(stored[p], planned[p].spec, dtype) for p in weights})
     if tied_head(model, units):
-        model.model.embed_tokens = QuantEmbedding(stored["lm_head"], spec, dtype)
+        model.model.embed_tokens = QuantEmbedding(stored["lm_head"], planned["lm_head"].spec, dtype)
     return kept
 
 
@@ -557,11 +626,11 @@ class LoadQuantizer:
             self.claimed = {f"{path}.{key}": path for path, spec in self.specs.items() for key in spec.pieces}
         else:
             self.units, _ = plan_units(model, spec)
-            self.specs = {p: spec for weights in self.units.values() for p in weights}
+            self.specs = {p: w.spec for weights in self.units.values() for p, w in weights.items()}
             self.claimed = {}
             for weights in self.units.values():
-                for path, (src, _) in weights.items():
-                    self.claimed.setdefault(src, []).append(path)
+                for path, w in weights.items():
+                    self.claimed.setdefault(w.source, []).append(path)
             self.lookup = tied_head(model, self.units)
         self.pieces: dict[str, dict[str, torch.Tensor]] = {}
         self.ready: dict[str, QuantLinear] = {}

@@ -56,6 +56,17 @@ def test_profile_decode_times_the_engine_decode_path(dense_ckpt):
     assert float(rows["LM head"].split("|")[4]) > 0  # its weight GB/s
 
 
+def test_quality_scores_per_tensor_formats_on_the_built_in_model():
+    """bench/quality.py on the built-in model's tasks: a library format and a per-tensor variant, with the variant's
+    bytes for the 35B-A3B shape (from its sizes: nothing built)."""
+    done = run("bench/quality.py", "--tasks", "--prompts", "2", "--tokens", "32", "--shape", "35b-a3b",
+               "--configs", "int4 g64,int4: out_proj int8")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {line.split(" | ")[0].strip("| "): line for line in done.stdout.splitlines() if line.startswith("| int4")}
+    assert rows.keys() == {"int4 g64", "int4: out_proj int8"}, done.stdout
+    assert "MiB (+0.54%) / " in rows["int4: out_proj int8"]  # the 35B-A3B's 30 DeltaNet out_proj at 8 bits
+
+
 def test_mtp_cost_times_a_speculative_step_on_the_built_in_model():
     """bench/mtp_cost.py sets up a sequence's queued MTP inputs by hand: it must follow the engine's layout."""
     done = run("bench/mtp_cost.py", "--model", "qwenrt/tiny/model", "--prompt-len", "16", "--repeats", "1")

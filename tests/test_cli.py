@@ -77,12 +77,12 @@ def test_run_streams_the_greedy_answer(chat_ckpt, chat_model):
 
 def test_threads_flag_reaches_torch(tmp_path, capsys):
     """--threads sets the threads torch and the native kernels run on (the load line reads them back from torch); an
-    int4 copy of the built-in model loads in bf16 and says its weight format. A count below 1 is refused while
-    parsing, before anything loads."""
+    int4 copy of the built-in model loads in bf16 and says its weight formats (int4, its DeltaNet a/b at int8). A
+    count below 1 is refused while parsing, before anything loads."""
     int4 = quantize_checkpoint(default_model_path(), tmp_path / "int4", 4)
     run = qwenrt_cli("run", int4, "Hi", "-n", 2, "--threads", 1)
     assert run.returncode == 0, run.stderr
-    assert "model (torch.bfloat16, weights int4 g64) in " in run.stderr and ", 1 thread\n" in run.stderr
+    assert "model (torch.bfloat16, weights int4 g64 + int8) in " in run.stderr and ", 1 thread\n" in run.stderr
     for verb in (["run", "hi"], ["chat"], ["serve"]):
         with pytest.raises(SystemExit) as done:  # argparse: a usage line, exit 2
             main([*verb, "--threads", "0"])

@@ -259,8 +259,8 @@ def test_convert_to_q4_k_m_keeps_the_sensitive_tensors_at_8_bits(tmp_path):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_convert_of_a_quantized_checkpoint_writes_the_weights_it_runs(bits, tmp_path):
-    """A `qwenrt quantize` checkpoint converts from the values its kernels multiply by (its stored pieces
-    dequantized): as an F32 file it gives the quantized checkpoint's own fp32 logits."""
+    """A `qwenrt quantize` checkpoint (int4: a format per weight, its DeltaNet a/b at int8) converts from the values
+    its kernels multiply by (its stored pieces dequantized): as an F32 file it gives its own fp32 logits."""
     from qwenrt.convert import quantize_checkpoint
 
     quantized = quantize_checkpoint(default_model_path(), tmp_path / f"int{bits}", bits)

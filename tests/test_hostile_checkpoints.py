@@ -276,6 +276,10 @@ def edit_config(path, **changes):
     ({"quantization_config": {"quant_method": "qwenrt", "bits": 8, "modules_not_converted": 5}},
      "modules_not_converted must be a list"),
     ({"quantization_config": {"quant_method": "qwenrt", "bits": 8.0}}, "bits must be 8 or 4"),
+    ({"quantization_config": {"quant_method": "qwenrt", "bits": 4, "group_size": 64, "overrides": {"o": {"bits": 3}}}},
+     "config.json: quantization_config.overrides['o']: quantization bits must be 8 or 4"),
+    ({"quantization_config": {"quant_method": "qwenrt", "bits": 4, "group_size": 64, "overrides": [8]}},
+     "quantization_config.overrides must map module path suffixes"),
 ])
 def test_config_types_and_ranges(ckpt, changes, fragment):
     cfg = json.loads((ckpt / "config.json").read_text())

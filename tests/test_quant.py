@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 import torch.nn.functional as F
 from torch import nn
 
@@ -157,28 +158,105 @@ def test_precision_critical_parts_stay_untouched(moe_ckpt, dense_ckpt):
     assert moe.model.layers[0].mlp.experts.gate_up_proj.qweight.shape == (8, 64, 64)  # quantized per expert row
 
 
-def test_int4_keeps_unpackable_weights_precise(dense_ckpt, tmp_path, capsys):
-    """torch's int4 layout needs N % 16 == 0 and the group size must divide K: the tiny model's 4-row in_proj_b/a,
-    and with groups of 64 its 96-wide down_proj, stay in full precision (said by `inspect`)."""
+def test_int4_holds_its_overrides_at_8_bits_and_keeps_unpackable_weights_precise(dense_ckpt, tmp_path, capsys):
+    """int4 stores DeltaNet's a/b projections at int8 (INT4_OVERRIDES, said in quantization_config.overrides); what
+    its layout cannot hold stays in full precision (torch's int4 layout needs N % 16 == 0 and the group size must
+    divide K: with groups of 64 the 96-wide down_proj). `inspect` says both."""
     dst = quantize_checkpoint(dense_ckpt[0], tmp_path / "q", 4, 64)
-    kept = json.loads((dst / "config.json").read_text())["quantization_config"]["modules_not_converted"]
-    assert "model.layers.0.linear_attn.in_proj_b" in kept and "model.layers.0.mlp.down_proj" in kept
-    assert "model.layers.0.mlp.up_proj" not in kept
+    config = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert config["overrides"] == {"linear_attn.in_proj_a": {"bits": 8}, "linear_attn.in_proj_b": {"bits": 8}}
+    kept = config["modules_not_converted"]
+    assert "model.layers.0.mlp.down_proj" in kept and "model.layers.0.mlp.up_proj" not in kept
+    assert not any("in_proj" in path for path in kept)
+    tensors = load_file(dst / "model.safetensors")
+    b, qkv = "model.layers.0.linear_attn.in_proj_b", "model.layers.0.linear_attn.in_proj_qkv"
+    assert tensors[f"{b}.qweight"].dtype == torch.int8 and tensors[f"{b}.qweight"].shape == (4, 64)
+    assert tensors[f"{b}.scales"].shape == (4,) and f"{b}.zeros" not in tensors
+    assert tensors[f"{qkv}.qweight"].dtype == torch.uint8 and tensors[f"{qkv}.zeros"].shape[-1] == 1  # 64 / 64
     assert main(["inspect", str(dst)]) == 0
-    assert f"int4 g64, {len(kept)} modules kept in full precision" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"int4 g64 (int8: linear_attn.in_proj_a, linear_attn.in_proj_b), {len(kept)} modules kept" in out
     model, _ = qwenrt.load(dst)
-    assert isinstance(model.model.layers[0].linear_attn.in_proj_b, nn.Linear)
-    assert isinstance(model.model.layers[0].linear_attn.in_proj_qkv, QuantLinear)
+    layer = model.model.layers[0]
+    assert layer.linear_attn.in_proj_b.spec == QuantSpec(8) and layer.linear_attn.in_proj_qkv.spec == QuantSpec(4, 64)
+    assert isinstance(layer.mlp.down_proj, nn.Linear)
+
+
+def quantized_buffers(model) -> dict[str, tuple]:
+    """Every QuantLinear's format and stored tensors: path -> (spec, qweight, scales, zeros)."""
+    return {path: (m.spec, m.qweight, m.scales, m.zeros) for path, m in model.named_modules()
+            if isinstance(m, QuantLinear)}
+
+
+def test_every_producer_writes_the_same_mixed_int4(dense_ckpt, tmp_path):
+    """`qwenrt quantize`, load-time quantize and quantize_model hold the same format per weight (int8 a/b among int4)
+    in identical buffers; the decode plan binds the mixed projection list (int4 qkv, z then int8 b, a: two runs in
+    one native call) and decodes exactly as the modules do."""
+    path, spec = dense_ckpt[0], QuantSpec(4, 32)
+    dst = quantize_checkpoint(path, tmp_path / "q", 4, 32)
+    stored, _ = qwenrt.load(dst, dtype="float32")
+    at_load, _ = qwenrt.load(path, dtype="float32", quantize=spec)
+    in_place, _ = qwenrt.load(path, dtype="float32")
+    quantize_model(in_place, 4, 32)
+    reference = quantized_buffers(stored)
+    assert reference["model.layers.0.linear_attn.in_proj_a"][0] == QuantSpec(8)
+    assert reference["model.layers.0.mlp.down_proj"][0] == spec  # 96 columns: 3 groups of 32
+    for other in (at_load, in_place):
+        buffers = quantized_buffers(other)
+        assert buffers.keys() == reference.keys()
+        for name, (fmt, *tensors) in reference.items():
+            assert buffers[name][0] == fmt and all(map(_same, tensors, buffers[name][1:])), name
+    if cpu_kernels() is None:
+        return
+    model, _ = qwenrt.load(dst, dtype="bfloat16")
+    assert DecodePlan.for_model(model) is not None
+    assert torch.equal(teacher_forced_logits(model, PROMPTS[:2, :16], 8),
+                       teacher_forced_logits(model, PROMPTS[:2, :16], 8, modules=True))
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is b is None or (a is not None and b is not None and torch.equal(a, b))
+
+
+def test_single_format_checkpoint_of_older_versions_still_loads(dense_ckpt, tmp_path):
+    """Written without overrides (as before them: no `overrides` entry, the 4-row a/b projections kept in full
+    precision), an int4 checkpoint loads as it was written, to the logits of the same quantization in memory."""
+    dst = quantize_checkpoint(dense_ckpt[0], tmp_path / "q", 4, 32, overrides={})
+    config = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert "overrides" not in config and "model.layers.0.linear_attn.in_proj_b" in config["modules_not_converted"]
+    stored, _ = qwenrt.load(dst, dtype="float32")
+    assert isinstance(stored.model.layers[0].linear_attn.in_proj_b, nn.Linear)
+    in_memory, _ = qwenrt.load(dense_ckpt[0], dtype="float32")
+    quantize_model(in_memory, 4, 32, overrides={})
+    assert torch.equal(stored(PROMPTS), in_memory(PROMPTS))
+
+
+def test_malformed_overrides_are_one_line_errors(dense_ckpt, tmp_path, capsys):
+    dst = quantize_checkpoint(dense_ckpt[0], tmp_path / "q", 8)
+    config = json.loads((dst / "config.json").read_text())
+    for overrides, message in (
+            (["linear_attn.out_proj"], 'overrides must map module path suffixes to formats such as {"bits": 8}'),
+            ({"linear_attn.out_proj": 8}, "overrides must map module path suffixes"),
+            ({"": {"bits": 8}}, "overrides must map module path suffixes"),
+            ({"linear_attn.out_proj": {"bits": 8, "zeros": True}}, "overrides must map module path suffixes"),
+            ({"linear_attn.out_proj": {"bits": 3}}, "overrides['linear_attn.out_proj']: quantization bits must be 8"),
+            ({"lm_head": {"bits": 4, "group_size": 48}}, "overrides['lm_head']: int4 group size must be one of")):
+        config["quantization_config"]["overrides"] = overrides
+        (dst / "config.json").write_text(json.dumps(config))
+        assert main(["inspect", str(dst)]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"qwenrt: error: {dst / 'config.json'}: "), err
+        assert f"quantization_config.{message}" in err, err
 
 
 def test_int4_copy_of_the_builtin_model_decodes_natively(tmp_path):
     """qwenrt-tiny stores its norms in fp32: its int4 copy loaded as "auto" once took their dtype, and then decoded
     through the modules in fp32 (5 tok/s against bf16's ~550). It loads in bf16 and decodes on the native path,
-    its bf16 DeltaNet b/a projections included, exactly as the modules do."""
+    its int8 DeltaNet b/a projections included, exactly as the modules do."""
     dst = quantize_checkpoint(default_model_path(), tmp_path / "q", 4)
     model, _ = qwenrt.load(dst)
     assert model.dtype == torch.bfloat16
-    assert isinstance(model.model.layers[0].linear_attn.in_proj_b, nn.Linear)
+    assert model.model.layers[0].linear_attn.in_proj_b.spec == QuantSpec(8)
     if cpu_kernels() is None:
         return
     ids = torch.randint(0, model.config.text.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
