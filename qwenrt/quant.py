@@ -324,7 +324,7 @@ class QuantLinear(nn.Module):
                        stored["zeros"].contiguous() if "zeros" in stored else None)
         if spec.bits == 8:
             return cls(_aligned(q.contiguous()), stored["scales"].contiguous(), spec, q.shape[-1])
-        lead, (N, half) = q.shape[:-2], q.shape[-2:]
+        N, half = q.shape[-2:]
         if cpu_kernels() is not None:  # the native kernels read the stored layout: used in place
             return cls(q.contiguous(), stored["scales"].contiguous(), spec, 2 * half, stored["zeros"].contiguous())
         packed = torch.stack([_int4_kernel_layout(w, spec.group_size) for w in q.reshape(-1, N, half)])

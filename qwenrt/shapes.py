@@ -18,7 +18,7 @@ import torch
 from qwenrt.config import parse_config
 from qwenrt.errors import QwenrtError
 from qwenrt.model import Qwen35ForCausalLM
-from qwenrt.quant import QuantSpec, plan_units, quantize_weight, storage_entries
+from qwenrt.quant import QuantSpec, default_overrides, plan_units, quantize_weight, storage_entries
 from qwenrt.writer import Entry, aligned_order, write_safetensors
 
 _COMMON = dict(vocab_size=248320, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
@@ -144,9 +144,10 @@ def _producer(weights: dict, seed: int):
 def _quantized_weights(model: Qwen35ForCausalLM, spec: QuantSpec) -> tuple[dict, dict]:
     """What `qwenrt quantize` quantizes in `model`, as it plans it: ({weight path: (source parameter, shape,
     format)}, config.json's quantization_config)."""
-    units, kept = plan_units(model, spec)
-    weights = {path: (source, shape, spec) for unit in units.values() for path, (source, shape) in unit.items()}
-    return weights, spec.config(kept)
+    overrides = default_overrides(spec)
+    units, kept = plan_units(model, spec, overrides=overrides)
+    weights = {path: planned for unit in units.values() for path, planned in unit.items()}
+    return weights, spec.config(kept, overrides)
 
 
 def planned_entries(name: str, quantize: QuantSpec | None = None) -> tuple[list[Entry], dict, dict | None]:

@@ -109,7 +109,10 @@ print(json.dumps(dict(report, peak=status("VmHWM"))))
 
 
 def _child(*args) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]), OMP_NUM_THREADS="1")
+    # a fixed mmap threshold: glibc's default one grows with each large free, after which freed tensors may stay in
+    # the heap (resident) or not, by history: the peak would measure the allocator, not what the code holds
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]), OMP_NUM_THREADS="1",
+               MALLOC_MMAP_THRESHOLD_=str(1 << 20))
     done = subprocess.run([sys.executable, "-c", CHILD, *args], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.splitlines()[-1])

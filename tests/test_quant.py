@@ -326,7 +326,7 @@ def test_streamed_quantize_writes_what_the_in_memory_quantize_holds(kind, spec, 
     for path, module in modules.items():
         if module.torch_int4:  # held in torch's packed layout (no native kernels): not the stored one
             continue
-        for key in spec.pieces:
+        for key in module.spec.pieces:  # each weight's own format (int4 keeps some at int8)
             stored, held = written.pop(f"{path}.{key}"), getattr(module, key)
             assert stored.dtype == held.dtype and torch.equal(stored, held), f"{path}.{key}"
     params = dict(model.named_parameters())  # the modules kept precise; the vision tower's tensors are copied
