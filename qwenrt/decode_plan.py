@@ -7,73 +7,23 @@ model it was ~3.5 ms of a 28-72 ms step. An MoE block is one native object in it
 experts, the shared expert). The weight reads are shared by the batch; the token mixers run one native call per
 sequence on its own state. The MTP head's draft step has a plan of its own (MTPPlan, held to its modules by
 tests/test_mtp.py), and a greedy speculative cycle binds both into one native call (CyclePlan). Built at the first
-step and rebuilt after any module, parameter or buffer is registered anywhere in the process (quantization swaps
-modules in, load_state_dict(assign=True) replaces parameters) or the dtype changes.
+step and kept as qwenrt.native keeps bound objects (rebuilt after a module swap or a dtype change).
 """
 
 from __future__ import annotations
 
-import weakref
-from itertools import groupby
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from qwenrt.cache import HybridCache, SequenceState
-from qwenrt.kernels import cpu_kernels
-from qwenrt.mlp import Experts
-from qwenrt.ops.linear import Linear
+from qwenrt.moe import native_block
+from qwenrt.native import bind, cached
 from qwenrt.ops.rope import rope_cos_sin
-from qwenrt.quant import QuantEmbedding, QuantExperts, QuantLinear
+from qwenrt.quant import QuantEmbedding
 
-_generation = [0]  # bumped by every module / parameter / buffer registration
-_plans = weakref.WeakKeyDictionary()  # model -> {what: ((generation, dtype), plan)}; not in the model: it pickles
 NO_ROWS = torch.empty(0)  # a cycle's pending rows where no sequence has any (never written)
-
-
-def _registered(*_args) -> None:
-    _generation[0] += 1
-
-
-for _hook in (nn.modules.module.register_module_module_registration_hook,
-              nn.modules.module.register_module_parameter_registration_hook,
-              nn.modules.module.register_module_buffer_registration_hook):
-    _hook(_registered)
-
-
-def _format(module: nn.Module, experts: bool = False) -> tuple | None:
-    """What a GEMV call takes `module` as: ("bf16", None), ("q8" | "q4" | "q8g" | "q4g" | "q4k", its QuantSpec);
-    None where none does. experts: a QuantLinear over E experts (a 3-D weight)."""
-    if type(module) is Linear and module.weight.dtype == torch.bfloat16:
-        return "bf16", None
-    if type(module) is QuantLinear and module.qweight.dim() == 2 + experts and not module.torch_int4:
-        return module.spec.kernel_format, module.spec
-    return None
-
-
-def _bind_run(kernels, fmt: tuple, modules: list[nn.Module]):
-    """Modules of one format (`_format`) as one `kernels.Projection`."""
-    kind, spec = fmt
-    if kind == "bf16":
-        return kernels.Projection("bf16", [m.weight for m in modules], [], [], 0)
-    qs, scales = [m.qweight for m in modules], [m.scales for m in modules]
-    zeros = [m.zeros for m in modules if m.zeros is not None]
-    return kernels.Projection(kind, qs, scales, zeros, spec.group_size or 0)
-
-
-def _bind(kernels, modules: list[nn.Module], one_format: bool = False):
-    """The projections as one native call, a `kernels.Projection`: (x [B, K], mode) -> [B, N_i] per module, a GEMV
-    per run of one format (int4 keeps the projections its layout cannot hold in bf16); None where one has none, or
-    where they are of several formats and `one_format` (the SwiGLU GEMV takes gate and up in one format)."""
-    formats = [_format(m) for m in modules]
-    if None in formats:
-        return None
-    runs = [(fmt, [m for _, m in run]) for fmt, run in groupby(zip(formats, modules), key=lambda pair: pair[0])]
-    if len(runs) > 1 and one_format:
-        return None
-    parts = [_bind_run(kernels, fmt, run) for fmt, run in runs]
-    return parts[0] if len(parts) == 1 else kernels.Projection(parts)
 
 
 def _bind_lookup(kernels, embed: nn.Module):
@@ -99,36 +49,11 @@ class _Layer(NamedTuple):
     mlp: object  # a dense MLP's (gate_up (SwiGLU fused), down), or a kernels.MoE
 
 
-def _expert_bank(kernels, weight: nn.Module | torch.Tensor):
-    """One projection of an expert bank as a `kernels.ExpertBank`: a bf16 weight [E, N, K] or a QuantLinear over E
-    experts; None where the kernels have no format for it."""
-    if isinstance(weight, torch.Tensor):
-        return kernels.ExpertBank("bf16", weight, None, None, 0) if weight.dtype == torch.bfloat16 else None
-    fmt = _format(weight, experts=True)
-    if fmt is None:
-        return None
-    return kernels.ExpertBank(fmt[0], weight.qweight, weight.scales, weight.zeros, fmt[1].group_size or 0)
-
-
-def _bind_moe(kernels, block: nn.Module):
-    """A SparseMoeBlock as one `kernels.MoE`, or None where some part has no native format."""
-    experts, shared = block.experts, block.shared_expert
-    if type(experts) not in (Experts, QuantExperts):
-        return None
-    banks = [_expert_bank(kernels, w) for w in (experts.gate_up_proj, experts.down_proj)]
-    router = _bind(kernels, [block.gate, block.shared_expert_gate])
-    gate_up = _bind(kernels, [shared.gate_proj, shared.up_proj], one_format=True)
-    down = _bind(kernels, [shared.down_proj])
-    if None in (*banks, router, gate_up, down):
-        return None
-    return kernels.MoE(router, *banks, gate_up, down, block.top_k)
-
-
 def _bind_mlp(kernels, mlp: nn.Module):
     """A layer's MLP as _Layer.mlp holds it, or None where some part has no native format."""
     if not hasattr(mlp, "gate_proj"):
-        return _bind_moe(kernels, mlp)
-    gate_up, down = _bind(kernels, [mlp.gate_proj, mlp.up_proj], one_format=True), _bind(kernels, [mlp.down_proj])
+        return native_block(mlp)
+    gate_up, down = bind(kernels, [mlp.gate_proj, mlp.up_proj], one_format=True), bind(kernels, [mlp.down_proj])
     return None if gate_up is None or down is None else (gate_up, down)
 
 
@@ -136,30 +61,16 @@ def _bind_layer(kernels, layer: nn.Module) -> _Layer | None:
     """A decoder layer's native calls, or None where some projection has none."""
     if layer.is_linear:
         m = layer.linear_attn
-        project = _bind(kernels, [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
-        out = _bind(kernels, [m.out_proj])
+        project = bind(kernels, [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
+        out = bind(kernels, [m.out_proj])
     else:
         m = layer.self_attn
-        project, out = _bind(kernels, [m.q_proj, m.k_proj, m.v_proj]), _bind(kernels, [m.o_proj])
+        project, out = bind(kernels, [m.q_proj, m.k_proj, m.v_proj]), bind(kernels, [m.o_proj])
     mlp = _bind_mlp(kernels, layer.mlp)
     if project is None or out is None or mlp is None:
         return None
     return _Layer(layer.layer_idx, m, layer.is_linear, layer.input_layernorm.weight.float(),
                   layer.post_attention_layernorm.weight.float(), project, out, mlp)
-
-
-def _cached(model: nn.Module, what, build):
-    """build(kernels) for `model`, kept per `what` until a registration or a dtype change; None without the native
-    kernels."""
-    kernels = cpu_kernels()
-    if kernels is None:
-        return None
-    key = (_generation[0], model.dtype)
-    plans = _plans.setdefault(model, {})
-    cached = plans.get(what)
-    if cached is None or cached[0] != key:
-        cached = plans[what] = (key, build(kernels))
-    return cached[1]
 
 
 class RopeTable:
@@ -263,14 +174,14 @@ class DecodePlan:
         if model.dtype != torch.bfloat16 or model.device.type != "cpu":
             return None
         layers = [_bind_layer(kernels, layer) for layer in model.model.layers]
-        head = _bind(kernels, [model.lm_head])
+        head = bind(kernels, [model.lm_head])
         return None if head is None or None in layers else cls(model, kernels, layers, head)
 
     @classmethod
     def for_model(cls, model: nn.Module) -> DecodePlan | None:
         """The model's plan, built at its first decode step and kept until a registration or a dtype change; None
         without the native kernels or where some part of the model has no native decode path."""
-        return _cached(model, "decode", lambda kernels: cls.build(model, kernels))
+        return cached(model, "decode", model.dtype, lambda kernels: cls.build(model, kernels))
 
     def __call__(self, input_ids: torch.Tensor, cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [B, 1] continuing the B sequences of `cache` -> (logits [B, V] fp32, the final-normed hidden
@@ -327,11 +238,11 @@ class MTPPlan:
             mtp = getattr(model, "mtp", None)
             if mtp is None or model.dtype != torch.bfloat16 or model.device.type != "cpu":
                 return None
-            fc, layer = _bind(kernels, [mtp.fc]), _bind_layer(kernels, mtp.layers[0])
-            head = _bind(kernels, [draft_head(model.lm_head, draft_vocab)])
+            fc, layer = bind(kernels, [mtp.fc]), _bind_layer(kernels, mtp.layers[0])
+            head = bind(kernels, [draft_head(model.lm_head, draft_vocab)])
             return None if None in (fc, layer, head) else cls(model, kernels, fc, layer, head)
 
-        return _cached(model, ("mtp", draft_vocab), build)
+        return cached(model, ("mtp", draft_vocab), model.dtype, build)
 
     def hidden(self, hidden: torch.Tensor, next_ids: torch.Tensor, sequences: list[SequenceState],
                counts: list[int], firsts: list[int]) -> torch.Tensor:
@@ -371,7 +282,7 @@ class CyclePlan:
                                            draft.norm_embed, draft.norm_hidden, draft.fc, draft.stack,
                                            draft.final_norm, draft.head, draft.eps), decode.rope)
 
-        return _cached(model, ("cycle", draft_vocab), build)
+        return cached(model, ("cycle", draft_vocab), model.dtype, build)
 
     def __call__(self, inputs: list[list[int]], sequences: list[SequenceState], ks: list[int],
                  pending: list[tuple[torch.Tensor, list[int]]], heads: list[SequenceState], head_lengths: list[int]):

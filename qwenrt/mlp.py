@@ -1,4 +1,4 @@
-"""Feed-forward blocks: the dense SwiGLU MLP and the sparse MoE block (routed experts + a gated shared expert)."""
+"""Feed-forward blocks: the dense SwiGLU MLP and the MoE experts (the block that routes to them: qwenrt/moe.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qwenrt.config import TextConfig
 from qwenrt.ops.linear import Linear, linear, swiglu
 
 
@@ -53,26 +52,3 @@ def dispatch_experts(expert, x: torch.Tensor, index: torch.Tensor, weight: torch
         y = expert(e, x[rows]) * weight[rows, cols, None]
         out.index_add_(0, rows, y.to(out.dtype))
     return out
-
-
-class SparseMoeBlock(nn.Module):
-    """Softmax router (fp32), top-A, renormalised; plus a shared expert scaled by sigmoid(shared_expert_gate(x))."""
-
-    def __init__(self, c: TextConfig):
-        super().__init__()
-        self.top_k = c.num_experts_per_tok
-        self.gate = Linear(c.hidden_size, c.num_experts)
-        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
-        self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size)
-        self.shared_expert_gate = Linear(c.hidden_size, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])  # [N, D]
-        logits = self.gate(x)  # [N, E]
-        probs = logits.softmax(-1, dtype=torch.float32)
-        weight, index = probs.topk(self.top_k, dim=-1)  # [N, A]
-        weight = (weight / weight.sum(-1, keepdim=True)).to(logits.dtype)
-        out = self.experts(x, index, weight)
-        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out.reshape(shape)

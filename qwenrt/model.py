@@ -17,7 +17,8 @@ from qwenrt.config import ModelConfig, TextConfig
 from qwenrt.deltanet import GatedDeltaNet
 from qwenrt.errors import QwenrtError
 from qwenrt.kernels import inference_kernels
-from qwenrt.mlp import MLP, SparseMoeBlock
+from qwenrt.mlp import MLP
+from qwenrt.moe import SparseMoeBlock
 from qwenrt.ops.attention import decode_attention
 from qwenrt.ops.linear import Linear, project
 from qwenrt.ops.rope import apply_rope, inv_frequencies, rope_cos_sin

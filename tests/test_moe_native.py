@@ -1,18 +1,19 @@
-"""The native MoE block (kernels.MoE: router, the used experts, the shared expert in one call) against the module
-it runs for: bit-identical at decode sizes in every expert format, ties in the router included, and within bf16's
-rounding of the torch path (kernels off)."""
+"""The native MoE block (kernels.MoE: router, the used experts, the shared expert in one call) against the block
+through its modules (a call per used expert): bit-identical at decode sizes in every expert format, ties in the
+router included, and within bf16's rounding of the torch path (kernels off)."""
 
 import os
 
 import pytest
 import torch
 
+import qwenrt.moe
+import qwenrt.native
 import qwenrt.ops.linear
 import qwenrt.quant
 from qwenrt.config import parse_config
-from qwenrt.decode_plan import _bind_moe
 from qwenrt.kernels import cpu_kernels
-from qwenrt.mlp import SparseMoeBlock
+from qwenrt.moe import SparseMoeBlock, native_block
 from qwenrt.quant import QuantExperts, QuantLinear, QuantSpec, quantize_weight
 from tests.checkpoints import MOE
 from tests.numerics import rel_err
@@ -47,14 +48,16 @@ def block(fmt: str, ties: bool = False, seed: int = 0) -> SparseMoeBlock:
 @pytest.mark.parametrize("ties", [False, True])
 def test_native_moe_equals_the_module(fmt, ties):
     """1, 3 and 8 rows (rows sharing experts; with 3 of 8 experts per row some get none): the native block gives
-    the module's output bit for bit, also where router logits tie (top-k's order decides between equal experts)."""
+    the modules' output bit for bit, also where router logits tie (top-k's order decides between equal experts);
+    the block's forward is the native one."""
     m = block(fmt, ties)
-    native = _bind_moe(cpu_kernels(), m)
+    native = native_block(m)
     assert native is not None
     g = torch.Generator().manual_seed(1)
     for rows in (1, 3, 8):
         h = torch.randn(rows, m.gate.in_features, generator=g).bfloat16()
-        assert torch.equal(native(h), m(h[:, None])[:, 0])
+        assert torch.equal(native(h), m.dispatched(h))
+        assert torch.equal(m(h[:, None])[:, 0], native(h))
 
 
 @needs_kernels
@@ -63,30 +66,33 @@ def test_router_zero_weights_tie_every_expert():
     m = block("int8")
     m.gate.weight.zero_()
     h = torch.randn(5, m.gate.in_features, generator=torch.Generator().manual_seed(2)).bfloat16()
-    assert torch.equal(_bind_moe(cpu_kernels(), m)(h), m(h[:, None])[:, 0])
+    assert torch.equal(native_block(m)(h), m.dispatched(h))
 
 
 @needs_kernels
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_native_moe_matches_the_torch_path(fmt, monkeypatch):
-    """Against the block on torch's ops alone (no native kernel anywhere), 11 rows (more than one kernel call's):
-    within bf16's rounding."""
+    """Against the block on torch's ops alone (no native kernel anywhere): 11 rows (more than one kernel call's)
+    and 300 (a prefill chunk's, experts taking many rows each), within bf16's rounding."""
     m = block(fmt, seed=3)
-    h = torch.randn(11, m.gate.in_features, generator=torch.Generator().manual_seed(3)).bfloat16()
-    ours = _bind_moe(cpu_kernels(), m)(h)
-    for module in (qwenrt.ops.linear, qwenrt.quant):
+    g = torch.Generator().manual_seed(3)
+    hs = [torch.randn(rows, m.gate.in_features, generator=g).bfloat16() for rows in (11, 300)]
+    ours = [m(h) for h in hs]
+    for module in (qwenrt.ops.linear, qwenrt.quant, qwenrt.moe, qwenrt.native):
         for name in ("cpu_kernels", "inference_kernels"):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, lambda *tensors: None)
-    reference = block(fmt, seed=3)(h[:, None])[:, 0]
-    assert rel_err(ours, reference) < 1e-2
+    reference = block(fmt, seed=3)
+    assert native_block(reference) is None
+    for h, out in zip(hs, ours):
+        assert rel_err(out, reference(h)) < 1e-2
 
 
 @needs_kernels
 def test_unbindable_experts_leave_the_module_path():
-    """fp32 experts have no native format: no native block (the model then decodes through its modules)."""
+    """fp32 experts have no native format: no native block (the model then runs through its modules)."""
     m = block("bf16").float()
-    assert _bind_moe(cpu_kernels(), m) is None
+    assert native_block(m) is None
 
 
 @needs_kernels
