@@ -6,10 +6,13 @@ benchmark.
 
 The int4 checkpoint is `qwenrt bench --shape 35b-a3b --quantize int4`'s (written directly in int4, never in bf16);
 `qwenrt convert --type q4_0` writes the same weights as llama.cpp's Q4_0 (int4 groups of 64 re-rounded to Q4_0's
-blocks of 32), once, into --workdir. Each file is read into the page cache before its engine runs (the two files
-together do not fit in RAM, so they evict each other; neither engine's timing should include the disk). Then, per
-repeat, interleaved: qwenrt on its checkpoint (`qwenrt bench`'s worker: a fresh process, bf16 activations, a random
-prompt of --prompt-len tokens, --gen-len greedy steps) and `llama-bench -t T -p P -n N -r 1` on the GGUF. Medians;
+blocks of 32; the Qwen3.5 tokenizer beside them, which llama.cpp needs), once, into --workdir (~12 minutes). The
+two files do not fit in RAM together: before each engine runs, the other's file leaves the page cache and its own
+is read in, so neither timing includes the disk. Then, per repeat, interleaved: qwenrt on its checkpoint, memory-
+mapped (`qwenrt bench`'s worker: a fresh process, bf16 activations, a random prompt of --prompt-len tokens,
+--gen-len greedy steps) and `llama-bench -t T -p P -n N -r 1 -lm none` on the GGUF, read into llama.cpp's own
+memory (mapped, its repacked weights sit beside the file's pages: 22.9 GiB, more than a 24 GiB machine holds, and
+both its speeds halve). Medians;
 peak RSS is each process's high-water mark. Also printed: the weight bytes a decode step reads (top 8 of the 256
 experts, the shared expert, attention, DeltaNet, the head) and the read bandwidth of this machine measured in the
 same run, which bound decode at bandwidth / bytes.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -34,14 +38,40 @@ GIB = 1 << 30
 SHAPE = "35b-a3b"
 
 
-def read_into_cache(path: Path) -> float:
-    """Read every file of `path` once (into the page cache); returns the seconds it took."""
-    start = time.perf_counter()
-    for file in [path] if path.is_file() else sorted(path.iterdir()):
+def with_tokenizer(checkpoint: Path, work: Path) -> Path:
+    """The checkpoint's files and the Qwen3.5 tokenizer linked into one directory: llama.cpp loads no GGUF file
+    without a vocabulary, and the random checkpoint has none."""
+    from qwenrt.bench import cache_dir
+    from tests.tokenizer_fixture import cached_qwen35_tokenizer
+
+    linked = work / f"src-{checkpoint.name}"
+    linked.mkdir(parents=True, exist_ok=True)
+    for file in list(checkpoint.iterdir()) + list(cached_qwen35_tokenizer(cache_dir()).iterdir()):
+        if not (linked / file.name).exists():
+            (linked / file.name).symlink_to(file.resolve())
+    return linked
+
+
+def files(path: Path) -> list[Path]:
+    return [path] if path.is_file() else sorted(f for f in path.iterdir() if f.is_file())
+
+
+def read_into_cache(path: Path) -> None:
+    """Read every file of `path` once (into the page cache)."""
+    for file in files(path):
         with open(file, "rb") as f:
             while f.read(64 << 20):
                 pass
-    return time.perf_counter() - start
+
+
+def drop_from_cache(path: Path) -> None:
+    """Let the page cache drop the files of `path` (they are not in use)."""
+    for file in files(path):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def read_bandwidth(threads: int) -> float:
@@ -70,7 +100,7 @@ def qwenrt_sample(path: Path, args) -> dict:
 
 def llama_sample(llama: LlamaCpp, path: Path, args) -> dict:
     cmd = [str(llama.bin / "llama-bench"), "-m", str(path), "-t", str(args.threads), "-p", str(args.prompt_len),
-           "-n", str(args.gen_len), "-r", "1", "-o", "json"]
+           "-n", str(args.gen_len), "-r", "1", "-lm", "none", "-o", "json"]
     out, rss = peak_rss_of(cmd)
     tests = json.loads(out)
     prefill = next(t["avg_ts"] for t in tests if t["n_prompt"] > 0)
@@ -97,15 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     gguf = work / f"{SHAPE}-Q4_0.gguf"
     if not gguf.is_file():
         print(f"writing {gguf} (qwenrt convert --type q4_0)", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "qwenrt", "convert", str(checkpoint), str(gguf), "--type", "q4_0"],
-                       check=True)
+        subprocess.run([sys.executable, "-m", "qwenrt", "convert", str(with_tokenizer(checkpoint, work)), str(gguf),
+                        "--type", "q4_0"], check=True)
     bandwidth = read_bandwidth(args.threads)
     samples = {"qwenrt int4": [], "llama.cpp Q4_0": []}
     for repeat in range(args.repeats):
         print(f"[{repeat + 1}/{args.repeats}] qwenrt, llama.cpp", file=sys.stderr, flush=True)
+        drop_from_cache(gguf)
         read_into_cache(checkpoint)
         samples["qwenrt int4"].append(qwenrt_sample(checkpoint, args))
-        read_into_cache(gguf)
+        drop_from_cache(checkpoint)
         samples["llama.cpp Q4_0"].append(llama_sample(llama, gguf, args))
     step_bytes = samples["qwenrt int4"][0]["decode_bytes"]
     bound = bandwidth * 1e9 / step_bytes

@@ -12,12 +12,12 @@ import types
 # the first such product runs; a value the user set stands.
 for _cache in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
     os.environ.setdefault(_cache, "64")
-# OpenMP's threads (torch's and the native kernels') sleep at a barrier instead of spinning: spinning, they kept
-# a core other work needed while waiting on a thread that work had taken off the other one. Two threads on a
-# 2-core machine at load 3-4: qwenrt-tiny 121-206 tok/s to 2,720-3,389 (one thread: 2,577-3,374), the 0.8B
-# 0.9-1.5 tok/s to 9.7-10.1 (one thread 9.6-11.5). The price, at load ~1.5: the 0.8B 14.3-15.1 against 17.5-20.0
-# spinning (OMP_WAIT_POLICY=active on a machine of its own). Read when torch loads OpenMP: import qwenrt first.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP's threads (torch's and the native kernels') spin a short while at a barrier, then sleep. Spinning without
+# end kept a core other work needed while waiting on a thread that work had taken off the other one (2 threads on a
+# 2-core machine at load 3-4: the 0.8B 0.9-1.5 tok/s against 9.7-10.1 sleeping at once); sleeping at once costs a
+# wake-up per kernel call, which an MoE step makes ~20 of per layer (the 35B-A3B in int4 on an idle 2-core EPYC:
+# 5.7-6.5 tok/s sleeping at once, 13.0-13.6 with 30,000 spins). Read when torch loads OpenMP: import qwenrt first.
+os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
 __version__ = "0.1.0"
 

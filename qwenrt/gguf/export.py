@@ -207,7 +207,8 @@ def export_gguf(source: str | Path, out: str | Path, kind: str = "bf16", progres
     try:
         writer = GGUFWriter(tmp, "qwen35moe" if c.is_moe else "qwen35")
         _metadata(writer, config, tokenizer, n_mtp, kind, Path(str(path)).name)
-        _write_tensors(writer, entries, lambda name: to_gguf(name, tensors[name][1](), c), out.name, progress)
+        _write_tensors(writer, entries, lambda name: to_gguf(name, _read(ckpt, tensors[name][1]), c), out.name,
+                       progress)
         if vision_tmp is not None:
             _write_mmproj(vision_tmp, vision_out.name, path, config, ckpt, kind, progress)
             os.replace(vision_tmp, vision_out)
@@ -233,6 +234,14 @@ def _new_file(out: str | Path) -> Path:
 def _partial(out: Path) -> Path:
     """The hidden file `out` is written as, renamed into place once whole."""
     return out.with_name(f".{out.name}.partial-{os.getpid()}")
+
+
+def _read(ckpt, read: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """read() after the pages of the tensors read before have left RSS (a safetensors source's files are reopened; a
+    GGUF one's pages are released as read): the peak is a tensor or two, not the checkpoint."""
+    if not isinstance(ckpt, GGUFCheckpoint):
+        ckpt.release()
+    return read()
 
 
 def _read_dtype(ckpt, source) -> torch.dtype:
