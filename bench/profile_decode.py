@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import qwenrt
 import qwenrt.decode_plan
+import qwenrt.native
 from qwenrt.decode_plan import DecodePlan
 from qwenrt.engine.runner import decode_step
 from qwenrt.kernels import cpu_kernels
@@ -130,7 +131,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     kernels = cpu_kernels()
     if kernels is not None:
-        qwenrt.decode_plan.cpu_kernels = lambda: TimedKernels(kernels)  # the plan's calls, not prefill's
+        qwenrt.native.cpu_kernels = lambda: TimedKernels(kernels)  # the plan's calls, not prefill's
     model, _ = qwenrt.load(args.checkpoint, dtype=args.dtype)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.text.vocab_size, (1, args.prompt_len), generator=g)
