@@ -48,11 +48,11 @@ struct ExpertBank {
   int64_t group_size = 0;
 };
 
-// A sparse MoE block (qwenrt/mlp.py SparseMoeBlock) bound once: the router and the shared expert's gate as one
+// A sparse MoE block (qwenrt/moe.py SparseMoeBlock) bound once: the router and the shared expert's gate as one
 // projection, the experts' fused gate/up and down banks (each expert's slices are views, no copy) and the shared
-// expert's SwiGLU MLP. Its call computes what the module computes at decode sizes, op for op and rounding for
-// rounding: fp32 softmax, top-k, renormalised weights in bf16, each used expert run once on its rows (ascending
-// expert order, index_add into a bf16 sum), plus sigmoid(gate)·shared(x).
+// expert's SwiGLU MLP. At decode sizes its call computes what the block's modules compute (`dispatched`), op for op
+// and rounding for rounding: fp32 softmax, top-k, renormalised weights in bf16, each used expert run once on its
+// rows (ascending expert order, index_add into a bf16 sum), plus sigmoid(gate)·shared(x).
 class MoE {
  public:
   // router: outputs [N, E] expert logits then [N, 1] shared-expert gate logits
