@@ -79,17 +79,26 @@ def peak_rss_of(cmd: list[str], env: dict | None = None) -> tuple[str, int]:
         return out.read(), usage.ru_maxrss * 1024
 
 
-def llama_sample(llama: LlamaCpp, path: Path, args) -> dict:
+def llama_bench(llama: LlamaCpp, path: Path, args, *options: str) -> dict:
+    """`llama-bench -t T -p P -n N -r 1 [options]` on `path` -> prefill_tps, decode_tps, peak_rss."""
     cmd = [str(llama.bin / "llama-bench"), "-m", str(path), "-t", str(args.threads), "-p", str(args.prompt_len),
-           "-n", str(args.gen_len), "-r", "1", "-o", "json"]
+           "-n", str(args.gen_len), "-r", "1", *options, "-o", "json"]
     out, rss = peak_rss_of(cmd)
     tests = json.loads(out)
-    prefill = next(t["avg_ts"] for t in tests if t["n_prompt"] > 0)
-    decode = next(t["avg_ts"] for t in tests if t["n_gen"] > 0)
+    return dict(prefill_tps=next(t["avg_ts"] for t in tests if t["n_prompt"] > 0),
+                decode_tps=next(t["avg_ts"] for t in tests if t["n_gen"] > 0), peak_rss=rss)
+
+
+def medians(runs: list[dict]) -> dict:
+    """Each figure's median over the runs."""
+    return {k: statistics.median(s[k] for s in runs) for k in runs[0]}
+
+
+def llama_sample(llama: LlamaCpp, path: Path, args) -> dict:
     job = dict(gguf=str(path), bindings=str(llama.python), threads=args.threads, n_ctx=args.prompt_len + args.gen_len)
     load, _ = peak_rss_of([sys.executable, __file__, "--load-worker", json.dumps(job)],
                           dict(os.environ, LLAMA_CPP_LIB_PATH=str(llama.bin)))
-    return dict(load_s=json.loads(load)["load_s"], prefill_tps=prefill, decode_tps=decode, peak_rss=rss)
+    return dict(llama_bench(llama, path, args), load_s=json.loads(load)["load_s"])
 
 
 def load_worker(job: dict) -> None:
@@ -141,10 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| file | engine | MiB | load s | prefill tok/s | decode tok/s | peak RSS GiB | prefill × | decode × |")
     print("|---|---|---|---|---|---|---|---|---|")
     for qtype, path in files.items():
-        ref = {k: statistics.median(s[k] for s in samples["llama.cpp", qtype]) for k in samples["llama.cpp", qtype][0]}
+        ref = medians(samples["llama.cpp", qtype])
         for engine in ("qwenrt", "llama.cpp"):
             runs = samples[engine, qtype]
-            m = {k: statistics.median(s[k] for s in runs) for k in runs[0]}
+            m = medians(runs)
             print(f"| {qtype} | {engine} | {path.stat().st_size / 2**20:.0f} | {m['load_s']:.2f} | "
                   f"{m['prefill_tps']:.0f} | {m['decode_tps']:.1f} | {max(s['peak_rss'] for s in runs) / GIB:.2f} | "
                   f"{m['prefill_tps'] / ref['prefill_tps']:.2f} | {m['decode_tps'] / ref['decode_tps']:.2f} |")

@@ -21,7 +21,6 @@ same run, which bound decode at bandwidth / bytes.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -32,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gguf_check import LlamaCpp  # noqa: E402
-from bench.gguf_speed import peak_rss_of  # noqa: E402
+from bench.gguf_speed import llama_bench, medians  # noqa: E402
 
 GIB = 1 << 30
 SHAPE = "35b-a3b"
@@ -98,16 +97,6 @@ def qwenrt_sample(path: Path, args) -> dict:
                 decode_bytes=r["decode_bytes"])
 
 
-def llama_sample(llama: LlamaCpp, path: Path, args) -> dict:
-    cmd = [str(llama.bin / "llama-bench"), "-m", str(path), "-t", str(args.threads), "-p", str(args.prompt_len),
-           "-n", str(args.gen_len), "-r", "1", "-lm", "none", "-o", "json"]
-    out, rss = peak_rss_of(cmd)
-    tests = json.loads(out)
-    prefill = next(t["avg_ts"] for t in tests if t["n_prompt"] > 0)
-    decode = next(t["avg_ts"] for t in tests if t["n_gen"] > 0)
-    return dict(prefill_tps=prefill, decode_tps=decode, peak_rss=rss)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     LlamaCpp.add_options(p)
@@ -137,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         read_into_cache(checkpoint)
         samples["qwenrt int4"].append(qwenrt_sample(checkpoint, args))
         drop_from_cache(checkpoint)
-        samples["llama.cpp Q4_0"].append(llama_sample(llama, gguf, args))
+        samples["llama.cpp Q4_0"].append(llama_bench(llama, gguf, args, "-lm", "none"))
     step_bytes = samples["qwenrt int4"][0]["decode_bytes"]
     bound = bandwidth * 1e9 / step_bytes
     print(f"Qwen3.5-{SHAPE} shape (random weights): prompt {args.prompt_len}, {args.gen_len} greedy tokens, "
@@ -147,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     print("| engine | size GiB | prefill tok/s | decode tok/s | of the bound | peak RSS GiB | prefill × | decode × |")
     print("|---|---|---|---|---|---|---|---|")
     sizes = {"qwenrt int4": sum(f.stat().st_size for f in checkpoint.iterdir()), "llama.cpp Q4_0": gguf.stat().st_size}
-    ref = {k: statistics.median(s[k] for s in samples["llama.cpp Q4_0"]) for k in ("prefill_tps", "decode_tps")}
+    ref = medians(samples["llama.cpp Q4_0"])
     for engine, runs in samples.items():
-        m = {k: statistics.median(s[k] for s in runs) for k in ("prefill_tps", "decode_tps")}
+        m = medians(runs)
         print(f"| {engine} | {sizes[engine] / GIB:.1f} | {m['prefill_tps']:.1f} | {m['decode_tps']:.2f} | "
               f"{m['decode_tps'] / bound:.0%} | {max(s['peak_rss'] for s in runs) / GIB:.2f} | "
               f"{m['prefill_tps'] / ref['prefill_tps']:.2f} | {m['decode_tps'] / ref['decode_tps']:.2f} |")
