@@ -1,25 +1,13 @@
 // The Python module: only this file sees pybind11 and torch's Python bindings (the kernels include ATen's tensor
 // headers alone: torch/extension.h costs ~30 s of compile per file, and every level is compiled on first use).
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <pybind11/stl.h>
-
-#include <cstring>
 #include <torch/csrc/utils/pybind.h>
 
 #include "kernels.h"
 #include "layer_stack.h"
 
-namespace {
-
-// token ids as an int64 tensor: a list converts here in well under a microsecond; torch.tensor took ~9 us a cycle
-at::Tensor longs(const std::vector<int64_t>& values) {
-  auto t = at::empty({static_cast<int64_t>(values.size())}, at::kLong);
-  if (!values.empty()) std::memcpy(t.data_ptr<int64_t>(), values.data(), values.size() * sizeof(int64_t));
-  return t;
-}
-
-}  // namespace
+using qwenrt::longs;  // token ids from a list: well under a microsecond; torch.tensor took ~9 us a cycle
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using pybind11::arg;

@@ -5,9 +5,17 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 
+#include <cstring>
+
 #include "kernels.h"
 
 namespace qwenrt {
+
+at::Tensor longs(const std::vector<int64_t>& values) {
+  auto t = at::empty({static_cast<int64_t>(values.size())}, at::kLong);
+  if (!values.empty()) std::memcpy(t.data_ptr<int64_t>(), values.data(), values.size() * sizeof(int64_t));
+  return t;
+}
 
 Projection::Projection(std::string format, std::vector<at::Tensor> weights, std::vector<at::Tensor> scales,
                        std::vector<at::Tensor> zeros, int64_t group_size)

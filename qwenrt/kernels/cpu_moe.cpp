@@ -6,8 +6,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros_like.h>
 
-#include <cstring>
-
 namespace qwenrt {
 
 namespace {
@@ -27,12 +25,6 @@ Projection expert_slices(const ExpertBank& bank, int64_t e, const std::vector<st
     for (auto& z : rows_of(bank.zeros, e, first, n)) zeros.push_back(z);
   }
   return Projection(bank.format, weights, scales, zeros, bank.group_size);
-}
-
-at::Tensor longs(const std::vector<int64_t>& values) {
-  auto t = at::empty({static_cast<int64_t>(values.size())}, at::kLong);
-  std::memcpy(t.data_ptr<int64_t>(), values.data(), values.size() * sizeof(int64_t));
-  return t;
 }
 
 }  // namespace

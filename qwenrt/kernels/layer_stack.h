@@ -70,6 +70,9 @@ class MoE {
   int64_t top_k_;
 };
 
+// values as an int64 tensor [n] (token ids, row indices), copied at once
+at::Tensor longs(const std::vector<int64_t>& values);
+
 // One stored tensor per layer slot of a sequence (None where the layer is of the other kind).
 using Stores = std::vector<std::optional<at::Tensor>>;
 
