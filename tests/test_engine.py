@@ -352,21 +352,22 @@ def test_leaving_a_stream_early_cancels(chat_model):
 
 
 def test_prompt_chunks_follow_the_step_target(chat_model, monkeypatch):
-    """After the first chunk has measured the prefill speed, chunks are sized to the step target (at least
-    MIN_CHUNK tokens); without a target, to max_batched_tokens."""
+    """While another sequence decodes, chunks after the first (which measures the prefill speed) are sized to the
+    step target (at least MIN_CHUNK tokens, the decoding row included); a prompt alone, or without a target, goes
+    max_batched_tokens at a time."""
     from qwenrt.engine.core import MIN_CHUNK
 
     model, tok, _ = chat_model
     prompt = tok.encode("word " * 700)[:700]
-    rest = 700 - 512
-    small = [MIN_CHUNK] * (rest // MIN_CHUNK) + ([rest % MIN_CHUNK] if rest % MIN_CHUNK else [])
-    for target, expected in ((1e-6, [512, *small]), (None, [512, rest])):
+    for target, beside, expected in ((1e-6, True, [511] + [MIN_CHUNK - 1] * 6 + [3]), (1e-6, False, [512, 188]),
+                                     (None, True, [511, 189])):
         engine = Engine(model, tok, step_target=target, snapshot_interval=10**6)
         chunks, progress = [], []
         real = engine.runner.prefill
-        monkeypatch.setattr(engine.runner, "prefill", lambda seq, n: chunks.append(n) or real(seq, n))
-        request = dataclasses.replace(greedy(prompt, 2), on_prefill=lambda done, total: progress.append((done, total)))
-        run(engine, {0: [request]})
+        long = dataclasses.replace(greedy(prompt, 2), on_prefill=lambda done, total: progress.append((done, total)))
+        monkeypatch.setattr(engine.runner, "prefill", lambda seq, n: (
+            chunks.append(n) if seq.request is long else None) or real(seq, n))
+        run(engine, {0: [greedy("Hi", 60)] if beside else [], 2: [long]})
         assert chunks == expected
         assert progress == [(sum(chunks[:i + 1]), 700) for i in range(len(chunks))]
 
