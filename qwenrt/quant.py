@@ -16,6 +16,7 @@ fp32 groups (`QuantSpec.fp32_groups`): GGUF's quantized blocks as they are (qwen
     int4  qweight uint8 [*E, N, K/2]; scales, zeros fp32 [*E, N, K/32] (the int4 layout)  W = q·s + z
     Q4_K  qweight as int4; scales uint8 [*E, N, K/16]: Q4_K's 16-byte header per 256 columns (fp16 d, dmin; 6-bit sc,
           m per 32), W = q·d·sc - dmin·m, expanded per row inside the kernels (Q4_K held in its own size)
+    Q4_0  qweight as int4; scales fp16 [*E, N, K/32]: Q4_0's d, W = (q - 8)·d, expanded per row inside the kernels
 The native kernels multiply them in place; fp32 activations multiply by exact fp32 slices of them.
 """
 
@@ -67,17 +68,18 @@ class QuantSpec:
     fp32_groups: bool = False
     zeros: bool = False
     q4k: bool = False  # int4 whose scales and zeros are Q4_K's headers
+    q40: bool = False  # int4 whose scales are Q4_0's fp16 d (zeros -8·d)
 
     def __post_init__(self):
         if type(self.bits) is not int or self.bits not in BITS:
             raise QwenrtError(f"quantization bits must be 8 or 4, got {self.bits!r}")
         if self.fp32_groups:
             if self.group_size not in ((16, 32) if self.bits == 8 else (32,)) or (self.zeros and self.bits == 4) \
-                    or (self.q4k and self.bits != 4):
+                    or (self.block_headers and self.bits != 4) or (self.q4k and self.q40):
                 raise QwenrtError(f"no fp32-group format int{self.bits} g{self.group_size}")
             return
-        if self.q4k:
-            raise QwenrtError("Q4_K headers are a GGUF block format (fp32_groups)")
+        if self.block_headers:
+            raise QwenrtError("Q4_K and Q4_0 headers are GGUF block formats (fp32_groups)")
         if self.zeros:
             raise QwenrtError("zeros are part of the int4 and fp32-group formats only")
         if self.bits == 4 and self.group_size not in GROUP_SIZES:
@@ -110,25 +112,31 @@ class QuantSpec:
     @property
     def pieces(self) -> tuple[str, ...]:
         """Names of the stored tensors of one quantized weight."""
-        return ("qweight", "scales", "zeros") if (self.bits == 4 and not self.q4k) or self.zeros else \
+        return ("qweight", "scales", "zeros") if (self.bits == 4 and not self.block_headers) or self.zeros else \
             ("qweight", "scales")
 
     @property
+    def block_headers(self) -> bool:
+        """Whether the scales (and zeros) are a GGUF block type's own headers (Q4_K's, Q4_0's): held in its size."""
+        return self.q4k or self.q40
+
+    @property
     def kernel_format(self) -> str:
-        """The native kernels' name of the format: q8 | q4 (bf16 scales), q8g | q4g (fp32 groups), q4k."""
-        return "q4k" if self.q4k else f"q{self.bits}" + ("g" if self.fp32_groups else "")
+        """The native kernels' name of the format: q8 | q4 (bf16 scales), q8g | q4g (fp32 groups), q4k (block
+        headers: Q4_K's, Q4_0's)."""
+        return "q4k" if self.block_headers else f"q{self.bits}" + ("g" if self.fp32_groups else "")
 
     @property
     def short(self) -> str:
         """"int4 g64", "int8", "int8 g16 fp32", "int4 Q4_K": for load lines."""
-        if self.q4k:
-            return "int4 Q4_K"
+        if self.block_headers:
+            return "int4 Q4_K" if self.q4k else "int4 Q4_0"
         return f"int{self.bits}" + (f" g{self.group_size}" if self.group_size else "") + \
             (" fp32" if self.fp32_groups else "")
 
     def __str__(self) -> str:
-        if self.q4k:
-            return "int4 (Q4_K's scales, groups of 32)"
+        if self.block_headers:
+            return f"int4 ({'Q4_K' if self.q4k else 'Q4_0'}'s scales, groups of 32)"
         if self.fp32_groups:
             return f"int{self.bits} (fp32-scaled groups of {self.group_size})"
         return f"int{self.bits}" + (f" (groups of {self.group_size})" if self.group_size else "")
@@ -195,6 +203,8 @@ def storage_entries(shape: tuple[int, ...], spec: QuantSpec) -> dict[str, tuple[
     *lead, N, K = shape
     if spec.q4k:  # Q4_K's 16-byte header per 256 columns
         return {"qweight": ((*lead, N, K // 2), torch.uint8), "scales": ((*lead, N, K // 16), torch.uint8)}
+    if spec.q40:  # Q4_0's fp16 d per 32 columns
+        return {"qweight": ((*lead, N, K // 2), torch.uint8), "scales": ((*lead, N, K // 32), torch.float16)}
     if spec.fp32_groups:
         groups = (*lead, N, K // spec.group_size)
         codes = ((*lead, N, K), torch.int8) if spec.bits == 8 else ((*lead, N, K // 2), torch.uint8)
@@ -246,8 +256,8 @@ def _unpack_int4(qweight: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def dequantize_weight(stored: dict[str, torch.Tensor], spec: QuantSpec) -> torch.Tensor:
     """The stored tensors -> W [*E, N, K] fp32, exactly what the kernels multiply by."""
-    if spec.q4k:
-        s, z = q4k_scales(stored["scales"])
+    if spec.block_headers:
+        s, z = q4k_scales(stored["scales"]) if spec.q4k else (stored["scales"].float(), -8 * stored["scales"].float())
         stored = {"qweight": stored["qweight"], "scales": s, "zeros": z}
     s = stored["scales"].float()
     if spec.fp32_groups:
@@ -356,7 +366,7 @@ class QuantLinear(nn.Module):
             if kernels is not None and x2.dtype == torch.bfloat16:  # prefill in integer sums (kernels/cpu_gemm.cpp):
                 # int8 with x in 16-bit fixed point, int4 with x in 8 bits per group (as llama.cpp's blocks take it)
                 y = kernels.gemm_q8g(x2, w, s, z, self.spec.group_size) if self.spec.bits == 8 else \
-                    kernels.gemm_q4k(x2, w, s) if self.spec.q4k else kernels.gemm_q4g(x2, w, s, z)
+                    kernels.gemm_q4k(x2, w, s) if self.spec.block_headers else kernels.gemm_q4g(x2, w, s, z)
             else:  # fp32 slices of the exact weight through torch's fp32 GEMM, rounded once
                 y = fp32_gemm(x2, self.out_features, self._fill_fp32(kernels, w, s, z))
             return y.reshape(*x.shape[:-1], self.out_features)
@@ -401,7 +411,7 @@ class QuantLinear(nn.Module):
             zeros = [z for _, _, z in weights if z is not None]
             if self.spec.bits == 8:
                 return kernels.gemv_q8g(x2, qs, scales, zeros, self.spec.group_size, mode)
-            if self.spec.q4k:
+            if self.spec.block_headers:
                 return kernels.gemv_q4k(x2, qs, scales, mode)
             return kernels.gemv_q4g(x2, qs, scales, zeros, mode)
         if self.spec.bits == 8:

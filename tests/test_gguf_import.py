@@ -142,7 +142,7 @@ def test_q4_k_m_blocks_are_held_as_they_are_and_decode_natively(wide_ckpt, tmp_p
 
 def test_q4_0_and_moe_q8_0_blocks_are_held_as_they_are(wide_ckpt, moe_ckpt, tmp_path):
     q4_0 = export_gguf(wide_ckpt, tmp_path / "wide-q4_0.gguf", "q4_0")  # Q4_0, the head Q6_K, DeltaNet's Q8_0
-    check_blocks_held_exactly(q4_0, "int4 g32 fp32 + int8 g32 fp32 + int8 g16 fp32")
+    check_blocks_held_exactly(q4_0, "int4 Q4_0 + int8 g32 fp32 + int8 g16 fp32")  # Q4_0: codes and fp16 d
     model = check_blocks_held_exactly(export_gguf(moe_ckpt, tmp_path / "moe-q8_0.gguf", "q8_0"), "int8 g32 fp32")
     assert isinstance(model.model.layers[0].mlp.experts, QuantExperts) and model.mtp is not None
     # the untied embedding is looked up in its own blocks
@@ -150,6 +150,14 @@ def test_q4_0_and_moe_q8_0_blocks_are_held_as_they_are(wide_ckpt, moe_ckpt, tmp_
     assert isinstance(lookup, QuantEmbedding)
     ids = torch.tensor([[0, 7, 575]])
     assert torch.equal(lookup(ids), reference(ids).bfloat16())
+    # Q4_0 experts (codes and fp16 d) in the native MoE block: what the per-expert modules give, bit for bit
+    model = check_blocks_held_exactly(export_gguf(moe_ckpt, tmp_path / "moe-q4_0.gguf", "q4_0"),
+                                      "int4 Q4_0 + int8 g32 fp32")
+    block = model.model.layers[0].mlp
+    assert block.experts.gate_up_proj.spec.q40
+    x = torch.randn(3, block.gate.weight.shape[1], generator=torch.Generator().manual_seed(0)).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(block(x), block.dispatched(x))
 
 
 @pytest.fixture(scope="module")

@@ -120,6 +120,8 @@ def fp32_group_pieces(N: int, K: int, spec: QuantSpec, g: torch.Generator) -> di
         d = (torch.rand(N, K // 256, 2, generator=g) * 1e-5).half()  # d·sc of ~2e-4 at most, as above
         headers[..., :4] = d.view(torch.uint8)
         return {"qweight": codes, "scales": headers.reshape(N, K // 16)}
+    if spec.q40:  # Q4_0's fp16 d per 32 columns
+        return {"qweight": codes, "scales": (torch.rand(groups, generator=g) * 2e-4).half()}
     pieces = {"qweight": codes, "scales": (torch.rand(groups, generator=g) * 2e-4).half().float()}
     if "zeros" in spec.pieces:
         pieces["zeros"] = torch.randn(groups, generator=g) * 0.02
@@ -130,7 +132,8 @@ def fp32_group_pieces(N: int, K: int, spec: QuantSpec, g: torch.Generator) -> di
 @pytest.mark.parametrize("M", [1, 2, 3, 8])
 @pytest.mark.parametrize("spec", [QuantSpec(8, 32, fp32_groups=True), QuantSpec(8, 16, fp32_groups=True),
                                   QuantSpec(8, 32, fp32_groups=True, zeros=True), QuantSpec(4, 32, fp32_groups=True),
-                                  QuantSpec(4, 32, fp32_groups=True, q4k=True)], ids=str)
+                                  QuantSpec(4, 32, fp32_groups=True, q4k=True),
+                                  QuantSpec(4, 32, fp32_groups=True, q40=True)], ids=str)
 def test_gguf_block_gemv_matches_its_exact_weight(M, spec):
     """GGUF blocks held exactly (int8 codes with fp32 scales per 16 or 32 columns, zeros or not; int4 with fp32
     scales and zeros): the GEMVs against x·W in fp64, with the bounds of the int8 and int4 GEMVs above (int4 below
@@ -146,7 +149,7 @@ def test_gguf_block_gemv_matches_its_exact_weight(M, spec):
         zeros = [p["zeros"] for p in pieces if "zeros" in p]
         if spec.bits == 8:
             outs = kernels.gemv_q8g(x, qs, scales, zeros, spec.group_size, "fp32")
-        elif spec.q4k:
+        elif spec.block_headers:
             outs = kernels.gemv_q4k(x, qs, scales, "fp32")
         else:
             outs = kernels.gemv_q4g(x, qs, scales, zeros, "fp32")
@@ -160,8 +163,8 @@ def test_gguf_block_gemv_matches_its_exact_weight(M, spec):
 
 @needs_kernels
 @pytest.mark.parametrize("spec", [QuantSpec(8, 16, fp32_groups=True), QuantSpec(8, 32, fp32_groups=True, zeros=True),
-                                  QuantSpec(4, 32, fp32_groups=True), QuantSpec(4, 32, fp32_groups=True, q4k=True)],
-                         ids=str)
+                                  QuantSpec(4, 32, fp32_groups=True), QuantSpec(4, 32, fp32_groups=True, q4k=True),
+                                  QuantSpec(4, 32, fp32_groups=True, q40=True)], ids=str)
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 def test_gguf_block_rows_and_slices_are_the_exact_weight(spec, native, monkeypatch):
     """A token lookup in a table of GGUF blocks and QuantLinear's prefill / fp32 path (fp32 slices of the weight)
@@ -248,6 +251,29 @@ def test_int4_prefill_gemm_sums_8bit_activations_exactly(G):
                 pieces = fp32_group_pieces(N, K, spec, g)
                 y = kernels.gemm_q4k(x, pieces["qweight"], pieces["scales"])
                 int4_within_8bit_rounding(y, x, dequantize_weight(pieces, spec).double(), G)
+
+
+@needs_kernels
+def test_q4_0_scales_are_the_fp32_groups_they_stand_for():
+    """Q4_0 held as its codes and fp16 d (the file's size) multiplies as the fp32 scales d and zeros -8·d did, bit for
+    bit: GEMV at 1-8 rows, prefill GEMM, row lookup; a header tensor of the wrong size is refused."""
+    g = torch.Generator().manual_seed(40)
+    kernels = cpu_kernels()
+    held = fp32_group_pieces(48, 512, QuantSpec(4, 32, fp32_groups=True, q40=True), g)
+    d = held["scales"].float()
+    q, fp32 = held["qweight"], {"scales": d, "zeros": -8 * d}
+    for M in (1, 3, 8, 40):
+        x = torch.randn(M, 512, generator=g).bfloat16()
+        if M <= 8:
+            assert torch.equal(kernels.gemv_q4k(x, [q], [held["scales"]], "fp32")[0],
+                               kernels.gemv_q4g(x, [q], [fp32["scales"]], [fp32["zeros"]], "fp32")[0])
+        assert torch.equal(kernels.gemm_q4k(x, q, held["scales"]), kernels.gemm_q4g(x, q, fp32["scales"], fp32["zeros"]))
+    ids, out, expected = torch.tensor([3, 47, 0]), torch.empty(3, 512), torch.empty(3, 512)
+    kernels.dequantize_group_rows(ids, q, held["scales"], None, 32, out)
+    kernels.dequantize_group_rows(ids, q, fp32["scales"], fp32["zeros"], 32, expected)
+    assert torch.equal(out, expected)
+    with pytest.raises(RuntimeError, match="Q4_0 scales"):
+        kernels.gemv_q4k(x[:1], [q], [held["scales"][:, :-1].contiguous()], "fp32")
 
 
 @needs_kernels

@@ -9,14 +9,15 @@ fp32 zero, W = q·s + z, with s and z exact in fp32 (an fp16 number times a 6- o
     Q5_K    int8 g32   q (0..31)         s = d·sc,    z = -dmin·m (6-bit sc, m per 32)
     IQ4_NL  int8 g32   kvalues[q]        s = d
     IQ4_XS  int8 g32   kvalues[q]        s = d·(ls - 32)
-    Q4_0    int4 g32   q (0..15)         s = d,       z = -8·d
+    Q4_0    int4 g32   q (0..15)         s = d,       z = -8·d      (held as the int4 codes and Q4_0's own fp16 d)
     Q4_1    int4 g32   q                 s = d,       z = m
     Q4_K    int4 g32   q                 s = d·sc,    z = -dmin·m   (held as the int4 codes and Q4_K's own
                                                                       16-byte headers, expanded in the kernels)
 q·s + z in fp32 is then the value llama.cpp's dequantization gives, bit for bit (gguf.quants computes the same
 products; the test checks every type against it). Decoding follows gguf.quants' layouts; it runs a bounded slice of
 rows at a time. A Q4_K tensor whose rows must be cut between headers (the DeltaNet output's head reorder when the
-value head is under 256 wide) is held with fp32 scales and zeros instead (INT4_G32).
+value head is under 256 wide) is held with fp32 scales and zeros instead (INT4_G32). Q4_0 and Q4_K are so held
+in their files' size (0.5625 bytes per weight), Q4_1 at 0.75.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from qwenrt.quant import QuantSpec
 
 INT8_G32, INT8_G16 = QuantSpec(8, 32, fp32_groups=True), QuantSpec(8, 16, fp32_groups=True)
 INT8_G32_ZEROS, INT4_G32 = QuantSpec(8, 32, fp32_groups=True, zeros=True), QuantSpec(4, 32, fp32_groups=True)
-INT4_Q4K = QuantSpec(4, 32, fp32_groups=True, q4k=True)
+INT4_Q4K, INT4_Q40 = QuantSpec(4, 32, fp32_groups=True, q4k=True), QuantSpec(4, 32, fp32_groups=True, q40=True)
 SPECS = {Q.Q8_0: INT8_G32, Q.Q6_K: INT8_G16, Q.Q5_0: INT8_G32, Q.Q5_1: INT8_G32_ZEROS, Q.Q5_K: INT8_G32_ZEROS,
-         Q.IQ4_NL: INT8_G32, Q.IQ4_XS: INT8_G32, Q.Q4_0: INT4_G32, Q.Q4_1: INT4_G32, Q.Q4_K: INT4_Q4K}
+         Q.IQ4_NL: INT8_G32, Q.IQ4_XS: INT8_G32, Q.Q4_0: INT4_Q40, Q.Q4_1: INT4_G32, Q.Q4_K: INT4_Q4K}
 SLICE_BYTES = 1 << 24  # block bytes decoded at a time: bounded temporaries for the 248K-row tables
 KVALUES = np.array(IQ4_NL.kvalues, dtype=np.int8)
 
@@ -111,10 +112,19 @@ def _q4k_pieces(flat: np.ndarray, lead: list[int], K: int) -> dict[str, torch.Te
             "scales": torch.from_numpy(headers).reshape(*lead, K // 16)}
 
 
+def _q40_pieces(flat: np.ndarray, lead: list[int], K: int) -> dict[str, torch.Tensor]:
+    """Q4_0 blocks [rows, K/32 · 18] -> their int4 codes (qwenrt's layout already) and fp16 scales d [rows, K/32]."""
+    blocks = flat.reshape(flat.shape[0], K // 32, 18)
+    codes = np.ascontiguousarray(blocks[:, :, 2:]).reshape(flat.shape[0], K // 2)
+    d = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16).reshape(flat.shape[0], K // 32)
+    return {"qweight": torch.from_numpy(codes).reshape(*lead, K // 2),
+            "scales": torch.from_numpy(d).reshape(*lead, K // 32)}
+
+
 def stored_blocks(kind: Q, data: np.ndarray, shape: tuple[int, ...], spec: QuantSpec | None = None
                   ) -> tuple[QuantSpec, dict[str, torch.Tensor]]:
     """A tensor's blocks (data: the file's bytes, [*rows, bytes per row]) of PyTorch shape [*, N, K] -> its spec
-    (SPECS', or INT4_G32 for Q4_K when asked) and stored tensors {'qweight', 'scales'(, 'zeros')}
+    (SPECS', or INT4_G32 for Q4_K or Q4_0 when asked) and stored tensors {'qweight', 'scales'(, 'zeros')}
     (qwenrt.quant.storage_entries' layout)."""
     spec = spec or SPECS[kind]
     block, size = GGML_QUANT_SIZES[kind]
@@ -123,6 +133,8 @@ def stored_blocks(kind: Q, data: np.ndarray, shape: tuple[int, ...], spec: Quant
     flat = np.asarray(data).reshape(rows, -1)  # [rows, K / block · size]
     if spec.q4k:
         return spec, _q4k_pieces(flat, lead, K)
+    if spec.q40:
+        return spec, _q40_pieces(flat, lead, K)
     groups = K // spec.group_size
     codes = np.empty((rows, K // 2 if spec.bits == 4 else K), dtype=np.uint8 if spec.bits == 4 else np.int8)
     scales = np.empty((rows, groups), dtype=np.float32)

@@ -31,11 +31,11 @@ from qwenrt.gguf.metadata import Metadata, architecture, config_dict, tokenizer_
 from qwenrt.gguf.names import SPLIT
 from qwenrt.quant import EMBEDDING, QuantSpec, quantizable_weights, storage_entries
 from qwenrt.tokenizer import TokenizerParts
+from qwenrt.writer import DTYPE_NAMES
 
 # the float dtype a tensor of each type loads in at dtype "auto": as stored for float files, bf16 for quantized ones
 AUTO_DTYPE = {Q.F32: "F32", Q.F16: "F16", Q.BF16: "BF16"}
 READABLE = (*AUTO_DTYPE, *SPECS)  # the float types and the block types qwenrt holds as they are
-PIECE_DTYPES = {torch.int8: "I8", torch.uint8: "U8", torch.float32: "F32"}
 MAX_SPLITS = 1024
 MAX_ELEMENTS = 1 << 40  # per tensor: past every Qwen3.5 tensor (the 397B's experts are ~2^36)
 
@@ -291,7 +291,7 @@ def _offer_blocks(ckpt: GGUFCheckpoint) -> None:
         for key, (shape, dtype) in storage_entries(_shape(parameter, ckpt.sources[parameter]), spec).items():
             ckpt.pieces[f"{weight}.{key}"] = (parameter, spec, key)
             ckpt.shapes[f"{weight}.{key}"] = shape
-            ckpt.dtypes[f"{weight}.{key}"] = PIECE_DTYPES[dtype]
+            ckpt.dtypes[f"{weight}.{key}"] = DTYPE_NAMES[dtype]
 
 
 def _meta_model(config: ModelConfig):

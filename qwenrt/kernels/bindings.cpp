@@ -23,8 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_q4g", &gemv_q4g, "x [M<=8, K] bf16 · each int4 W (stored layout) in fp32-scaled groups of 32 with zeros "
         "(GGUF blocks) -> [M, N] per weight",
         arg("x"), arg("qs"), arg("scales"), arg("zeros"), arg("mode"));
-  m.def("gemv_q4k", &gemv_q4k, "x [M<=8, K] bf16 · each int4 W (stored layout, groups of 32) with Q4_K's headers "
-        "[N, K/256, 16] for scales and zeros -> [M, N] per weight",
+  m.def("gemv_q4k", &gemv_q4k, "x [M<=8, K] bf16 · each int4 W (stored layout, groups of 32) with GGUF block headers for "
+        "scales and zeros (Q4_K's uint8 [N, K/256, 16] or Q4_0's fp16 d [N, K/32]) -> [M, N] per weight",
         arg("x"), arg("qs"), arg("headers"), arg("mode"));
   m.def("gemm_bf16", &gemm_bf16, "x [M, K] bf16 · bf16 W [N, K]ᵀ -> [M, N] bf16: prefill, fp32 products and sums",
         arg("x"), arg("w"));
@@ -39,7 +39,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_q4g", &gemm_q4g, "x [M, K] bf16 · int4 W (stored layout) in fp32-scaled groups of 32 with zeros (GGUF "
         "blocks) -> [M, N] bf16: prefill, x in 8 bits per group",
         arg("x"), arg("q"), arg("scales"), arg("zeros"));
-  m.def("gemm_q4k", &gemm_q4k, "x [M, K] bf16 · int4 W (stored layout) with Q4_K's headers -> [M, N] bf16: prefill, "
+  m.def("gemm_q4k", &gemm_q4k, "x [M, K] bf16 · int4 W (stored layout) with GGUF block headers (Q4_K's, Q4_0's) -> [M, N] bf16: prefill, "
         "x in 8 bits per group",
         arg("x"), arg("q"), arg("headers"));
   m.def("dequantize_q4", &dequantize_q4, "int4 stored layout -> the dense weight written into out (bf16 or fp32)",

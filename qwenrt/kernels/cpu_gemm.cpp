@@ -391,19 +391,20 @@ at::Tensor gemm_q4(at::Tensor x, at::Tensor q, at::Tensor scales, at::Tensor zer
   });
 }
 
-// The same with Q4_K's headers [N, K/256, 16] for the scales and zeros (Q4_K held in its own size).
+// The same with GGUF block headers for the scales and zeros (Q4_K's uint8 [N, K/256, 16], Q4_0's fp16 [N, K/32]).
 at::Tensor gemm_q4k(at::Tensor x, at::Tensor q, at::Tensor headers) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous(), "gemm_q4k: uint8 weights [N, K/2]");
   const int64_t N = q.size(0), K = 2 * q.size(1), groups = K / 32;
   check_x(x, K, "gemm_q4k");
-  TORCH_CHECK(K % kQ4kBlock == 0 && headers.scalar_type() == at::kByte && headers.is_contiguous() &&
-              headers.numel() == N * (K / kQ4kBlock) * kQ4kHeader, "gemm_q4k: uint8 headers [N, K/256, 16]");
+  Segment blocks{};
+  set_block_headers(blocks, headers, N, K, "gemm_q4k");
   std::vector<float> expanded(2 * groups);  // row `last`'s scales and zeros: the panels ask row by row
+  Fp32Groups row{};
   int64_t last = -1;
   return q4_gemm(x, q, 32, [&](int64_t n, int64_t g, float& s, float& z) {
-    if (n != last) q4k_row(headers.data_ptr<uint8_t>(), last = n, K, expanded.data(), expanded.data() + groups);
-    s = expanded[g];
-    z = expanded[groups + g];
+    if (n != last) row = fp32_groups(blocks, last = n, K, groups, expanded);
+    s = row.scale[g];
+    z = row.zero[g];
   });
 }
 

@@ -246,17 +246,13 @@ void set_groups(std::vector<Segment>& segs, const std::vector<at::Tensor>& scale
   }
 }
 
-// Q4_K headers [N, K/256, 16] uint8 per weight
+// block headers per weight (Q4_K's or Q4_0's, Segment::q4k, q40)
 void set_headers(std::vector<Segment>& segs, const std::vector<at::Tensor>& headers, int64_t K) {
-  TORCH_CHECK(headers.size() == segs.size() && K % kQ4kBlock == 0, "gemv_q4k: Q4_K headers per weight, K % 256 == 0");
-  for (size_t i = 0; i < segs.size(); ++i) {
-    TORCH_CHECK(headers[i].scalar_type() == at::kByte && headers[i].is_contiguous() &&
-                headers[i].numel() == segs[i].N * (K / kQ4kBlock) * kQ4kHeader, "gemv_q4k: uint8 headers [N, K/256, 16]");
-    segs[i].q4k = headers[i].data_ptr<uint8_t>();
-  }
+  TORCH_CHECK(headers.size() == segs.size(), "gemv_q4k: block headers per weight");
+  for (size_t i = 0; i < segs.size(); ++i) set_block_headers(segs[i], headers[i], segs[i].N, K, "gemv_q4k");
 }
 
-// bf16: qwenrt's int4; fp32: GGUF's 4-bit blocks with fp32 scales and zeros; q4k: Q4_K's headers (`scales`)
+// bf16: qwenrt's int4; fp32: GGUF's 4-bit blocks with fp32 scales and zeros; q4k: GGUF block headers (`scales`)
 enum class Q4Scales { kBf16, kFp32, kQ4k };
 
 std::vector<at::Tensor> q4_call(const at::Tensor& x, const std::vector<at::Tensor>& qs,
@@ -299,8 +295,9 @@ std::vector<at::Tensor> gemv_q4g(at::Tensor x, std::vector<at::Tensor> qs, std::
   return q4_call(x, qs, scales, zeros, 32, mode, Q4Scales::kFp32);
 }
 
-// x [M, K] bf16 · int4 q_i [N_i, K/2] (qwenrt's layout, groups of 32) whose scales and zeros are Q4_K's headers
-// [N_i, K/256, 16] (fp16 d, dmin; 6-bit scale and min per 32): W = q·d·sc - dmin·m, Q4_K held in its own size
+// x [M, K] bf16 · int4 q_i [N_i, K/2] (qwenrt's layout, groups of 32) whose scales and zeros are GGUF block headers:
+// Q4_K's [N_i, K/256, 16] (fp16 d, dmin; 6-bit scale and min per 32: W = q·d·sc - dmin·m) or Q4_0's fp16 d
+// [N_i, K/32] (W = (q - 8)·d): the format held in its file's size
 std::vector<at::Tensor> gemv_q4k(at::Tensor x, std::vector<at::Tensor> qs, std::vector<at::Tensor> headers,
                                  std::string mode) {
   return q4_call(x, qs, headers, {}, 32, mode, Q4Scales::kQ4k);
@@ -418,8 +415,8 @@ at::Tensor dequantize_rows(at::Tensor ids, at::Tensor q, at::Tensor scales, c10:
 }
 
 // Rows `ids` of a weight in fp32-scaled groups (GGUF blocks held exactly): int8 q [V, K] (G = 16 or 32) or int4
-// q [V, K/2] (G = 32), fp32 scales and zeros (none: 0) [V, K/G] or, for int4, Q4_K's headers [V, K/256, 16] as
-// `scales`; W = q·s + z, into out [N, K] (bf16 or fp32): the token lookup of a table held so, and exact fp32 slices.
+// q [V, K/2] (G = 32), fp32 scales and zeros (none: 0) [V, K/G] or, for int4, block headers (Q4_K's uint8
+// [V, K/256, 16], Q4_0's fp16 [V, K/32]) as `scales`; W = q·s + z, into out [N, K] (bf16 or fp32): the token lookup of a table held so, and exact fp32 slices.
 at::Tensor dequantize_group_rows(at::Tensor ids, at::Tensor q, at::Tensor scales, c10::optional<at::Tensor> zeros,
                                  int64_t G, at::Tensor out) {
   const bool q4 = q.scalar_type() == at::kByte;
@@ -428,10 +425,11 @@ at::Tensor dequantize_group_rows(at::Tensor ids, at::Tensor q, at::Tensor scales
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && (q4 || q.scalar_type() == at::kChar) && (G == 16 || G == 32) &&
               (!q4 || G == 32), "dequantize_group_rows: int8 [V, K] or uint8 [V, K/2] weights, groups of 16 or 32");
   const int64_t N = ids.size(0), V = q.size(0), K = q4 ? 2 * q.size(1) : q.size(1), groups = K / G;
-  const bool headers = scales.scalar_type() == at::kByte;  // Q4_K's, for int4
+  const bool headers = scales.scalar_type() == at::kByte || scales.scalar_type() == at::kHalf;  // Q4_K's, Q4_0's
+  Segment blocks{};
   if (headers) {
-    TORCH_CHECK(q4 && K % kQ4kBlock == 0 && scales.is_contiguous() &&
-                scales.numel() == V * (K / kQ4kBlock) * kQ4kHeader, "dequantize_group_rows: Q4_K headers [V, K/256, 16]");
+    TORCH_CHECK(q4, "dequantize_group_rows: block headers are int4's");
+    set_block_headers(blocks, scales, V, K, "dequantize_group_rows");
   } else {
     for (const at::Tensor* t : {&scales, zeros ? &*zeros : &scales})
       TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == V * groups && K % G == 0,
@@ -448,7 +446,7 @@ at::Tensor dequantize_group_rows(at::Tensor ids, at::Tensor q, at::Tensor scales
       const int64_t v = I[i];
       const float *S = expanded.data(), *Z = expanded.data() + groups;  // row v's scales and zeros
       if (headers) {
-        q4k_row(scales.data_ptr<uint8_t>(), v, K, expanded.data(), expanded.data() + groups);
+        fp32_groups(blocks, v, K, groups, expanded);
       } else {
         S = scales.data_ptr<float>() + v * groups;
         Z = zeros ? zeros->data_ptr<float>() + v * groups : no_zeros.data();

@@ -227,7 +227,7 @@ void q4_rows(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64_t 
   const __m512i group_index = _mm512_load_si512(lane_group);
   constexpr int kRows = M <= 2 ? 4 : 2;
   std::vector<float> sc(kRows * groups + 16);  // fp32 scales of the block's rows (+16: whole-vector reads)
-  const bool fp32 = s.fscales != nullptr || s.q4k != nullptr;
+  const bool fp32 = s.fp32_scaled();
   std::vector<float> expanded;  // a row's scales and zeros from Q4_K headers
   over_rows<kRows>(n0, n1, [&](auto rows, int64_t n) {
     constexpr int R = decltype(rows)::value;

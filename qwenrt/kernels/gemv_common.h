@@ -27,9 +27,12 @@ struct Segment {  // one weight matrix of a call and where its rows go
   // for int8 (then z = 0). Where these are set, `scales` and `zeros` are not.
   const float* fscales = nullptr;
   const float* fzeros = nullptr;
-  // int4 with Q4_K's super-block headers [N, K/256, 16] (fp16 d, dmin; 6-bit scale and min per 32) for its scales
-  // and zeros: expanded per row to fp32 (q4k_row) where a kernel needs them
+  // int4 whose scales and zeros are GGUF block headers, expanded per row to fp32 (fp32_groups) where a kernel needs
+  // them: Q4_K's super-block headers [N, K/256, 16] (fp16 d, dmin; 6-bit scale and min per 32), or Q4_0's fp16
+  // scales d [N, K/32] (zero -8·d). Either keeps the format at its file's size.
   const uint8_t* q4k = nullptr;
+  const uint16_t* q40 = nullptr;
+  bool fp32_scaled() const { return fscales != nullptr || q4k != nullptr || q40 != nullptr; }
 };
 
 constexpr int64_t kQ4kBlock = 256;  // columns per Q4_K header
@@ -94,18 +97,51 @@ inline void q4k_row(const uint8_t* headers, int64_t n, int64_t K, float* scale, 
   }
 }
 
-// Row n's fp32 scales and zeros [K/G] where the segment has them in fp32: its own, or its Q4_K headers expanded into
-// `buffer`.
+// Row n's fp32 scale d and zero -8·d for each of its K/32 groups, from its Q4_0 scales (fp16 d [N, K/32]).
+inline void q40_row(const uint16_t* d, int64_t n, int64_t K, float* scale, float* zero) {
+  const int64_t groups = K / 32;
+  int64_t g = 0;
+#if defined(__F16C__)  // a row's conversions cost more than its weights' reading, one at a time
+  for (; g + 8 <= groups; g += 8) {
+    const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + n * groups + g)));
+    _mm256_storeu_ps(scale + g, s);
+    _mm256_storeu_ps(zero + g, _mm256_mul_ps(s, _mm256_set1_ps(-8.f)));
+  }
+#endif
+  for (; g < groups; ++g) {
+    scale[g] = fp16_to_float(d[n * groups + g]);
+    zero[g] = -8.f * scale[g];
+  }
+}
+
+// Row n's fp32 scales and zeros [K/G] where the segment has them in fp32: its own, or its block headers expanded
+// into `buffer`.
 struct Fp32Groups {
   const float* scale;
   const float* zero;
 };
 
 inline Fp32Groups fp32_groups(const Segment& s, int64_t n, int64_t K, int64_t groups, std::vector<float>& buffer) {
-  if (s.q4k == nullptr) return {s.fscales + n * groups, s.fzeros + n * groups};
+  if (s.q4k == nullptr && s.q40 == nullptr) return {s.fscales + n * groups, s.fzeros + n * groups};
   buffer.resize(2 * groups);
-  q4k_row(s.q4k, n, K, buffer.data(), buffer.data() + groups);
+  if (s.q4k != nullptr) q4k_row(s.q4k, n, K, buffer.data(), buffer.data() + groups);
+  else q40_row(s.q40, n, K, buffer.data(), buffer.data() + groups);
   return {buffer.data(), buffer.data() + groups};
+}
+
+// A segment's block headers (Segment::q4k, q40) from a tensor of N rows of K columns: Q4_K's uint8 [N, K/256, 16]
+// or Q4_0's fp16 [N, K/32].
+inline void set_block_headers(Segment& s, const at::Tensor& headers, int64_t N, int64_t K, const char* what) {
+  TORCH_CHECK(headers.is_contiguous() && (headers.scalar_type() == at::kByte || headers.scalar_type() == at::kHalf),
+              what, ": block headers: Q4_K's uint8 [N, K/256, 16] or Q4_0's fp16 scales [N, K/32]");
+  if (headers.scalar_type() == at::kHalf) {
+    TORCH_CHECK(K % 32 == 0 && headers.numel() == N * (K / 32), what, ": Q4_0 scales fp16 [N, K/32]");
+    s.q40 = reinterpret_cast<const uint16_t*>(headers.data_ptr<at::Half>());
+    return;
+  }
+  TORCH_CHECK(K % kQ4kBlock == 0 && headers.numel() == N * (K / kQ4kBlock) * kQ4kHeader,
+              what, ": Q4_K headers uint8 [N, K/256, 16], K % 256 == 0");
+  s.q4k = headers.data_ptr<uint8_t>();
 }
 
 // Σ x per row and group of G columns, in fp32: [M, K/G] (+ 16 zeros, for whole-vector reads), through which the

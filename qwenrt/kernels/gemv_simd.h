@@ -227,8 +227,8 @@ inline Q4Input q4_input(const at::Tensor& x, int64_t G) {
     for (int64_t b = std::max(g * G / 2, from); b < (g + 1) * G / 2; ++b)
       sum += int32_t{row[b] & 15} * q[g * G + b % (G / 2)] + int32_t{row[b] >> 4} * q[g * G + G / 2 + b % (G / 2)];
     std::vector<float> expanded;
-    const float scale = s.fscales || s.q4k ? fp32_groups(s, n, K, in.groups, expanded).scale[g]
-                                           : bf16_to_float(s.scales[n * in.groups + g]);
+    const float scale = s.fp32_scaled() ? fp32_groups(s, n, K, in.groups, expanded).scale[g]
+                                        : bf16_to_float(s.scales[n * in.groups + g]);
     total += static_cast<float>(sum) * (in.q8.scale[m * in.groups + g] * scale);
   }
   return total;
@@ -275,7 +275,7 @@ void q4_periods(const Q4Input& in, const Segment& s, int64_t K, int64_t G, int64
     constexpr int R = decltype(rows)::value;
     float offset[M][R];  // Σ_g (z - 8·s)·d·Σq: each weight enters the integer sums as its code c = w/s - z/s + 8
     // bf16 scales and zeros: W = (c - 8)·s + z; fp32 ones (GGUF blocks): W = c·s + z
-    const bool fp32 = s.fscales != nullptr || s.q4k != nullptr;
+    const bool fp32 = s.fp32_scaled();
     const float zero_code = fp32 ? 0.f : 8.f;
     for (int r = 0; r < R; ++r) {
       const int64_t row = (n + r) * groups;

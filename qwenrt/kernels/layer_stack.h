@@ -18,7 +18,7 @@ namespace qwenrt {
 // and a projections), which makes a layer's input projections two runs.
 struct Projection {
   struct Run {
-    std::string format;  // "bf16" | "q8" | "q4" | "q8g" | "q4g" | "q4k" (GGUF blocks: fp32-scaled groups, Q4_K)
+    std::string format;  // "bf16" | "q8" | "q4" | "q8g" | "q4g" | "q4k" (GGUF blocks: fp32-scaled groups; Q4_K's or Q4_0's block headers)
     std::vector<at::Tensor> weights, scales, zeros;
     int64_t group_size = 0;
     std::vector<at::Tensor> operator()(const at::Tensor& x, const std::string& mode) const;  // one GEMV call
