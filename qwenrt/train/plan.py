@@ -3,12 +3,13 @@ memory, from the checkpoint's headers alone (the model is built on `meta`; nothi
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import torch
 
 from qwenrt.lora import add_adapters, kind, lora_modules, projections, trainable_count
-from qwenrt.train.trainer import LOSS_SLICE
+from qwenrt.train.trainer import LOSS_SLICE, base_dtype, base_quantization
 
 ADAMW_BYTES = 16  # an fp32 trainable parameter: itself, its gradient, AdamW's two moments
 # activations autograd keeps per token and layer, in units of the layer's summed projection widths (inputs and
@@ -23,15 +24,18 @@ def _gib(n: float) -> str:
 def lora_plan(cfg) -> str:
     """The plan of the LoRA run `cfg` (a TrainConfig) as lines of text."""
     from qwenrt.loader import verify_checkpoint, weight_bytes
-    from qwenrt.quant import LoadQuantizer, QuantSpec
+    from qwenrt.ops.linear import Linear
+    from qwenrt.quant import LoadQuantizer, QuantLinear, QuantSpec
 
     config, _, _, _, model = verify_checkpoint(cfg.init)
     spec = cfg.lora_spec()
+    quantize = base_quantization(cfg)
     quantized = cfg.lora_base in ("int8", "int4")
-    dtype = torch.float32 if quantized else getattr(torch, cfg.lora_base)
-    quantizer = LoadQuantizer(model, QuantSpec.parse(cfg.lora_base), dtype) if quantized else None
+    dtype = getattr(torch, base_dtype(cfg))
+    quantizer = LoadQuantizer(model, QuantSpec.parse(quantize), dtype) if quantize else None
     base_bytes = weight_bytes(model, dtype, quantizer)
-    total = sum(p.numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters()) + sum(  # and the weights stored quantized
+        math.prod(m.qweight.shape[:-1]) * m.in_features for m in model.modules() if isinstance(m, QuantLinear))
     c = config.text
     # a layer's projection widths (inputs + outputs), on average over the layers
     width = sum(m.in_features + m.out_features for m in projections(model).values()) / c.num_hidden_layers
@@ -48,13 +52,16 @@ def lora_plan(cfg) -> str:
     lines.append(f"  {'total':<32} {len(adapters):>4}    {trainable:>12,} trainable parameters "
                  f"({100 * trainable / total:.2f}% of {total:,})")
     tokens = cfg.micro_batch_tokens
-    act = 4 if quantized else dtype.itemsize
+    act = dtype.itemsize
     if cfg.gradient_checkpointing:
         activations = (2 * c.num_hidden_layers * c.hidden_size * act + SAVED_PER_WIDTH * width * act) * tokens
         logits = 3 * min(tokens, LOSS_SLICE) * c.vocab_size * 4
     else:
         activations = SAVED_PER_WIDTH * width * act * tokens * c.num_hidden_layers
         logits = 3 * tokens * c.vocab_size * 4
+    if quantized:  # a prefill-sized product dequantizes its matrix whole (the head's the largest)
+        activations += 4 * max(m.out_features * m.in_features for m in model.modules()
+                               if type(m) in (Linear, QuantLinear))
     states = trainable * ADAMW_BYTES
     estimate = base_bytes + states + activations + logits
     lines.append(f"memory (estimate): base weights {_gib(base_bytes)}, adapters with gradients and AdamW "

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from qwenrt.adapters import CONFIG_FILE as ADAPTER_CONFIG, WEIGHTS_FILE as ADAPTER_WEIGHTS, read_adapter, save_adapter
@@ -198,13 +199,31 @@ def load_model_for_training(path: str | Path, mtp: bool, seed: int):
     return model, head
 
 
+def base_quantization(cfg: TrainConfig) -> str | None:
+    """What a LoRA run quantizes its base to while loading: int8 / int4, or None (a quantized checkpoint is used as
+    stored: its lora_base must be int8 or int4)."""
+    from qwenrt.config import load_config
+    from qwenrt.quant import stored_spec
+
+    quantized = cfg.lora_base in ("int8", "int4")
+    if stored_spec(load_config(Path(cfg.init)).raw) is None:
+        return cfg.lora_base if quantized else None
+    if not quantized:
+        raise QwenrtError(f"{cfg.init} is quantized: train adapters on it with lora_base int8 or int4 (its weights "
+                          "as stored), or on its full-precision original")
+    return None
+
+
+def base_dtype(cfg: TrainConfig) -> str:
+    """The compute dtype of a LoRA run: the base's, fp32 for a quantized one."""
+    return "float32" if cfg.lora_base in ("int8", "int4") else cfg.lora_base
+
+
 def load_lora_model(cfg: TrainConfig, adapter_dir: Path | None = None):
     """The frozen base `cfg.init` in cfg.lora_base with trainable adapters: fresh, or those saved in `adapter_dir`."""
     from qwenrt.loader import load_model
 
-    quantized = cfg.lora_base in ("int8", "int4")
-    model = load_model(cfg.init, dtype="float32" if quantized else cfg.lora_base,
-                       quantize=cfg.lora_base if quantized else None)
+    model = load_model(cfg.init, dtype=base_dtype(cfg), quantize=base_quantization(cfg))
     spec = cfg.lora_spec()
     if adapter_dir is None:
         add_adapters(model, spec, cfg.seed)
@@ -249,8 +268,8 @@ def _cross_entropy(model, h: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
 
     if not (model.gradient_checkpointing and torch.is_grad_enabled()):
         return loss(h, targets)
-    parts = [torch.utils.checkpoint.checkpoint(loss, h[i:i + LOSS_SLICE], targets[i:i + LOSS_SLICE],
-                                               use_reentrant=False) for i in range(0, h.shape[0], LOSS_SLICE)]
+    parts = [checkpoint(loss, h[i:i + LOSS_SLICE], targets[i:i + LOSS_SLICE], use_reentrant=False)
+             for i in range(0, h.shape[0], LOSS_SLICE)]
     return sum(parts, h.new_zeros((), dtype=torch.float32))
 
 
