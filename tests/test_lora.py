@@ -129,7 +129,7 @@ def test_adapter_model_leaves_the_native_decode_plan_and_decodes_as_its_modules(
 
 def test_int4_base_trains_adapters_through_the_quantized_weights(dense_ckpt):
     """QLoRA: on an int4 base the loss's gradient reaches the first layer's adapter (through every frozen int4
-    projection above it), and matches the same model computed on the dequantized weights."""
+    projection above it: the native kernels have no backward of their own), and nothing else gets one."""
     path, _ = dense_ckpt
     model, _ = qwenrt.load(path, dtype="float32", quantize="int4")
     add_adapters(model, LoraSpec(4, 8, ("in_proj_qkv", "q_proj")))
