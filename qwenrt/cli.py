@@ -105,6 +105,12 @@ def _bench(args) -> None:
     run(args)
 
 
+def _merge_lora(args) -> None:
+    from qwenrt.merge import merge_lora
+
+    print(merge_lora(args.base, args.adapter, args.out, progress=log.shows_progress()))
+
+
 def _train(args) -> None:
     from qwenrt.train import train_command
 
@@ -257,6 +263,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train even if OUT already holds a model (it is replaced)")
     p.add_argument("--mtp-only", dest="mtp_only", action="store_true", default=None,
                    help="train the MTP head alone, the model frozen (fit a head to a trained model)")
+    p.add_argument("--gradient-checkpointing", dest="gradient_checkpointing", action="store_true", default=None,
+                   help="recompute each layer in the backward: far less memory, about a third more time")
+    lora = p.add_argument_group("LoRA (the model frozen, adapters trained; OUT gets the adapter in PEFT's format)")
+    lora.add_argument("--lora-rank", dest="lora_rank", type=_at_least(1), help="train LoRA adapters of this rank")
+    lora.add_argument("--lora-alpha", dest="lora_alpha", type=float, help="LoRA alpha (scaling alpha / rank; "
+                      "default 2 x rank)")
+    lora.add_argument("--lora-targets", dest="lora_targets", metavar="A,B,...", help="projections to adapt, as "
+                      "PEFT names them (default: every projection of every layer, DeltaNet's included)")
+    lora.add_argument("--lora-dropout", dest="lora_dropout", type=float, help="dropout on the adapters' input")
+    lora.add_argument("--lora-base", dest="lora_base", choices=["float32", "bfloat16", "int8", "int4"],
+                      help="the frozen base's weights (default float32; int8 / int4: QLoRA, computed in fp32)")
+    lora.add_argument("--plan", action="store_true", default=None, help="print the adapters, trainable parameters "
+                      "and a memory estimate, and exit")
     for flag, kind, what in (("steps", int, "optimizer steps"), ("batch-size", int, "conversations per step"),
                              ("micro-batch-tokens", int, "padded tokens per micro-batch (gradient accumulation)"),
                              ("length-groups", int, "runs of this many steps regrouped by length: less padding "
@@ -278,6 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{flag}", dest=flag.replace("-", "_"), type=kind, help=what)
     log.add_options(p, verbose=False)
     p.set_defaults(run=_train)
+
+    p = verbs.add_parser("merge-lora", help="write a checkpoint with a LoRA adapter merged into its weights")
+    p.add_argument("base", help=f"full-precision checkpoint: a directory, hub repo id or {DEFAULT_MODEL}")
+    p.add_argument("adapter", help="LoRA adapter directory (PEFT's adapter_config.json + adapter_model.safetensors)")
+    p.add_argument("out", help="new directory for the merged checkpoint (must not exist)")
+    log.add_options(p, verbose=False)
+    p.set_defaults(run=_merge_lora)
 
     p = verbs.add_parser("bench", help="prefill / decode speed, time to first token, peak RSS, GB/s")
     p.add_argument("model", nargs="?", help=f"{MODEL_HELP} (default, without --shape: the built-in model "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from qwenrt.cache import HybridCache, SequenceState
 from qwenrt.config import ModelConfig, TextConfig
@@ -85,15 +86,15 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, its norm) in one pass where the native kernel is available."""
-        kernels = _norm_kernels(x, self.weight)
+        kernels = _norm_kernels(x, self.weight, residual)  # autograd may need either (adapters train only some)
         if kernels is not None:
             return tuple(kernels.rms_norm(x.contiguous(), residual.contiguous(), self.weight.float(), self.eps))
         x = x + residual
         return x, self(x)
 
 
-def _norm_kernels(x: torch.Tensor, weight: torch.Tensor):
-    return inference_kernels(x, weight) if x.is_cpu and x.dtype in (torch.bfloat16, torch.float32) else None
+def _norm_kernels(x: torch.Tensor, *weights: torch.Tensor):
+    return inference_kernels(x, *weights) if x.is_cpu and x.dtype in (torch.bfloat16, torch.float32) else None
 
 
 class GatedAttention(nn.Module):
@@ -219,6 +220,8 @@ class TextModel(nn.Module):
 class Qwen35ForCausalLM(nn.Module):
     """The text decoder with its LM head. Call it on token ids, optionally continuing the sequences in a cache."""
 
+    gradient_checkpointing = False  # training: keep each layer's inputs only, recompute the layer in the backward
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -297,8 +300,12 @@ class Qwen35ForCausalLM(nn.Module):
                 None].expand(B, T)
         cos, sin = self.rotary(position_ids, x.dtype)
         delta = None
+        recompute = self.gradient_checkpointing and torch.is_grad_enabled()
         for layer in self.model.layers:
-            x, delta = layer(x, delta, cos, sin, cache)
+            if recompute:
+                x, delta = checkpoint(layer, x, delta, cos, sin, cache, use_reentrant=False)
+            else:
+                x, delta = layer(x, delta, cos, sin, cache)
         if cache is not None:
             cache.advance(T)
         if keep is None:

@@ -33,7 +33,7 @@ from torch import nn
 from qwenrt.errors import QwenrtError
 from qwenrt.kernels import cpu_kernels
 from qwenrt.mlp import Experts, dispatch_experts
-from qwenrt.ops.linear import MAX_KERNEL_ROWS, by_row_groups, emulated_bf16, fp32_gemm
+from qwenrt.ops.linear import MAX_KERNEL_ROWS, by_row_groups, emulated_bf16, fp32_gemm, frozen_product, needs_input_grad
 
 BITS = (8, 4)
 GROUP_SIZES = (32, 64, 128)
@@ -355,6 +355,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
         w, s, z = self._weights(expert)
+        if needs_input_grad(x):  # a QLoRA base: frozen, but earlier adapters need its input's gradient
+            return frozen_product(x, lambda v: self.forward(v, expert), self.out_features, self._fill_rows(w, s, z))
         x2 = x.reshape(-1, self.in_features).contiguous()  # [M, K]
         kernels = cpu_kernels()
         rows = x2.shape[0]
@@ -390,6 +392,23 @@ class QuantLinear(nn.Module):
         else:  # prefill: dequantize this one matrix and use the GEMM (about 2.5x the int8 kernel at M = 512)
             y = F.linear(x2, w * s.to(x.dtype)[:, None])  # int8 · bf16 promotes to bf16 in one pass, exactly
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _fill_rows(self, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None):
+        """A fill(n0, n1, out) writing rows [n0, n1) of the dequantized weight in fp32, for the backward."""
+        kernels = cpu_kernels()
+        if self.spec.fp32_groups:
+            return self._fill_fp32(kernels, w, s, z)
+        if self.torch_int4:
+            raise QwenrtError("training through an int4 weight needs the native kernels (torch's packed layout has "
+                              "no dequantization)")
+
+        def fill(n0: int, n1: int, out: torch.Tensor) -> None:
+            if kernels is not None and w.is_cpu:
+                kernels.dequantize_rows(torch.arange(n0, n1), w, s, z, self.spec.group_size or 0, out)
+            else:
+                part = {"qweight": w[n0:n1], "scales": s[n0:n1]} | ({} if z is None else {"zeros": z[n0:n1]})
+                out.copy_(dequantize_weight(part, self.spec))
+        return fill
 
     def _fill_fp32(self, kernels, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None):
         """fp32_gemm's fill for fp32 groups: rows [n0, n1) of the weight, q·s + z exactly, natively where it can."""

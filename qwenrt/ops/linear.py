@@ -108,6 +108,9 @@ def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     fp32 one (NATIVE_GEMM_LEVELS), else up to GEMV_GEMM_ROWS rows the GEMV kernels (a group of MAX_KERNEL_ROWS rows
     per weight pass) and beyond torch's fp32 GEMM on slices of the weight."""
     if emulated_bf16(x) and weight.dtype == torch.bfloat16:
+        if needs_input_grad(x, weight):  # the fp32 slices reuse one buffer, which autograd cannot keep
+            return frozen_product(x, lambda v: gemm(v, weight), weight.shape[0],
+                                  lambda n0, n1, w: w.copy_(weight[n0:n1]))
         x2 = x.reshape(-1, x.shape[-1])
         kernels = inference_kernels(x, weight) if weight.is_contiguous() else None
         if kernels is not None and cpu_level() in NATIVE_GEMM_LEVELS:
@@ -117,6 +120,41 @@ def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             return y.view(*x.shape[:-1], weight.shape[0])
         return fp32_gemm(x, weight.shape[0], lambda n0, n1, w: w.copy_(weight[n0:n1]))
     return F.linear(x, weight)
+
+
+def needs_input_grad(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether autograd needs d/dx through a product with frozen `weights` (a LoRA or QLoRA base)."""
+    return torch.is_grad_enabled() and x.requires_grad and not any(w.requires_grad for w in weights)
+
+
+class _FrozenProduct(torch.autograd.Function):
+    """y = product(x) = x · Wᵀ for a frozen W [N, K], through whatever fast path `product` takes (the native kernels
+    have no backward); dx = dy · W in fp32, W's rows written `fill_fp32(n0, n1, out)` a slice at a time."""
+
+    @staticmethod
+    def forward(ctx, x, product, N: int, fill_fp32):
+        ctx.product_shape, ctx.dtype, ctx.N, ctx.fill = x.shape, x.dtype, N, fill_fp32
+        return product(x)  # autograd is off in here: the native paths apply
+
+    @staticmethod
+    def backward(ctx, dy):
+        K = ctx.product_shape[-1]
+        dy32 = dy.reshape(-1, ctx.N).float()  # [M, N]
+        dx = torch.zeros(dy32.shape[0], K)
+        step = min(ctx.N, max(1, SLICE // K))
+        buffer = _slice_buffer(step * K)
+        for n0 in range(0, ctx.N, step):
+            n1 = min(ctx.N, n0 + step)
+            w = buffer[:(n1 - n0) * K].view(n1 - n0, K)
+            ctx.fill(n0, n1, w)
+            dx.addmm_(dy32[:, n0:n1], w)
+        return dx.view(ctx.product_shape).to(ctx.dtype), None, None, None
+
+
+def frozen_product(x: torch.Tensor, product, N: int, fill_fp32) -> torch.Tensor:
+    """product(x) [..., N] = x [..., K] · Wᵀ with autograd through x only: W is frozen and `fill_fp32(n0, n1, out)`
+    writes its rows n0..n1 in fp32 for the backward (fp32_gemm's fill)."""
+    return _FrozenProduct.apply(x, product, N, fill_fp32)
 
 
 _slices = threading.local()

@@ -20,9 +20,12 @@ __all__ = ["TrainConfig", "train", "train_command"]
 
 def train_command(out: str, recipe: str | None = None, **options) -> str:
     """`qwenrt train`: a recipe (the built-in model, rebuilt from scratch) or a training run on given data.
-    Returns the closing summary line. OUT holding a model is refused unless `overwrite` or `resume`; progress
-    shows unless -q (`qwenrt.log`)."""
-    if not (options.pop("overwrite", False) or options.get("resume")):
+    Returns the closing summary line (with `plan`, a LoRA run's plan, nothing trained). OUT holding a model is
+    refused unless `overwrite` or `resume`; progress shows unless -q (`qwenrt.log`)."""
+    plan = options.pop("plan", False)
+    if plan and "lora_rank" not in options:
+        raise QwenrtError("--plan describes a LoRA run: give --lora-rank")
+    if not (plan or options.pop("overwrite", False) or options.get("resume")):
         check_no_model(Path(out))
     progress = log.shows_progress()
     if recipe is not None:
@@ -47,9 +50,16 @@ def train_command(out: str, recipe: str | None = None, **options) -> str:
             options["init"] = str(resolve_model_path(options.get("init", DEFAULT_MODEL)))
         if "model_config" in options:
             options["model_config"] = read_json(Path(options["model_config"]), what="model config")
-        summary = train(TrainConfig(out=out, progress=progress, **options))
+        if "lora_targets" in options:
+            options["lora_targets"] = tuple(t.strip() for t in options["lora_targets"].split(","))
+        cfg = TrainConfig(out=out, progress=progress, **options)
+        if plan:
+            from qwenrt.train.plan import lora_plan
+
+            return lora_plan(cfg)
+        summary = train(cfg)
     last = summary["history"][-1] if summary["history"] else {}
     figures = ", ".join(f"{k} {v:.4f}" for k, v in last.items() if k.startswith("eval"))
     return (f"trained {summary['steps']} steps in {summary['seconds']:.0f} s ({summary['tokens']} tokens)"
-            f"{'; ' + figures if figures else ''}; model in {out}")
+            f"{'; ' + figures if figures else ''}; {'adapter' if 'lora_rank' in options else 'model'} in {out}")
 

@@ -116,9 +116,11 @@ def prepare_output(out: Path, files: tuple[str, ...] = ()) -> Path:
 
 
 def check_no_model(out: Path) -> None:
-    """Refuse to train into a directory that already holds a model (its config.json or weights as files), which the
-    run would replace: `qwenrt train` asks for --overwrite (or --resume, to continue that directory's run)."""
-    held = [name for name in ("config.json", "model.safetensors") if _is_file(Path(out) / name)]
+    """Refuse to train into a directory that already holds a model (its config.json or weights, or an adapter's, as
+    files), which the run would replace: `qwenrt train` asks for --overwrite (or --resume, to continue that
+    directory's run)."""
+    held = [name for name in ("config.json", "model.safetensors", "adapter_model.safetensors")
+            if _is_file(Path(out) / name)]
     if held:
         raise QwenrtError(f"{out} already holds a model ({held[0]}); pass --overwrite to replace it, or --resume to "
                           "continue its training")

@@ -22,10 +22,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
+from qwenrt.adapters import CONFIG_FILE as ADAPTER_CONFIG, WEIGHTS_FILE as ADAPTER_WEIGHTS, read_adapter, save_adapter
 from qwenrt.config import parse_config
 from qwenrt.errors import QwenrtError
+from qwenrt.lora import DEFAULT_TARGETS, LoraSpec, add_adapters, lora_modules, trainable_count, wrap
 from qwenrt.mtp import MTPHead, chained_hidden
 from qwenrt.train.checkpoints import (STATE_FILE, config_json, latest_step_dir, load_state, prepare_output, prune,
                                       restore_optimizer, save_checkpoint, step_dir)
@@ -33,6 +36,8 @@ from qwenrt.train.data import Example, collate, encode_all, load_conversations
 from qwenrt.validation import check_path
 
 LOG_FILE = "train_log.jsonl"
+LORA_BASES = ("float32", "bfloat16", "int8", "int4")
+LOSS_SLICE = 256  # rows of logits alive at a time in a checkpointed loss (a 248K vocabulary: 250 MB fp32)
 
 
 @dataclass
@@ -56,7 +61,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     clip: float = 1.0
-    mtp_weight: float = 0.3  # 0: leave the MTP head out
+    mtp_weight: float | None = None  # 0: leave the MTP head out (default 0.3; with LoRA 0, the head is not adapted)
     mtp_depths: int = 1  # the head's loss over this many chained drafts (mtp.chained_hidden)
     mtp_only: bool = False  # the model frozen: only the MTP head learns
     max_len: int = 1024
@@ -71,9 +76,17 @@ class TrainConfig:
     threads: int | None = None  # torch threads (default: torch's); 1 is faster on a machine busy with other work
     resume: bool = False
     progress: bool = True
+    gradient_checkpointing: bool = False  # recompute each layer (and the loss in slices) in the backward: less memory
+    lora_rank: int | None = None  # train LoRA adapters of this rank on the frozen `init` model instead of the model
+    lora_alpha: float | None = None  # default 2·rank
+    lora_targets: tuple[str, ...] | None = None  # default: every projection (qwenrt.lora.DEFAULT_TARGETS)
+    lora_dropout: float = 0.0
+    lora_base: str = "float32"  # the frozen base: float32, bfloat16, int8 or int4 (QLoRA; computed in fp32)
 
     def __post_init__(self):
         """A one-line error for settings no run can use (they come from the command line)."""
+        if self.mtp_weight is None:
+            self.mtp_weight = 0.0 if self.lora_rank else 0.3
         counts = ("steps", "batch_size", "micro_batch_tokens", "max_len", "eval_every", "eval_batch", "save_every",
                   "keep_checkpoints", "length_groups", "mtp_depths")
         for name in counts:
@@ -98,6 +111,19 @@ class TrainConfig:
                 check_path(value, f"training: {name} (a JSONL file, or a list of conversations)")
         if self.save_dtype not in ("float32", "bfloat16", "float16"):
             raise QwenrtError(f"training: save_dtype must be float32, bfloat16 or float16, not {self.save_dtype!r}")
+        if self.lora_rank is not None:
+            self.lora_spec()
+            if self.mtp_weight or self.mtp_only:
+                raise QwenrtError("training: LoRA adapts the model, not its MTP head: leave mtp_weight at 0")
+            if self.init is None:
+                raise QwenrtError("training: LoRA trains adapters on a checkpoint: give `init`")
+        if self.lora_base not in LORA_BASES:
+            raise QwenrtError(f"training: lora_base must be one of {', '.join(LORA_BASES)}, not {self.lora_base!r}")
+
+    def lora_spec(self) -> LoraSpec:
+        """The adapters to train (one-line errors for bad settings)."""
+        alpha = 2 * self.lora_rank if self.lora_alpha is None and isinstance(self.lora_rank, int) else self.lora_alpha
+        return LoraSpec(self.lora_rank, alpha, tuple(self.lora_targets or DEFAULT_TARGETS), self.lora_dropout)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -173,6 +199,46 @@ def load_model_for_training(path: str | Path, mtp: bool, seed: int):
     return model, head
 
 
+def base_quantization(cfg: TrainConfig) -> str | None:
+    """What a LoRA run quantizes its base to while loading: int8 / int4, or None (a quantized checkpoint is used as
+    stored: its lora_base must be int8 or int4)."""
+    from qwenrt.config import load_config
+    from qwenrt.quant import stored_spec
+
+    quantized = cfg.lora_base in ("int8", "int4")
+    if stored_spec(load_config(Path(cfg.init)).raw) is None:
+        return cfg.lora_base if quantized else None
+    if not quantized:
+        raise QwenrtError(f"{cfg.init} is quantized: train adapters on it with lora_base int8 or int4 (its weights "
+                          "as stored), or on its full-precision original")
+    return None
+
+
+def base_dtype(cfg: TrainConfig) -> str:
+    """The compute dtype of a LoRA run: the base's, fp32 for a quantized one."""
+    return "float32" if cfg.lora_base in ("int8", "int4") else cfg.lora_base
+
+
+def load_lora_model(cfg: TrainConfig, adapter_dir: Path | None = None):
+    """The frozen base `cfg.init` in cfg.lora_base with trainable adapters: fresh, or those saved in `adapter_dir`."""
+    from qwenrt.loader import load_model
+
+    model = load_model(cfg.init, dtype=base_dtype(cfg), quantize=base_quantization(cfg))
+    spec = cfg.lora_spec()
+    if adapter_dir is None:
+        add_adapters(model, spec, cfg.seed)
+    else:
+        saved, adapters = read_adapter(adapter_dir, model)
+        if saved.rank != spec.rank or saved.scaling != spec.scaling:
+            raise QwenrtError(f"{adapter_dir}: the saved adapter has rank {saved.rank}, scaling {saved.scaling:g}; "
+                              f"this run trains rank {spec.rank}, scaling {spec.scaling:g}")
+        wrap(model, adapters, spec.scaling, spec.dropout)
+    for m in lora_modules(model).values():
+        m.lora_A.requires_grad_(True)
+        m.lora_B.requires_grad_(True)
+    return model
+
+
 def sequence_losses(model, mtp: MTPHead | None, ids: torch.Tensor, mask: torch.Tensor, depths: int = 1):
     """Summed cross-entropies over a micro-batch: (main, MTP per depth, main token count, MTP token count per depth).
 
@@ -181,8 +247,7 @@ def sequence_losses(model, mtp: MTPHead | None, ids: torch.Tensor, mask: torch.T
     """
     hidden = model.hidden_states(ids)  # [B, T, D]
     target = mask[:, 1:]
-    logits = model.lm_head(hidden[:, :-1][target]).float()  # [N, V]
-    main = F.cross_entropy(logits, ids[:, 1:][target], reduction="sum")
+    main = _cross_entropy(model, hidden[:, :-1][target], ids[:, 1:][target])
     n_main = int(target.sum())
     extras, counts = [], []
     if mtp is None:
@@ -193,6 +258,19 @@ def sequence_losses(model, mtp: MTPHead | None, ids: torch.Tensor, mask: torch.T
         extras.append(F.cross_entropy(model.lm_head(h).float(), ids[:, d + 1:][wanted], reduction="sum"))
         counts.append(int(wanted.sum()))
     return main, extras, n_main, counts
+
+
+def _cross_entropy(model, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of the head over h [N, D] against targets [N]; with gradient checkpointing LOSS_SLICE
+    rows at a time, each recomputed in the backward (the logits [N, V] of a large vocabulary never all exist)."""
+    def loss(h_part, t_part):
+        return F.cross_entropy(model.lm_head(h_part).float(), t_part, reduction="sum")
+
+    if not (model.gradient_checkpointing and torch.is_grad_enabled()):
+        return loss(h, targets)
+    parts = [checkpoint(loss, h[i:i + LOSS_SLICE], targets[i:i + LOSS_SLICE], use_reentrant=False)
+             for i in range(0, h.shape[0], LOSS_SLICE)]
+    return sum(parts, h.new_zeros((), dtype=torch.float32))
 
 
 @torch.no_grad()
@@ -269,7 +347,8 @@ def train(cfg: TrainConfig) -> dict:
 def _train(cfg: TrainConfig) -> dict:
     from qwenrt.tokenizer import Tokenizer
 
-    out = prepare_output(Path(cfg.out), (LOG_FILE,))
+    out = prepare_output(Path(cfg.out), (LOG_FILE, ADAPTER_CONFIG, ADAPTER_WEIGHTS))
+    lora = cfg.lora_rank is not None
     torch.manual_seed(cfg.seed)
     use_mtp = cfg.mtp_weight > 0
     resume_dir = latest_step_dir(out) if cfg.resume else None
@@ -278,8 +357,11 @@ def _train(cfg: TrainConfig) -> dict:
         if state["step"] > cfg.steps:
             raise QwenrtError(f"{resume_dir / STATE_FILE}: the training state is at step {state['step']}, past "
                               f"steps {cfg.steps}")
-        model, mtp = load_model_for_training(resume_dir, use_mtp, cfg.seed)
-        tokenizer_dir = resume_dir
+        model, mtp = (load_lora_model(cfg, resume_dir), None) if lora else \
+            load_model_for_training(resume_dir, use_mtp, cfg.seed)
+        tokenizer_dir = Path(cfg.init) if lora else resume_dir
+    elif lora:
+        model, mtp, tokenizer_dir = load_lora_model(cfg), None, Path(cfg.init)
     elif cfg.init is not None:
         model, mtp = load_model_for_training(cfg.init, use_mtp, cfg.seed)
         tokenizer_dir = Path(cfg.init)
@@ -303,6 +385,7 @@ def _train(cfg: TrainConfig) -> dict:
                 if cfg.eval_data else [])
 
     model.train()
+    model.gradient_checkpointing = cfg.gradient_checkpointing
     if cfg.mtp_only:
         model.requires_grad_(False)
         mtp.requires_grad_(True)  # a loaded head is the model's submodule (model.mtp)
@@ -362,16 +445,29 @@ def _train(cfg: TrainConfig) -> dict:
         log.write(json.dumps(record) + "\n")
         log.flush()
         if (step + 1) % cfg.save_every == 0 and not done:
-            save_checkpoint(step_dir(out, step + 1), model, mtp, config, tokenizer_dir,
-                            state={"step": step + 1, "optimizer": optimizer.state_dict()})
+            state = {"step": step + 1, "optimizer": optimizer.state_dict()}
+            if lora:
+                _save_adapter_step(step_dir(out, step + 1), model, cfg, state)
+            else:
+                save_checkpoint(step_dir(out, step + 1), model, mtp, config, tokenizer_dir, state=state)
             prune(out, cfg.keep_checkpoints)
     bar.close()
     log.close()
-    dtype = getattr(torch, cfg.save_dtype)
-    save_checkpoint(out, model, mtp, config, tokenizer_dir, dtype=dtype)
+    if lora:
+        save_adapter(out, model, cfg.lora_spec(), cfg.init)
+    else:
+        save_checkpoint(out, model, mtp, config, tokenizer_dir, dtype=getattr(torch, cfg.save_dtype))
     return {"steps": cfg.steps, "seconds": time.perf_counter() - began, "cpu_seconds": time.process_time() - cpu_began,
             "tokens": tokens_seen,
             "parameters": _count(modules), "history": history}
+
+
+def _save_adapter_step(directory: Path, model, cfg: TrainConfig, state: dict) -> None:
+    """A LoRA run's step checkpoint: the adapter, then the training state (its presence marks the step complete)."""
+    from qwenrt.files import output_dir
+
+    save_adapter(directory, model, cfg.lora_spec(), cfg.init)
+    torch.save(state, output_dir(directory) / STATE_FILE)
 
 
 def _open_log(path: Path, append: bool):
@@ -391,6 +487,8 @@ def _count(modules) -> dict:
     model = modules[0]
     total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     out = {"model": total}
+    if lora_modules(model):
+        out["lora"] = trainable_count(model)
     if len(modules) > 1:
         out["mtp"] = sum(p.numel() for p in modules[1].parameters())
     return out

@@ -1,0 +1,145 @@
+"""LoRA adapters in PEFT's format, both ways: a directory holding adapter_config.json and adapter_model.safetensors,
+the tensors under transformers' module names as PEFT saves them,
+
+    base_model.model.model.layers.0.linear_attn.in_proj_qkv.lora_A.weight   [r, K]
+    base_model.model.model.layers.0.linear_attn.in_proj_qkv.lora_B.weight   [N, r]
+
+(`model.language_model.layers.` for a vision-language base), so `peft.PeftModel.from_pretrained` loads ours and
+adapters trained with PEFT load here. Read strictly: an adapter that does not fit the base is one error naming the
+file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from qwenrt.checkpoint import canonical_name
+from qwenrt.errors import QwenrtError
+from qwenrt.files import CheckpointDir, output_dir
+from qwenrt.lora import LoraSpec, kind, lora_modules, projections, wrap
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+PIECES = (".lora_A.weight", ".lora_B.weight")
+# PEFT settings whose adapters compute something else than base + scaling·B·A on projections: refused when set
+UNSUPPORTED = {"use_dora": "DoRA", "lora_bias": "LoRA biases", "modules_to_save": "modules_to_save (whole modules)",
+               "rank_pattern": "per-module ranks (rank_pattern)", "alpha_pattern": "per-module alphas (alpha_pattern)",
+               "target_parameters": "adapters on parameters (target_parameters: the routed MoE experts)",
+               "fan_in_fan_out": "fan_in_fan_out (Conv1D bases)", "trainable_token_indices": "trainable tokens",
+               "layer_replication": "layer replication"}
+
+
+def _transformers_path(path: str, vlm: bool) -> str:
+    """Our module path -> transformers' (the text decoder of a vision-language model sits in model.language_model)."""
+    return "model.language_model." + path[len("model."):] if vlm else path
+
+
+def save_adapter(directory: str | Path, model: nn.Module, spec: LoraSpec, base: str | None) -> None:
+    """Write the model's adapters into `directory` in PEFT's format; `base` goes to base_model_name_or_path."""
+    directory = output_dir(directory, "adapter directory")
+    adapters = lora_modules(model)
+    vlm = model.config.is_vlm
+    tensors = {}
+    for path, m in adapters.items():
+        name = PREFIX + _transformers_path(path, vlm)
+        tensors[name + PIECES[0]] = m.lora_A.detach().float().contiguous()
+        tensors[name + PIECES[1]] = m.lora_B.detach().float().contiguous()
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "revision": None,
+              "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "use_rslora": spec.rslora,
+              "target_modules": sorted({kind(path) for path in adapters}), "bias": "none",
+              "fan_in_fan_out": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+              "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
+    try:
+        save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+        (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    except OSError as e:
+        raise QwenrtError(f"cannot write the adapter into {directory}: {e.strerror or e}") from None
+
+
+def read_config(directory: str | Path) -> tuple[LoraSpec, Path]:
+    """An adapter directory's adapter_config.json -> (its LoraSpec, the weights file), or one QwenrtError."""
+    where = CheckpointDir(directory)
+    if not where.exists(CONFIG_FILE):
+        raise QwenrtError(f"{where.path}: no {CONFIG_FILE} (a PEFT LoRA adapter holds {CONFIG_FILE} and "
+                          f"{WEIGHTS_FILE})")
+    file = where.file(CONFIG_FILE)
+    raw = where.read_json(CONFIG_FILE)
+    if raw.get("peft_type") != "LORA":
+        raise QwenrtError(f"{file}: peft_type {raw.get('peft_type')!r:.40} is not a LoRA adapter (LORA)")
+    for key, what in UNSUPPORTED.items():
+        if raw.get(key):
+            raise QwenrtError(f"{file}: {what} not supported")
+    targets = raw.get("target_modules")
+    targets = (targets,) if isinstance(targets, str) else tuple(targets or ())
+    try:
+        spec = LoraSpec(raw.get("r"), raw.get("lora_alpha"), targets or ("?",), rslora=bool(raw.get("use_rslora")))
+    except QwenrtError as e:
+        raise QwenrtError(f"{file}: {e}") from None
+    if not where.exists(WEIGHTS_FILE):
+        pickled = " (adapter_model.bin, a pickle, is not read: save with safe_serialization=True)" \
+            if where.exists("adapter_model.bin") else ""
+        raise QwenrtError(f"{where.path}: no {WEIGHTS_FILE}{pickled}")
+    return spec, where.file(WEIGHTS_FILE, "adapter weights")
+
+
+def read_adapter(directory: str | Path, model: nn.Module) -> tuple[LoraSpec, dict[str, tuple[torch.Tensor, ...]]]:
+    """Read and check an adapter against `model` (loaded, or on `meta`): (its spec, projection path -> (lora_A
+    [r, K], lora_B [N, r]) fp32). Every tensor must be a lora_A / lora_B pair of a projection the model has, of
+    its shape and the config's rank, finite."""
+    spec, file = read_config(directory)
+    tensors = _read_tensors(file)
+    found = projections(model)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        piece = next((p for p in PIECES if name.endswith(p)), None)
+        path = canonical_name(name[len(PREFIX):-len(piece)]) if name.startswith(PREFIX) and piece else None
+        if path is None:
+            raise QwenrtError(f"{file}: tensor '{name:.120}' is not a LoRA weight (base_model.model.<module>"
+                              ".lora_A.weight / .lora_B.weight)")
+        if path not in found:
+            raise QwenrtError(f"{file}: tensor '{name:.120}' adapts {path:.120}, which is no projection of this "
+                              "model")
+        pairs.setdefault(path, {})[piece] = t
+    if not pairs:
+        raise QwenrtError(f"{file}: holds no LoRA weights")
+    return spec, {path: _checked_pair(file, path, pieces, found[path], spec.rank) for path, pieces in pairs.items()}
+
+
+def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise QwenrtError(f"{file}: cannot read the adapter weights ({' '.join(str(e).split())[:200]})") from None
+
+
+def _checked_pair(file: Path, path: str, pieces: dict[str, torch.Tensor], base: nn.Module, rank: int):
+    missing = [p for p in PIECES if p not in pieces]
+    if missing:
+        raise QwenrtError(f"{file}: {path} has no {missing[0][1:]}")
+    A, B = pieces[PIECES[0]], pieces[PIECES[1]]
+    N, K = base.out_features, base.in_features
+    if A.dim() != 2 or B.dim() != 2 or A.shape[1] != K or B.shape[0] != N:
+        raise QwenrtError(f"{file}: {path}: lora_A {list(A.shape)} and lora_B {list(B.shape)} do not fit the base's "
+                          f"[{N}, {K}] weight (expected [r, {K}] and [{N}, r])")
+    if A.shape[0] != rank or B.shape[1] != rank:
+        raise QwenrtError(f"{file}: {path} has rank {A.shape[0]} (lora_A) / {B.shape[1]} (lora_B), but "
+                          f"{CONFIG_FILE} says r = {rank}")
+    for name, t in (("lora_A", A), ("lora_B", B)):
+        if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+            raise QwenrtError(f"{file}: {path}.{name} must hold finite floats ({t.dtype})")
+    return A.float(), B.float()
+
+
+def load_adapter(model: nn.Module, directory: str | Path) -> LoraSpec:
+    """Put the adapter in `directory` on `model` (frozen, for inference). Returns its spec."""
+    spec, adapters = read_adapter(directory, model)
+    wrap(model, adapters, spec.scaling)
+    return spec

@@ -1,0 +1,68 @@
+"""`qwenrt merge-lora`: a full-precision checkpoint and a LoRA adapter -> a checkpoint with W + scaling·B·A in place of
+each adapted weight, written tensor by tensor as `qwenrt quantize` writes (the text tensors under the text-only names,
+the rest copied as stored, each in its stored dtype; config.json and the tokenizer files as they are)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from qwenrt.adapters import read_adapter
+from qwenrt.checkpoint import materialize
+from qwenrt.convert import _partial_dir, _side_files, _stored_dtype
+from qwenrt.errors import QwenrtError
+from qwenrt.gguf.reader import is_gguf
+from qwenrt.hub import resolve_model_path
+from qwenrt.loader import verify_checkpoint
+from qwenrt.quant import stored_spec
+from qwenrt.writer import Entry, aligned_order, write_safetensors
+
+
+def merge_lora(base: str | Path, adapter: str | Path, out: str | Path, progress: bool = False) -> str:
+    """Write `base` (a directory or hub repo id) with `adapter` merged into the new directory `out` (complete or
+    absent). Returns a one-line summary."""
+    out = Path(out).expanduser()
+    if out.exists() or out.is_symlink():
+        raise QwenrtError(f"{out}: already exists")
+    base = resolve_model_path(base)
+    if is_gguf(base):
+        raise QwenrtError(f"{base}: a GGUF file; merge-lora takes a full-precision checkpoint directory")
+    config, ckpt, plan, aside, model = verify_checkpoint(base)
+    if stored_spec(config.raw):
+        raise QwenrtError(f"{base}: a quantized checkpoint; merge the adapter into its full-precision original")
+    spec, adapters = read_adapter(adapter, model)
+    merged = {f"{path}.weight": (A, B) for path, (A, B) in adapters.items()}
+
+    def first_name(name):
+        source = plan[name]
+        return source.names[0][0] if source.stacked else source.names[0]
+
+    entries = [Entry(n, s.shape, _stored_dtype(ckpt, first_name(n))) for n, s in plan.items()]
+    entries = aligned_order(entries + [Entry(n, ckpt.shapes[n], _stored_dtype(ckpt, n)) for n in aside])
+
+    def produce(entry: Entry) -> torch.Tensor:
+        ckpt.release()  # one tensor at a time in memory
+        if entry.name not in plan:
+            return ckpt.get(entry.name)
+        if entry.name not in merged:
+            return materialize(ckpt, plan[entry.name], entry.dtype)
+        A, B = merged[entry.name]
+        w = materialize(ckpt, plan[entry.name], torch.float32)
+        return w.addmm(B, A, alpha=spec.scaling).to(entry.dtype)  # W + scaling·B·A in fp32, rounded once
+
+    tmp = _partial_dir(out)
+    try:
+        write_safetensors(tmp, entries, produce, progress=progress, desc="merging")
+        for file in _side_files(base):
+            shutil.copyfile(file, tmp / file.name)
+        shutil.copyfile(Path(base) / "config.json", tmp / "config.json")
+        tmp.rename(out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise QwenrtError(f"cannot write {out}: {e.strerror or e}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return f"merged {len(merged)} adapted weights (rank {spec.rank}, scaling {spec.scaling:g}) into {out}"

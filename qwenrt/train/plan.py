@@ -1,0 +1,72 @@
+"""`qwenrt train --lora-rank R --plan`: the adapters a LoRA run would train, their parameters and an estimate of its
+memory, from the checkpoint's headers alone (the model is built on `meta`; nothing is read or trained)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+
+from qwenrt.lora import add_adapters, kind, lora_modules, projections, trainable_count
+from qwenrt.train.trainer import LOSS_SLICE, base_dtype, base_quantization
+
+ADAMW_BYTES = 16  # an fp32 trainable parameter: itself, its gradient, AdamW's two moments
+# activations autograd keeps per token and layer, in units of the layer's summed projection widths (inputs and
+# outputs): the projections' inputs, the DeltaNet / attention intermediates, norms and gates; a rough figure
+SAVED_PER_WIDTH = 2
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def lora_plan(cfg) -> str:
+    """The plan of the LoRA run `cfg` (a TrainConfig) as lines of text."""
+    from qwenrt.loader import verify_checkpoint, weight_bytes
+    from qwenrt.ops.linear import Linear
+    from qwenrt.quant import LoadQuantizer, QuantLinear, QuantSpec
+
+    config, _, _, _, model = verify_checkpoint(cfg.init)
+    spec = cfg.lora_spec()
+    quantize = base_quantization(cfg)
+    quantized = cfg.lora_base in ("int8", "int4")
+    dtype = getattr(torch, base_dtype(cfg))
+    quantizer = LoadQuantizer(model, QuantSpec.parse(quantize), dtype) if quantize else None
+    base_bytes = weight_bytes(model, dtype, quantizer)
+    total = sum(p.numel() for p in model.parameters()) + sum(  # and the weights stored quantized
+        math.prod(m.qweight.shape[:-1]) * m.in_features for m in model.modules() if isinstance(m, QuantLinear))
+    c = config.text
+    # a layer's projection widths (inputs + outputs), on average over the layers
+    width = sum(m.in_features + m.out_features for m in projections(model).values()) / c.num_hidden_layers
+    add_adapters(model, spec)
+    adapters = lora_modules(model)
+    trainable = trainable_count(model)
+    kinds = Counter(kind(path) for path in adapters)
+    params = Counter()
+    for path, m in adapters.items():
+        params[kind(path)] += m.lora_A.numel() + m.lora_B.numel()
+    lines = [f"LoRA rank {spec.rank}, alpha {spec.alpha:g} (scaling {spec.scaling:g}), dropout {spec.dropout:g}, on "
+             f"{cfg.init} ({cfg.lora_base}, frozen)", "adapters:"]
+    lines += [f"  {name:<32} {kinds[name]:>4} x  {params[name]:>12,} parameters" for name in kinds]
+    lines.append(f"  {'total':<32} {len(adapters):>4}    {trainable:>12,} trainable parameters "
+                 f"({100 * trainable / total:.2f}% of {total:,})")
+    tokens = cfg.micro_batch_tokens
+    act = dtype.itemsize
+    if cfg.gradient_checkpointing:
+        activations = (2 * c.num_hidden_layers * c.hidden_size * act + SAVED_PER_WIDTH * width * act) * tokens
+        logits = 3 * min(tokens, LOSS_SLICE) * c.vocab_size * 4
+    else:
+        activations = SAVED_PER_WIDTH * width * act * tokens * c.num_hidden_layers
+        logits = 3 * tokens * c.vocab_size * 4
+    if quantized:  # a prefill-sized product dequantizes its matrix whole (the head's the largest)
+        activations += 4 * max(m.out_features * m.in_features for m in model.modules()
+                               if type(m) in (Linear, QuantLinear))
+    states = trainable * ADAMW_BYTES
+    estimate = base_bytes + states + activations + logits
+    lines.append(f"memory (estimate): base weights {_gib(base_bytes)}, adapters with gradients and AdamW "
+                 f"state {_gib(states)}, activations {_gib(activations + logits)} at "
+                 f"{tokens} tokens per micro-batch{' with' if cfg.gradient_checkpointing else ' without'} gradient "
+                 f"checkpointing: about {_gib(estimate)}")
+    return "\n".join(lines)
+
