@@ -48,16 +48,41 @@ struct ExpertBank {
   int64_t group_size = 0;
 };
 
+// One int4 matrix (stored layout: rows [rows, K/2], bf16 scales and zeros [rows, K/G]) as raw pointers, and an
+// expert's three: gate and up [I, K], down [D, I].
+struct Int4Matrix {
+  const uint8_t* q;
+  const uint16_t* scales;
+  const uint16_t* zeros;
+  int64_t rows, K, G;
+};
+struct Int4Expert {
+  Int4Matrix gate, up, down;
+};
+
+// Whether grouped_experts_q4 takes these experts (cpu_moe_gemm.cpp): one x width and group size for all, one down
+// width and group size, rows and K in whole panels of its vectors.
+bool grouped_q4_fits(const std::vector<Int4Expert>& experts);
+// x [N, K] bf16; per expert its rows' tokens and weights -> per token Σ weight·down(silu(gate·x)·up·x) over the
+// experts that have it, summed in fp32 in the experts' order and rounded once: [N, D] bf16. x and the SwiGLU go
+// through the integer sums in 8 bits per row and group (within Σ|W|·d/2 per output of their exact products).
+at::Tensor grouped_experts_q4(const at::Tensor& x, const std::vector<Int4Expert>& experts,
+                              const std::vector<std::vector<int64_t>>& tokens,
+                              const std::vector<std::vector<float>>& weights);
+
 // A sparse MoE block (qwenrt/moe.py SparseMoeBlock) bound once: the router and the shared expert's gate as one
 // projection, the experts' fused gate/up and down banks (each expert's slices are views, no copy) and the shared
 // expert's SwiGLU MLP. At decode sizes its call computes what the block's modules compute (`dispatched`), op for op
 // and rounding for rounding: fp32 softmax, top-k, renormalised weights in bf16, each used expert run once on its
-// rows (ascending expert order, index_add into a bf16 sum), plus sigmoid(gate)·shared(x).
+// rows (ascending expert order, index_add into a bf16 sum), plus sigmoid(gate)·shared(x). At prefill sizes (more
+// than gemv::kMaxRows rows, 4 or more per expert on average) int4 experts go through grouped_experts_q4 (the shared expert too where it is int4 of
+// the same shapes: last, with weight sigmoid(gate) in fp32), unless `grouped` is off (the per-expert calls, kept
+// for benchmarks).
 class MoE {
  public:
   // router: outputs [N, E] expert logits then [N, 1] shared-expert gate logits
   MoE(Projection router, const ExpertBank& gate_up, const ExpertBank& down, Projection shared_gate_up,
-      Projection shared_down, int64_t top_k);
+      Projection shared_down, int64_t top_k, bool grouped = true);
   // h [N, D] bf16 (post-attention-normed) -> the block's output [N, D] bf16
   at::Tensor operator()(const at::Tensor& h) const;
 
@@ -65,8 +90,17 @@ class MoE {
   // the gate and up weights of `experts` as one run of (gate, up) pairs: swiglu over them all in one GEMV call
   Projection::Run merged_gate_up(const std::vector<int64_t>& experts) const;
 
+  // the routed experts (each row's weight in w [N, top_k] at its slot) and the shared expert (weight
+  // sigmoid(shared_gate) [N, 1]) through grouped_experts_q4
+  at::Tensor grouped(const at::Tensor& h, const at::Tensor& shared_gate, const at::BFloat16* w,
+                     const std::vector<std::vector<int64_t>>& rows,
+                     const std::vector<std::vector<int64_t>>& slots) const;
+
   Projection router_, shared_gate_up_, shared_down_;
   std::vector<Projection> gate_up_, down_;  // per expert, one run each
+  std::vector<Int4Expert> int4_;  // per expert, then the shared expert where it fits too; empty: no grouped path
+  bool int4_shared_ = false;
+  std::vector<at::Tensor> held_;  // the tensors int4_ points into
   int64_t top_k_;
 };
 
