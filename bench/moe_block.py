@@ -7,8 +7,8 @@ process. Not a test: a benchmark.
     python bench/moe_block.py --rows 512 --reps 3
 
 The grouped path starts at 4 rows per expert on average (512 rows: 16; 64 rows: 2, where both take the
-per-expert calls: kGroupedRows in kernels/cpu_moe.cpp). GFLOP per call: 2·rows·(top_k + 1)·3·hidden·intermediate (gate, up and down of the routed and the shared expert;
-the router's 2·rows·hidden·257 besides), ~29 at 512 rows.
+per-expert calls: kGroupedRows in kernels/cpu_moe.cpp). GFLOP per call: 2·rows·(top_k + 1)·3·hidden·intermediate
+(gate, up and down of the routed and the shared expert; the router's 2·rows·hidden·257 besides), ~29 at 512 rows.
 """
 
 from __future__ import annotations

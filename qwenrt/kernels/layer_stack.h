@@ -18,7 +18,8 @@ namespace qwenrt {
 // and a projections), which makes a layer's input projections two runs.
 struct Projection {
   struct Run {
-    std::string format;  // "bf16" | "q8" | "q4" | "q8g" | "q4g" | "q4k" (GGUF blocks: fp32-scaled groups; Q4_K's or Q4_0's block headers)
+    // "bf16" | "q8" | "q4" | "q8g" | "q4g" | "q4k" (GGUF blocks: fp32-scaled groups; Q4_K's or Q4_0's headers)
+    std::string format;
     std::vector<at::Tensor> weights, scales, zeros;
     int64_t group_size = 0;
     std::vector<at::Tensor> operator()(const at::Tensor& x, const std::string& mode) const;  // one GEMV call
@@ -75,9 +76,9 @@ at::Tensor grouped_experts_q4(const at::Tensor& x, const std::vector<Int4Expert>
 // expert's SwiGLU MLP. At decode sizes its call computes what the block's modules compute (`dispatched`), op for op
 // and rounding for rounding: fp32 softmax, top-k, renormalised weights in bf16, each used expert run once on its
 // rows (ascending expert order, index_add into a bf16 sum), plus sigmoid(gate)·shared(x). At prefill sizes (more
-// than gemv::kMaxRows rows, 4 or more per expert on average) int4 experts go through grouped_experts_q4 (the shared expert too where it is int4 of
-// the same shapes: last, with weight sigmoid(gate) in fp32), unless `grouped` is off (the per-expert calls, kept
-// for benchmarks).
+// than gemv::kMaxRows rows, 4 or more per expert on average) int4 experts go through grouped_experts_q4 (the shared
+// expert too where it is int4 of the same shapes: last, with weight sigmoid(gate) in fp32), unless `grouped` is
+// off (the per-expert calls, kept for benchmarks).
 class MoE {
  public:
   // router: outputs [N, E] expert logits then [N, 1] shared-expert gate logits
