@@ -59,11 +59,11 @@ class LoraLinear(nn.Module):
     The update runs in fp32 and is added to the base's output before rounding to its dtype (as PEFT does)."""
 
     def __init__(self, base_layer: nn.Module, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float,
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, trainable: bool = False):
         super().__init__()
         self.base_layer = base_layer
-        self.lora_A = nn.Parameter(lora_A.float(), requires_grad=False)
-        self.lora_B = nn.Parameter(lora_B.float(), requires_grad=False)
+        self.lora_A = nn.Parameter(lora_A.float(), requires_grad=trainable)
+        self.lora_B = nn.Parameter(lora_B.float(), requires_grad=trainable)
         self.scaling = scaling
         self.dropout = dropout
 
@@ -134,15 +134,16 @@ def resolve_targets(model: nn.Module, targets: tuple[str, ...], defaults: bool =
 
 
 def wrap(model: nn.Module, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float,
-         dropout: float = 0.0) -> None:
-    """Put an adapter on each projection path -> (lora_A [r, K], lora_B [N, r]) of `adapters`."""
+         dropout: float = 0.0, trainable: bool = False) -> None:
+    """Put an adapter on each projection path -> (lora_A [r, K], lora_B [N, r]) of `adapters` (trainable: its
+    tensors require gradients)."""
     for path, (A, B) in adapters.items():
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path)
         base = getattr(parent, name)
         if isinstance(base, LoraLinear):
             raise QwenrtError(f"{path} already has an adapter")
-        setattr(parent, name, LoraLinear(base, A, B, scaling, dropout))
+        setattr(parent, name, LoraLinear(base, A, B, scaling, dropout, trainable))
 
 
 def add_adapters(model: nn.Module, spec: LoraSpec, seed: int = 0) -> list[str]:
@@ -157,10 +158,7 @@ def add_adapters(model: nn.Module, spec: LoraSpec, seed: int = 0) -> list[str]:
         bound = 1 / math.sqrt(base.in_features)  # kaiming_uniform(a=sqrt(5)), PEFT's and nn.Linear's default
         A = torch.empty(spec.rank, base.in_features).uniform_(-bound, bound, generator=g)
         adapters[path] = (A.to(device_of(base)), torch.zeros(base.out_features, spec.rank, device=device_of(base)))
-    wrap(model, adapters, spec.scaling, spec.dropout)
-    for m in lora_modules(model).values():
-        m.lora_A.requires_grad_(True)
-        m.lora_B.requires_grad_(True)
+    wrap(model, adapters, spec.scaling, spec.dropout, trainable=True)
     return paths
 
 

@@ -370,7 +370,7 @@ class QuantLinear(nn.Module):
                 y = kernels.gemm_q8g(x2, w, s, z, self.spec.group_size) if self.spec.bits == 8 else \
                     kernels.gemm_q4k(x2, w, s) if self.spec.block_headers else kernels.gemm_q4g(x2, w, s, z)
             else:  # fp32 slices of the exact weight through torch's fp32 GEMM, rounded once
-                y = fp32_gemm(x2, self.out_features, self._fill_fp32(kernels, w, s, z))
+                y = fp32_gemm(x2, self.out_features, self._fill_rows(w, s, z))
             return y.reshape(*x.shape[:-1], self.out_features)
         if self.torch_int4:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, w, self.spec.group_size, s.to(x.dtype))
@@ -394,27 +394,18 @@ class QuantLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _fill_rows(self, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None):
-        """A fill(n0, n1, out) writing rows [n0, n1) of the dequantized weight in fp32, for the backward."""
-        kernels = cpu_kernels()
-        if self.spec.fp32_groups:
-            return self._fill_fp32(kernels, w, s, z)
+        """A fill(n0, n1, out) writing rows [n0, n1) of the weight in fp32, exactly its stored value, natively where
+        it can: fp32_gemm's slices of GGUF blocks, and the backward of a frozen base."""
         if self.torch_int4:
             raise QwenrtError("training through an int4 weight needs the native kernels (torch's packed layout has "
                               "no dequantization)")
+        kernels = cpu_kernels()
+        rows = None if kernels is None else \
+            kernels.dequantize_group_rows if self.spec.fp32_groups else kernels.dequantize_rows
 
         def fill(n0: int, n1: int, out: torch.Tensor) -> None:
-            if kernels is not None and w.is_cpu:
-                kernels.dequantize_rows(torch.arange(n0, n1), w, s, z, self.spec.group_size or 0, out)
-            else:
-                part = {"qweight": w[n0:n1], "scales": s[n0:n1]} | ({} if z is None else {"zeros": z[n0:n1]})
-                out.copy_(dequantize_weight(part, self.spec))
-        return fill
-
-    def _fill_fp32(self, kernels, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None):
-        """fp32_gemm's fill for fp32 groups: rows [n0, n1) of the weight, q·s + z exactly, natively where it can."""
-        def fill(n0: int, n1: int, out: torch.Tensor) -> None:
-            if kernels is not None and w.is_cpu:
-                kernels.dequantize_group_rows(torch.arange(n0, n1), w, s, z, self.spec.group_size, out)
+            if rows is not None and w.is_cpu:
+                rows(torch.arange(n0, n1), w, s, z, self.spec.group_size or 0, out)
             else:
                 part = {"qweight": w[n0:n1], "scales": s[n0:n1]} | ({} if z is None else {"zeros": z[n0:n1]})
                 out.copy_(dequantize_weight(part, self.spec))

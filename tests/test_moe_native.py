@@ -22,25 +22,30 @@ needs_kernels = pytest.mark.skipif(os.environ.get("QWENRT_KERNELS") == "0", reas
 FORMATS = {"bf16": None, "int8": QuantSpec(8), "int4": QuantSpec(4, 32)}
 
 
-def block(fmt: str, ties: bool = False, seed: int = 0) -> SparseMoeBlock:
-    """A bf16 MoE block of the test checkpoints' shape (8 experts, top 3), experts in `fmt`. ties: router rows in
-    equal pairs, so every token's expert logits tie."""
-    c = parse_config(dict(MOE, model_type="qwen3_5_moe_text"), where="test").text
+def random_block(shape: dict, std: float, seed: int, ties: bool, spec: QuantSpec | None) -> SparseMoeBlock:
+    """A bf16 MoE block of MOE's config with `shape` over it, weights N(0, std²), experts in `spec` (None: bf16).
+    ties: router rows in equal pairs, so every token's expert logits tie."""
+    c = parse_config(dict(MOE, **shape, model_type="qwen3_5_moe_text"), where="test").text
     g = torch.Generator().manual_seed(seed)
     m = SparseMoeBlock(c)
     with torch.no_grad():
         for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+            p.copy_(torch.randn(p.shape, generator=g) * std)
         if ties:
             m.gate.weight[1::2] = m.gate.weight[0::2]
     m = m.bfloat16().requires_grad_(False)
-    spec = FORMATS[fmt]
     if spec is not None:
-        def quantized(w):
-            return QuantLinear.from_stored(quantize_weight(w, spec), spec, torch.bfloat16)
-
-        m.experts = QuantExperts(quantized(m.experts.gate_up_proj), quantized(m.experts.down_proj))
+        m.experts = QuantExperts(quantized(m.experts.gate_up_proj, spec), quantized(m.experts.down_proj, spec))
     return m
+
+
+def quantized(w: torch.Tensor, spec: QuantSpec) -> QuantLinear:
+    return QuantLinear.from_stored(quantize_weight(w, spec), spec, torch.bfloat16)
+
+
+def block(fmt: str, ties: bool = False, seed: int = 0) -> SparseMoeBlock:
+    """A bf16 MoE block of the test checkpoints' shape (8 experts, top 3), experts in `fmt`."""
+    return random_block({}, 0.2, seed, ties, FORMATS[fmt])
 
 
 @needs_kernels
@@ -131,27 +136,12 @@ def grouped_block(G: int, ties: bool = False, shared_int4: bool = True, seed: in
                   experts: str = "int4") -> SparseMoeBlock:
     """A bf16 block of GROUPED's shape with int4 experts in groups of G (or `experts` in FORMATS) and the shared
     expert in int4 too, unless not shared_int4. ties: router rows in equal pairs."""
-    c = parse_config(dict(MOE, **GROUPED, model_type="qwen3_5_moe_text"), where="test").text
-    g = torch.Generator().manual_seed(seed)
-    m = SparseMoeBlock(c)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-        if ties:
-            m.gate.weight[1::2] = m.gate.weight[0::2]
-    m = m.bfloat16().requires_grad_(False)
-    spec = QuantSpec(4, G) if experts == "int4" else FORMATS[experts]
-    if spec is not None:
-        m.experts = QuantExperts(quantized(m.experts.gate_up_proj, spec), quantized(m.experts.down_proj, spec))
+    m = random_block(GROUPED, 0.1, seed, ties, QuantSpec(4, G) if experts == "int4" else FORMATS[experts])
     spec = QuantSpec(4, G)
     if shared_int4:
         for name in ("gate_proj", "up_proj", "down_proj"):
             setattr(m.shared_expert, name, quantized(getattr(m.shared_expert, name).weight, spec))
     return m
-
-
-def quantized(w: torch.Tensor, spec: QuantSpec) -> QuantLinear:
-    return QuantLinear.from_stored(quantize_weight(w, spec), spec, torch.bfloat16)
 
 
 def exact_weight(layer: QuantLinear) -> torch.Tensor:

@@ -64,8 +64,7 @@ MoE::MoE(Projection router, const ExpertBank& gate_up, const ExpertBank& down, P
     down_.push_back(expert_slices(down, e, {{0, D}}));
   }
   if (!grouped || gate_up.format != "q4" || down.format != "q4") return;
-  held_ = {wu, *gate_up.scales, *gate_up.zeros, wd, *down.scales, *down.zeros};
-  if (!int4_tensors(held_)) return;
+  if (!int4_tensors({wu, *gate_up.scales, *gate_up.zeros, wd, *down.scales, *down.zeros})) return;
   const int64_t G = gate_up.group_size, Gd = down.group_size;
   for (int64_t e = 0; e < E; ++e)
     int4_.push_back({int4_rows(wu, *gate_up.scales, *gate_up.zeros, G, 2 * I * e, I),
@@ -84,11 +83,7 @@ MoE::MoE(Projection router, const ExpertBank& gate_up, const ExpertBank& down, P
                    int4_rows(su.weights[1], su.scales[1], su.zeros[1], su.group_size, 0, su.weights[1].size(0)),
                    int4_rows(sd.weights[0], sd.scales[0], sd.zeros[0], sd.group_size, 0, sd.weights[0].size(0))});
   int4_shared_ = grouped_q4_fits(int4_);
-  if (int4_shared_) {
-    held_.insert(held_.end(), shared.begin(), shared.end());
-  } else {
-    int4_.pop_back();
-  }
+  if (!int4_shared_) int4_.pop_back();
 }
 
 Projection::Run MoE::merged_gate_up(const std::vector<int64_t>& experts) const {

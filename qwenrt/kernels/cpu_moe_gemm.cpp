@@ -172,17 +172,7 @@ std::vector<std::pair<int64_t, int64_t>> tiles_of(int64_t n) {
 inline void to_int8_group(const float* v, int64_t G, int8_t* q, float& d, float& sum) {
   float amax = 0.f;
   for (int64_t k = 0; k < G; ++k) amax = std::max(amax, std::fabs(v[k]));
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
-  int32_t total = 0;
-  for (int64_t k = 0; k < G; k += kLanes) {  // min first: NaN -> 127
-    int32_t r[kLanes];
-    const I rounded = to_int(max(min(mul(load(v + k), set1(inv)), set1(127.f)), set1(-127.f)));
-    std::memcpy(r, &rounded, sizeof r);
-    for (int l = 0; l < kLanes; ++l) {
-      q[k + l] = static_cast<int8_t>(r[l]);
-      total += r[l];
-    }
-  }
+  const int32_t total = round_to_int8([&](int64_t k) { return load(v + k); }, G, amax, q);
   d = amax / 127.f;
   sum = static_cast<float>(total) * d;
 }

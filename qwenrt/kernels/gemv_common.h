@@ -232,6 +232,25 @@ struct Int8Rows {
   std::vector<float> sums;   // [M, groups]: d·Σq
 };
 
+// q = round(v·127/amax) for a group's G values, `load(j)` giving values j..j + kLanes - 1 as a vector (NaN -> 127);
+// returns Σq
+template <typename Load>
+inline int32_t round_to_int8(Load&& load, int64_t G, float amax, int8_t* q) {
+  using namespace qwenrt::simd;
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t total = 0;
+  for (int64_t j = 0; j < G; j += kLanes) {  // min first: NaN -> 127
+    int32_t v[kLanes];
+    const I r = to_int(max(min(mul(load(j), set1(inv)), set1(127.f)), set1(-127.f)));
+    std::memcpy(v, &r, sizeof v);
+    for (int l = 0; l < kLanes; ++l) {
+      q[j + l] = static_cast<int8_t>(v[l]);
+      total += v[l];
+    }
+  }
+  return total;
+}
+
 inline Int8Rows to_int8(const at::Tensor& x, int64_t G) {
   using namespace qwenrt::simd;
   const int64_t M = x.size(0), K = x.size(1), groups = K / G;
@@ -241,18 +260,7 @@ inline Int8Rows to_int8(const at::Tensor& x, int64_t G) {
     for (int64_t i = i0; i < i1; ++i) {
       const uint16_t* xg = X + i * G;  // row i / groups, group i % groups: K = groups·G
       const float amax = abs_max_bf16(xg, G);
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t total = 0;
-      int8_t* q = out.q.data() + i * G;
-      for (int64_t j = 0; j < G; j += kLanes) {  // min first: NaN -> 127
-        int32_t v[kLanes];
-        const I r = to_int(max(min(mul(load_bf16(xg + j), set1(inv)), set1(127.f)), set1(-127.f)));
-        std::memcpy(v, &r, sizeof v);
-        for (int l = 0; l < kLanes; ++l) {
-          q[j + l] = static_cast<int8_t>(v[l]);
-          total += v[l];
-        }
-      }
+      const int32_t total = round_to_int8([&](int64_t j) { return load_bf16(xg + j); }, G, amax, out.q.data() + i * G);
       out.scale[i] = amax / 127.f;
       out.sums[i] = static_cast<float>(total) * out.scale[i];
     }

@@ -99,9 +99,10 @@ class MoE {
 
   Projection router_, shared_gate_up_, shared_down_;
   std::vector<Projection> gate_up_, down_;  // per expert, one run each
-  std::vector<Int4Expert> int4_;  // per expert, then the shared expert where it fits too; empty: no grouped path
+  // per expert, then the shared expert where it fits too; empty: no grouped path. It points into the tensors the
+  // Projections above hold (views of the same storage).
+  std::vector<Int4Expert> int4_;
   bool int4_shared_ = false;
-  std::vector<at::Tensor> held_;  // the tensors int4_ points into
   int64_t top_k_;
 };
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from qwenrt.adapters import WEIGHTS_FILE as ADAPTER_WEIGHTS
 from qwenrt.config import TextConfig
 from qwenrt.errors import QwenrtError
 from qwenrt.files import TOKENIZER_LIMIT, CheckpointDir, output_dir, read_bytes
@@ -119,8 +120,7 @@ def check_no_model(out: Path) -> None:
     """Refuse to train into a directory that already holds a model (its config.json or weights, or an adapter's, as
     files), which the run would replace: `qwenrt train` asks for --overwrite (or --resume, to continue that
     directory's run)."""
-    held = [name for name in ("config.json", "model.safetensors", "adapter_model.safetensors")
-            if _is_file(Path(out) / name)]
+    held = [name for name in ("config.json", "model.safetensors", ADAPTER_WEIGHTS) if _is_file(Path(out) / name)]
     if held:
         raise QwenrtError(f"{out} already holds a model ({held[0]}); pass --overwrite to replace it, or --resume to "
                           "continue its training")

@@ -232,10 +232,7 @@ def load_lora_model(cfg: TrainConfig, adapter_dir: Path | None = None):
         if saved.rank != spec.rank or saved.scaling != spec.scaling:
             raise QwenrtError(f"{adapter_dir}: the saved adapter has rank {saved.rank}, scaling {saved.scaling:g}; "
                               f"this run trains rank {spec.rank}, scaling {spec.scaling:g}")
-        wrap(model, adapters, spec.scaling, spec.dropout)
-    for m in lora_modules(model).values():
-        m.lora_A.requires_grad_(True)
-        m.lora_B.requires_grad_(True)
+        wrap(model, adapters, spec.scaling, spec.dropout, trainable=True)
     return model
 
 
