@@ -22,7 +22,7 @@ from torch import nn
 from qwenrt.checkpoint import canonical_name
 from qwenrt.errors import QwenrtError
 from qwenrt.files import CheckpointDir, output_dir
-from qwenrt.lora import LoraSpec, kind, lora_modules, projections, wrap
+from qwenrt.lora import LoraSpec, kind, lora_modules, projections
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -136,10 +136,3 @@ def _checked_pair(file: Path, path: str, pieces: dict[str, torch.Tensor], base: 
         if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
             raise QwenrtError(f"{file}: {path}.{name} must hold finite floats ({t.dtype})")
     return A.float(), B.float()
-
-
-def load_adapter(model: nn.Module, directory: str | Path) -> LoraSpec:
-    """Put the adapter in `directory` on `model` (frozen, for inference). Returns its spec."""
-    spec, adapters = read_adapter(directory, model)
-    wrap(model, adapters, spec.scaling)
-    return spec

@@ -38,6 +38,7 @@ class SequenceState:
         self.config, self.limit = config, limit
         self.length = 0  # tokens held
         self.rope_delta = 0  # decode position = length + rope_delta (non-zero after vision tokens)
+        self.adapter = 0  # the slot of the LoRA adapter its tokens run with (qwenrt.served_adapters; 0: none)
         c = config
         n = c.num_hidden_layers
         self.keys: list[torch.Tensor | None] = [None] * n

@@ -61,7 +61,7 @@ def _run(args) -> None:
         device=args.device, prefill_chunk=args.prefill_chunk, max_context=args.max_context, sampling=_sampling(args),
         images=args.image or [], videos=args.video or [], check_finite=args.finite_check,
         engine_options=_engine_options(args), show_thinking=args.show_thinking,
-        threads=args.threads, mmproj=args.mmproj)
+        threads=args.threads, mmproj=args.mmproj, adapter=args.adapter)
 
 
 def _chat(args) -> None:
@@ -70,7 +70,7 @@ def _chat(args) -> None:
     chat(args.model, system=args.system, thinking=args.thinking, dtype=args.dtype, device=args.device,
          prefill_chunk=args.prefill_chunk, max_context=args.max_context, sampling=_sampling(args),
          check_finite=args.finite_check, engine_options=_engine_options(args), show_thinking=args.show_thinking,
-         threads=args.threads)
+         threads=args.threads, adapter=args.adapter)
 
 
 
@@ -142,6 +142,8 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (as stored), bfloat16, float16 or float32")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or mps")
     p.add_argument("--threads", type=_at_least(1), help="CPU threads (default: torch's, the physical cores)")
+    p.add_argument("--adapter", metavar="DIR", help="run with this LoRA adapter (PEFT's format: adapter_config.json "
+                   "+ adapter_model.safetensors)")
     p.add_argument("--prefill-chunk", type=_at_least(1), help="prompt tokens per prefill step at most (bounds memory)")
     p.add_argument("--max-context", type=_at_least(2), help="context limit in tokens (default and most: the model's)")
     p.add_argument("--no-finite-check", dest="finite_check", action="store_false",

@@ -47,14 +47,15 @@ def constraint_files(json_schema: str | None, grammar: str | None) -> dict:
 
 
 def load_for_cli(source: str | None, path, dtype: str, device: str, check_finite: bool = True,
-                 engine_options: dict | None = None, threads: int | None = None, mmproj: str | None = None):
+                 engine_options: dict | None = None, threads: int | None = None, mmproj: str | None = None,
+                 adapter: str | None = None):
     """Load `path` (what `check_options` resolved `source` to) with progress and timing on stderr, naming the
     built-in model when no source was given."""
     start = time.perf_counter()
     log.info(f"loading {resolve_model(source)[1]} …")
     log.detail(f"checkpoint: {path}")
     model, tokenizer = load(path, dtype=dtype, device=device, progress=log.shows_progress(), check_finite=check_finite,
-                            threads=threads, mmproj=mmproj, **(engine_options or {}))
+                            threads=threads, mmproj=mmproj, adapter=adapter, **(engine_options or {}))
     c = model.config.text
     kernels = ""
     if model.device.type == "cpu":
@@ -227,7 +228,8 @@ def user_message(text: str, images: list[str], videos: list[str]) -> dict:
 def run(source: str | None, prompt: str, *, raw: bool, system: str | None, thinking: bool | None, dtype: str,
         device: str, prefill_chunk: int | None, max_context: int | None, sampling: dict, images: list[str] = (),
         videos: list[str] = (), check_finite: bool = True, engine_options: dict | None = None,
-        show_thinking: bool | None = None, threads: int | None = None, mmproj: str | None = None) -> None:
+        show_thinking: bool | None = None, threads: int | None = None, mmproj: str | None = None,
+        adapter: str | None = None) -> None:
     """`qwenrt run`: stream one answer to stdout (the reasoning where `reasoning_destination` says); load progress
     and a stats line go to stderr."""
     began = time.perf_counter()
@@ -242,7 +244,8 @@ def run(source: str | None, prompt: str, *, raw: bool, system: str | None, think
     path = check_options(source, sampling, device, dtype, max_context,
                          [("image", i) for i in images] + [("video", v) for v in videos], mmproj)
     checked = time.perf_counter()
-    model, tokenizer = load_for_cli(source, path, dtype, device, check_finite, engine_options, threads, mmproj)
+    model, tokenizer = load_for_cli(source, path, dtype, device, check_finite, engine_options, threads, mmproj,
+                                    adapter)
     loaded = time.perf_counter()
     params = sampling_params(sampling, tokenizer)
     log.detail(describe_sampling(params))
@@ -260,11 +263,12 @@ def run(source: str | None, prompt: str, *, raw: bool, system: str | None, think
 def chat(source: str | None, *, system: str | None, thinking: bool | None, dtype: str, device: str,
          prefill_chunk: int | None, max_context: int | None, sampling: dict, check_finite: bool = True,
          engine_options: dict | None = None, show_thinking: bool | None = None,
-         threads: int | None = None) -> None:
+         threads: int | None = None, adapter: str | None = None) -> None:
     """`qwenrt chat`: a multi-turn session on the terminal (qwenrt/chat_session.py); each turn reuses what the
     previous ones computed."""
     path = check_options(source, sampling, device, dtype, max_context)
-    model, tokenizer = load_for_cli(source, path, dtype, device, check_finite, engine_options, threads)
+    model, tokenizer = load_for_cli(source, path, dtype, device, check_finite, engine_options, threads,
+                                    adapter=adapter)
 
     def resolve(options: dict) -> SamplingParams:
         params = sampling_params(options, tokenizer)

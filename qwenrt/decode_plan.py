@@ -5,7 +5,8 @@ the per-module Python work. The layers run as one native call per step (`kernels
 C++): on a small model the Python around ~8 kernel calls per layer cost more than their arithmetic, and on a 0.8B
 model it was ~3.5 ms of a 28-72 ms step. An MoE block is one native object in it (`kernels.MoE`: router, the used
 experts, the shared expert). The weight reads are shared by the batch; the token mixers run one native call per
-sequence on its own state. The MTP head's draft step has a plan of its own (MTPPlan, held to its modules by
+sequence on its own state. Served LoRA adapters (qwenrt.served_adapters) are bound into the projections: each
+row adds its sequence's adapter product. The MTP head's draft step has a plan of its own (MTPPlan, held to its modules by
 tests/test_mtp.py), and a greedy speculative cycle binds both into one native call (CyclePlan). Built at the first
 step and kept as qwenrt.native keeps bound objects (rebuilt after a module swap or a dtype change).
 """
@@ -53,7 +54,8 @@ def _bind_mlp(kernels, mlp: nn.Module):
     """A layer's MLP as _Layer.mlp holds it, or None where some part has no native format."""
     if not hasattr(mlp, "gate_proj"):
         return native_block(mlp)
-    gate_up, down = bind(kernels, [mlp.gate_proj, mlp.up_proj], one_format=True), bind(kernels, [mlp.down_proj])
+    gate_up = bind(kernels, [mlp.gate_proj, mlp.up_proj], one_format=True, adapters=True)
+    down = bind(kernels, [mlp.down_proj], adapters=True)
     return None if gate_up is None or down is None else (gate_up, down)
 
 
@@ -61,11 +63,12 @@ def _bind_layer(kernels, layer: nn.Module) -> _Layer | None:
     """A decoder layer's native calls, or None where some projection has none."""
     if layer.is_linear:
         m = layer.linear_attn
-        project = bind(kernels, [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
-        out = bind(kernels, [m.out_proj])
+        project = bind(kernels, [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a], adapters=True)
+        out = bind(kernels, [m.out_proj], adapters=True)
     else:
         m = layer.self_attn
-        project, out = bind(kernels, [m.q_proj, m.k_proj, m.v_proj]), bind(kernels, [m.o_proj])
+        project = bind(kernels, [m.q_proj, m.k_proj, m.v_proj], adapters=True)
+        out = bind(kernels, [m.o_proj], adapters=True)
     mlp = _bind_mlp(kernels, layer.mlp)
     if project is None or out is None or mlp is None:
         return None
@@ -149,7 +152,8 @@ def _forward(stack, layers: list[_Layer], x: torch.Tensor, where: _Rows, final_n
     DecodePlan.hidden."""
     seqs = where.sequences
     h, kept = stack.run(x, final_norm, where.cos, where.sin, where.counts, [s.conv for s in seqs],
-                        [s.recurrent for s in seqs], [s.keys for s in seqs], [s.values for s in seqs], where.lengths)
+                        [s.recurrent for s in seqs], [s.keys for s in seqs], [s.values for s in seqs], where.lengths,
+                        [s.adapter for s in seqs])
     if saved is not None:  # kept[b]: conv [n-1, ...], recurrent [n-1, ...] per DeltaNet layer in order
         slots = [layer.index for layer in layers if layer.linear]
         for b, states in enumerate(kept):
@@ -303,4 +307,4 @@ class CyclePlan:
                                [s.recurrent for s in sequences], [s.keys for s in sequences],
                                [s.values for s in sequences], [s.length for s in sequences], rows, following,
                                [len(nxt) for _, nxt in pending], [h.keys[0] for h in heads],
-                               [h.values[0] for h in heads], head_lengths)
+                               [h.values[0] for h in heads], head_lengths, [s.adapter for s in sequences])

@@ -90,13 +90,13 @@ def _engine(model, tokenizer) -> Engine:
 
 def _submit(model, tokenizer, prompt, params, enable_thinking, tools, prefill_chunk, max_context,
             on_prefill=None, speculative_tokens=None, tool_choice=None, parallel_tool_calls=True,
-            prompt_logprobs=None) -> RequestStream:
+            prompt_logprobs=None, adapter=None) -> RequestStream:
     return _engine(model, tokenizer).submit(Request(prompt, params, enable_thinking, tools, tool_choice=tool_choice,
                                                     parallel_tool_calls=parallel_tool_calls,
                                                     prefill_chunk=prefill_chunk, max_context=max_context,
                                                     on_prefill=on_prefill,
                                                     speculative_tokens=speculative_tokens,
-                                                    prompt_logprobs=prompt_logprobs))
+                                                    prompt_logprobs=prompt_logprobs, adapter=adapter))
 
 
 def _rates(out: RequestOutput) -> tuple[float, float, float]:
@@ -119,7 +119,8 @@ def _checked(out: RequestOutput) -> RequestOutput:
 def stream_generate(model, tokenizer, prompt, *, params: SamplingParams | None = None,
                     enable_thinking: bool | None = None, tools=None, tool_choice=None, parallel_tool_calls: bool = True,
                     prefill_chunk: int | None = None, max_context: int | None = None, on_prefill=None,
-                    speculative_tokens: int | str | None = None, **sampling) -> Iterator[GenerationResponse]:
+                    speculative_tokens: int | str | None = None, adapter: str | None = None,
+                    **sampling) -> Iterator[GenerationResponse]:
     """Generate for one prompt, yielding text deltas as they complete. The last response has finish_reason set.
 
     sampling: SamplingParams fields (max_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
@@ -128,12 +129,14 @@ def stream_generate(model, tokenizer, prompt, *, params: SamplingParams | None =
     of `tools`) or {"type": "function", "function": {"name": NAME}} (a call to NAME). on_prefill(done, total) is
     called after each prompt chunk. speculative_tokens: drafts verified per step (0 off, k, "auto"; default the
     engine's: "auto", which speculates with the model's MTP head where that pays). With speculation one response
-    may complete several tokens (`token` is the last). Leaving the loop early cancels.
+    may complete several tokens (`token` is the last). adapter: the name of a LoRA adapter the model serves
+    (`qwenrt.load(..., adapters={name: directory})`) to run with (default: the model's own, if any). Leaving the loop
+    early cancels.
     """
     if on_prefill is not None and not callable(on_prefill):
         raise QwenrtError(f"on_prefill must be a function (done, total), got {type(on_prefill).__name__}")
     stream = _submit(model, tokenizer, prompt, _params(params, sampling), enable_thinking, tools, prefill_chunk,
-                     max_context, on_prefill, speculative_tokens, tool_choice, parallel_tool_calls)
+                     max_context, on_prefill, speculative_tokens, tool_choice, parallel_tool_calls, adapter=adapter)
     for out in stream:
         if not _checked(out).token_ids:  # nothing sampled (cancelled)
             continue
@@ -145,19 +148,25 @@ def batch_generate(model, tokenizer, prompts: Sequence, *, params: SamplingParam
                    enable_thinking: bool | None = None, tools=None, tool_choice=None, parallel_tool_calls: bool = True,
                    prefill_chunk: int | None = None, max_context: int | None = None,
                    speculative_tokens: int | str | None = None, prompt_logprobs: int | None = None,
-                   **sampling) -> list[Completion]:
+                   adapter: str | Sequence | None = None, **sampling) -> list[Completion]:
     """Generate for several prompts at once (decoded together by the engine); results in prompt order.
 
     prompt_logprobs=n: each Completion also carries every prompt token's log-probability given the tokens before it
-    (the first token has none) with the n most likely tokens there; max_tokens=0 then only scores the prompts."""
+    (the first token has none) with the n most likely tokens there; max_tokens=0 then only scores the prompts.
+    adapter: a served adapter's name for every prompt, or a list of one name (or None) per prompt: prompts of
+    different adapters run in the same batched steps."""
     check_prompt_list(prompts)
     params = _params(params, sampling)
+    names = list(adapter) if isinstance(adapter, (list, tuple)) else [adapter] * len(prompts)
+    if len(names) != len(prompts):
+        raise QwenrtError(f"adapter: {len(names)} names for {len(prompts)} prompts")
     streams: list[RequestStream] = []
     try:
-        for prompt in prompts:
+        for prompt, name in zip(prompts, names):
             streams.append(_submit(model, tokenizer, prompt, params, enable_thinking, tools, prefill_chunk,
                                    max_context, speculative_tokens=speculative_tokens, tool_choice=tool_choice,
-                                   parallel_tool_calls=parallel_tool_calls, prompt_logprobs=prompt_logprobs))
+                                   parallel_tool_calls=parallel_tool_calls, prompt_logprobs=prompt_logprobs,
+                                   adapter=name))
         results = []
         for stream in streams:
             sampled, text, first, last = [], [], None, None

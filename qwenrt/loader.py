@@ -329,10 +329,25 @@ def use_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
+def _attach_adapters(model, adapter, adapters) -> None:
+    from qwenrt.served_adapters import NAME, attach
+
+    if adapter is not None and adapters is not None:
+        raise QwenrtError("give adapter (one, for every request) or adapters (several, by name), not both")
+    if adapter is not None:
+        name = Path(check_path(adapter, "adapter")).name
+        name = name if NAME.fullmatch(name) else "adapter"
+        attach(model, {name: adapter}, default=name)
+    else:
+        if not isinstance(adapters, dict):
+            raise QwenrtError(f"adapters must be a dict {{name: adapter directory}}, got {type(adapters).__name__}")
+        attach(model, {name: check_path(where, f"adapter {name!r:.40}") for name, where in adapters.items()})
+
+
 def load(path: str | Path | None = None, dtype="auto", device: str | torch.device = "cpu", revision: str | None = None,
          progress: bool = False, quantize: str | QuantSpec | None = None, check_finite: bool = True,
          threads: int | None = None, mmproj: str | Path | None = None, adapter: str | Path | None = None,
-         **engine_options):
+         adapters: dict[str, str | Path] | None = None, **engine_options):
     """Load a Qwen3.5 checkpoint (a directory, a hub repo id, or a `qwen35`/`qwen35moe` GGUF file; None: the
     built-in model): returns (model, tokenizer).
 
@@ -342,8 +357,9 @@ def load(path: str | Path | None = None, dtype="auto", device: str | torch.devic
     in this process from now on (torch.set_num_threads; None leaves them: torch's default is the physical cores).
     mmproj: a llama.cpp vision projector file (`clip`, as `convert_hf_to_gguf.py --mmproj` writes it) giving a GGUF
     model its vision tower.
-    adapter: a LoRA adapter directory in PEFT's format (qwenrt.adapters) put on the model; it then runs its modules
-    rather than the native decode plan.
+    adapter: a LoRA adapter directory in PEFT's format (qwenrt.adapters) every request runs with. adapters: {name:
+    adapter directory}, served side by side (qwenrt.served_adapters): a request runs with the one it names
+    (`adapter="name"`), or none; different adapters and none share one batched step.
     engine_options: settings of the engine that generation on this model uses (`qwenrt.engine.Engine`: max_running,
     max_model_len, prefix_cache_size, prefix_cache_dir, ...), checked when it is made.
     """
@@ -354,9 +370,7 @@ def load(path: str | Path | None = None, dtype="auto", device: str | torch.devic
     path = resolve_model_path(resolve_model(path)[0], revision)
     verified, tokenizer = check_checkpoint(path, mmproj, blocks=device.type == "cpu")  # before any weight is read
     model = _load_verified(path, verified, dtype, device, progress, quantize, check_finite)
-    if adapter is not None:
-        from qwenrt.adapters import load_adapter
-
-        load_adapter(model, check_path(adapter, "adapter"))
+    if adapter is not None or adapters is not None:
+        _attach_adapters(model, adapter, adapters)
     model.engine_options = engine_options
     return model, tokenizer

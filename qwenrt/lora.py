@@ -1,10 +1,10 @@
 """LoRA adapters on a model's projections: y = base(x) + scaling·(x·Aᵀ)·Bᵀ, the base frozen (bf16, fp32, int8 or int4).
 
-An adapter is held per projection as its own (A [r, K], B [N, r], scaling) tensors in fp32, never merged into the
-base, so a batch can later apply a different adapter per row. A wrapped projection is a `LoraLinear`, which the
-native decode path has no format for: `qwenrt.native.bind` refuses it, and the model runs its modules (the adapter
-product in torch). Targets are named as PEFT names them: a module path inside a layer matches a target equal to it
-or ending in "." + target ("q_proj", "self_attn.q_proj").
+An adapter in training is held per projection as its own (A [r, K], B [N, r], scaling) tensors in fp32, never
+merged into the base. A wrapped projection is a `LoraLinear`, which the native decode path has no format for
+(`qwenrt.native.bind` refuses it); adapters loaded for inference are served side by side by
+qwenrt.served_adapters instead. Targets are named as PEFT names them: a module path inside a layer matches a target
+equal to it or ending in "." + target ("q_proj", "self_attn.q_proj").
 """
 
 from __future__ import annotations

@@ -221,6 +221,7 @@ class Qwen35ForCausalLM(nn.Module):
     """The text decoder with its LM head. Call it on token ids, optionally continuing the sequences in a cache."""
 
     gradient_checkpointing = False  # training: keep each layer's inputs only, recompute the layer in the backward
+    served_adapters = None  # LoRA adapters served side by side (qwenrt.served_adapters.AdapterSet), if any
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -246,7 +247,10 @@ class Qwen35ForCausalLM(nn.Module):
         _check_count("capacity", capacity)
         if limit is not None:
             _check_count("limit", limit)
-        return SequenceState(self.config.text, self.dtype, self.device, capacity, limit)
+        state = SequenceState(self.config.text, self.dtype, self.device, capacity, limit)
+        if self.served_adapters is not None:
+            state.adapter = self.served_adapters.default
+        return state
 
     def new_cache(self, batch_size: int = 1, capacity: int = 256) -> HybridCache:
         """An empty cache for `batch_size` sequences, continued together by `forward`; `capacity` tokens are allocated
@@ -299,6 +303,8 @@ class Qwen35ForCausalLM(nn.Module):
             position_ids = cache.positions(T, x.device) if cache is not None else torch.arange(T, device=x.device)[
                 None].expand(B, T)
         cos, sin = self.rotary(position_ids, x.dtype)
+        if self.served_adapters is not None:  # each row's adapter, as its sequence's cache holds it
+            self.served_adapters.active = [s.adapter for s in cache.sequences] if cache is not None else None
         delta = None
         recompute = self.gradient_checkpointing and torch.is_grad_enabled()
         for layer in self.model.layers:

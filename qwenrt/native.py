@@ -17,6 +17,7 @@ from torch import nn
 from qwenrt.kernels import cpu_kernels
 from qwenrt.ops.linear import Linear
 from qwenrt.quant import QuantLinear
+from qwenrt.served_adapters import ServedLinear
 
 _generation = [0]  # bumped by every module / parameter / buffer registration
 _bound = weakref.WeakKeyDictionary()  # owner -> {what: ((generation, dtype), object)}; not in the owner: it pickles
@@ -66,18 +67,27 @@ def _bind_run(kernels, fmt: tuple, modules: list[nn.Module]):
     return kernels.Projection(kind, qs, scales, zeros, spec.group_size or 0)
 
 
-def bind(kernels, modules: list[nn.Module], one_format: bool = False):
+def bind(kernels, modules: list[nn.Module], one_format: bool = False, adapters: bool = False):
     """The projections as one native call, a `kernels.Projection`: (x [B, K], mode) -> [B, N_i] per module, a GEMV
     per run of one format (int4 keeps the projections its layout cannot hold in bf16); None where one has none, or
-    where they are of several formats and `one_format` (the SwiGLU GEMV takes gate and up in one format)."""
-    formats = [gemv_format(m) for m in modules]
+    where they are of several formats and `one_format` (the SwiGLU GEMV takes gate and up in one format).
+    adapters: a served adapter's projection (qwenrt.served_adapters.ServedLinear) binds as its base with its
+    adapters (the caller passes each row's slot); otherwise it has no native call."""
+    bases = [m.base_layer if adapters and isinstance(m, ServedLinear) else m for m in modules]
+    formats = [gemv_format(m) for m in bases]
     if None in formats:
         return None
-    runs = [(fmt, [m for _, m in run]) for fmt, run in groupby(zip(formats, modules), key=lambda pair: pair[0])]
+    runs = [(fmt, [m for _, m in run]) for fmt, run in groupby(zip(formats, bases), key=lambda pair: pair[0])]
     if len(runs) > 1 and one_format:
         return None
     parts = [_bind_run(kernels, fmt, run) for fmt, run in runs]
-    return parts[0] if len(parts) == 1 else kernels.Projection(parts)
+    projection = parts[0] if len(parts) == 1 else kernels.Projection(parts)
+    for output, m in enumerate(modules):
+        if m is not bases[output]:
+            for slot, adapter in enumerate(m.adapters):
+                if adapter is not None:
+                    projection.add_adapter(output, slot, *adapter)
+    return projection
 
 
 def expert_bank(kernels, weight: nn.Module | torch.Tensor):

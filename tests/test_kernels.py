@@ -631,3 +631,24 @@ def test_decoded_model_copies_and_pickles(dense_ckpt):
     expected = teacher_forced_logits(model, ids, 6)
     for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         assert torch.equal(teacher_forced_logits(clone, ids, 6), expected)
+
+
+@needs_kernels
+def test_lora_rows_match_fp64_and_leave_other_rows():
+    """lora_add_rows (served adapters at decode): each listed row y + scale·B·(A·x) within one bf16 rounding of the
+    fp64 value (K and N off the vector width: the tails), the other rows untouched, a row's result the same alone."""
+    k = cpu_kernels()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 70, generator=g).bfloat16()
+    y = torch.randn(5, 37, generator=g).bfloat16()
+    A, Bt = torch.randn(3, 70, generator=g), torch.randn(3, 37, generator=g)
+    out = y.clone()
+    k.lora_add_rows(x, out, A, Bt, 0.5, torch.tensor([1, 3, 4]))
+    exact = y.double() + 0.5 * (x.double() @ A.double().t()) @ Bt.double()
+    rows = [1, 3, 4]
+    assert torch.equal(out[[0, 2]], y[[0, 2]])
+    assert ((out[rows].double() - exact[rows]).abs() <= exact[rows].abs() * 2 ** -8 + 1e-6).all()
+    assert not torch.equal(out[rows], y[rows])
+    alone = y.clone()
+    k.lora_add_rows(x, alone, A, Bt, 0.5, torch.tensor([3]))
+    assert torch.equal(alone[3], out[3])

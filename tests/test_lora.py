@@ -14,6 +14,7 @@ from qwenrt.cli import main
 from qwenrt.decode_plan import DecodePlan
 from qwenrt.lora import DEFAULT_TARGETS, LoraSpec, add_adapters, lora_modules
 from qwenrt.merge import merge_lora
+from qwenrt.served_adapters import served_modules
 from tests.hostile import one_line_error
 
 peft = pytest.importorskip("peft")
@@ -51,7 +52,7 @@ def test_peft_adapter_loads_into_qwenrt_with_peft_logits(dense_ckpt, tmp_path):
         expected = peft_model(IDS).logits
         base = ref(IDS).logits
     model, _ = qwenrt.load(path, dtype="float32", adapter=tmp_path / "a")
-    assert len(lora_modules(model)) == 8 * 3 + 2 * 4 + 6 * 5  # every projection of every layer
+    assert len(served_modules(model)) == 8 * 3 + 2 * 4 + 6 * 5  # every projection of every layer
     with torch.no_grad():
         ours = model(IDS)
     assert _bound(ours, expected) <= 1e-4
@@ -110,20 +111,20 @@ def test_merged_checkpoint_gives_the_adapted_logits_here_and_in_transformers(den
         assert _bound(theirs(IDS).logits, expected) <= 1e-4
 
 
-def test_adapter_model_leaves_the_native_decode_plan_and_decodes_as_its_modules(dense_ckpt, tmp_path):
-    """bf16: the plan refuses an adapted model (it would compute the base); generation's greedy tokens then follow
-    the modules' logits, which the adapter moves."""
+def test_adapter_model_keeps_the_native_decode_plan_and_decodes_as_its_prefill(dense_ckpt, tmp_path):
+    """bf16: the adapted model decodes through the native plan (adapters bound in it); its stepped logits follow the
+    whole prompt's, which the adapter moves."""
     path, ref = dense_ckpt
     _peft_adapter(ref, tmp_path / "a")
     base, _ = qwenrt.load(path, dtype="bfloat16")
     adapted, _ = qwenrt.load(path, dtype="bfloat16", adapter=tmp_path / "a")
-    assert DecodePlan.for_model(base) is not None or qwenrt.kernels.cpu_kernels() is None
-    assert DecodePlan.for_model(adapted) is None
+    assert qwenrt.kernels.cpu_kernels() is None or DecodePlan.for_model(adapted) is not None
     cache = adapted.new_cache()
     with torch.no_grad():
         stepped = torch.cat([adapted(IDS[:, :6], cache)[:, -1:]] +
                             [adapted(IDS[:, t:t + 1], cache) for t in range(6, IDS.shape[1])], dim=1)
         whole = adapted(IDS)[:, 5:]
+        assert _bound(base(IDS)[:, 5:], whole) > 1e-1
     assert _bound(stepped, whole) <= 3e-2  # bf16 rounding between the chunked and the stepped paths
 
 
@@ -177,7 +178,7 @@ def test_lora_training_changes_only_the_adapters_and_lowers_the_loss(tmp_path, c
         assert torch.equal(t, stored[name.replace(".base_layer", "")].float()), name
     assert all(float(t.abs().max()) > 0 for n, t in trained.items() if n.endswith("lora_B"))
     model, _ = qwenrt.load(builtin, adapter=out)
-    assert len(lora_modules(model)) == 6 * 3 + 2 * 4 + 4 * 5
+    assert len(served_modules(model)) == 6 * 3 + 2 * 4 + 4 * 5
 
 
 def test_plan_prints_adapters_parameters_and_memory_without_training(tmp_path, capsys):

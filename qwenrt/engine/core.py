@@ -35,6 +35,7 @@ from qwenrt.model import Qwen35ForCausalLM
 from qwenrt.mtp import DEFAULT_DRAFT_VOCAB
 from qwenrt.prompt import prepare_prompt
 from qwenrt.sampling import TokenCounts, check_finite, check_generates, sample
+from qwenrt.served_adapters import prefix_key
 from qwenrt.tool_grammar import tool_call_grammar
 from qwenrt.validation import check_flag, check_request
 
@@ -287,7 +288,13 @@ class Engine:
         stop_ids = (set() if params.ignore_eos else self.eos_ids) | set(params.stop_token_ids)
         seq = Sequence(request, prompt, self.tokenizer, stop_ids, min(limit, len(prompt.ids) + params.max_tokens),
                        sink, self.model.device)
-        seq.key = prompt_key(prompt, self.model.config)
+        served = self.model.served_adapters
+        if served is not None:
+            seq.adapter = served.slot(request.adapter)
+        elif request.adapter is not None:
+            raise QwenrtError(f"adapter {request.adapter!r:.80}: this model serves no adapters (load it with "
+                              "adapters={name: directory})", "adapter")
+        seq.key = prefix_key(prompt_key(prompt, self.model.config), served, seq.adapter)
         seq.mask = self._token_mask(request, prompt.thinking_started)
         self._set_speculation(seq, request.speculative_tokens)
         need = self.reservation(seq)

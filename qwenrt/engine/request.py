@@ -48,6 +48,7 @@ class Request:
     media_policy: MediaPolicy = DEFAULT_POLICY  # how images/videos may be read (a server passes a strict one)
     on_prefill: Callable[[int, int], None] | None = None  # (prompt tokens done, prompt tokens) after each chunk
     speculative_tokens: int | str | None = None  # drafts verified per step: 0 off, k, "auto"; None: the engine's
+    adapter: str | None = None  # the served LoRA adapter to run with, by name (None: the model's default, if any)
     request_id: str = field(default_factory=new_request_id)
 
 
@@ -189,7 +190,8 @@ class Sequence:
         self.history: TokenCounts | None = None  # penalties' token counts, made at the first sample
         self.mask: TokenMask | None = None  # the output constraint, set by the engine
         self.vision_embeds: torch.Tensor | None = None  # [1, T, D] while an image/video prompt is being prefilled
-        self.key: list[int] = prompt.ids  # the prompt as the prefix cache knows it (images by content)
+        self.key: list[int] = prompt.ids  # the prompt as the prefix cache knows it (images by content, adapter)
+        self.adapter = 0  # the slot of the served adapter it runs with (qwenrt.served_adapters; 0: none)
         self.snapshots: list[int] = [self.prompt_len]  # prompt lengths where a prefix snapshot is taken, ascending
         # speculative decoding (set by the engine): most drafts per step, whether `auto` picks the count, the drafts
         # for the next step; the MTP head's cache, the index of its next (hidden, next token) pair, the final-normed

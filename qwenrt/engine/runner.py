@@ -72,7 +72,9 @@ class ModelRunner:
             # room for the drafts' entries and the padding of a batched catch-up, both rolled back each round
             seq.draft_state = self.mtp.new_state(model.config.text, model.dtype, model.device, capacity,
                                                  seq.limit + 2 * seq.max_drafts + 2)
-        return self.model.new_sequence(capacity=capacity, limit=seq.limit)
+        state = self.model.new_sequence(capacity=capacity, limit=seq.limit)
+        state.adapter = seq.adapter
+        return state
 
     @torch.inference_mode()
     def prefill(self, seq: Sequence, n: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:

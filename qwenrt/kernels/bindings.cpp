@@ -58,6 +58,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdn_decode_step", &gdn_decode_step, "fused Gated DeltaNet decode step (state updated in place)");
   m.def("gdn_decode_steps", &gdn_decode_steps,
         "the fused step over T successive tokens of one sequence, the state after each but the last saved");
+  m.def("lora_add_rows", &lora_add_rows, "LoRA at decode, in place: y[m] += scale·Btᵀ·(A·x[m]) for the listed rows, "
+        "rounded to bf16 once", arg("x"), arg("y"), arg("A"), arg("Bt"), arg("scale"), arg("rows"));
   m.def("argmax_rows", &argmax_rows, "x [B, V] fp32 -> [B] int64: each row's first largest (first NaN), as torch.argmax",
         arg("x"));
   m.def("argmax_allowed_rows", &argmax_allowed_rows,
@@ -70,7 +72,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           int64_t>(),
            arg("format"), arg("weights"), arg("scales"), arg("zeros"), arg("group_size"))
       .def(pybind11::init<std::vector<Projection>>(), arg("parts"), "the parts' projections, outputs in order")
-      .def("__call__", &Projection::operator(), arg("x"), arg("mode"));
+      .def("__call__", [](const Projection& p, const at::Tensor& x, const std::string& mode) { return p(x, mode); },
+           arg("x"), arg("mode"))
+      .def("add_adapter", &Projection::add_adapter, arg("output"), arg("slot"), arg("A"), arg("Bt"), arg("scale"),
+           "a LoRA adapter (A [r, K], Bt = Bᵀ [r, N] fp32) on output `output` for the rows of adapter slot `slot`");
   pybind11::class_<ExpertBank>(m, "ExpertBank", "E experts' stacked weights of one projection, in one format")
       .def(pybind11::init([](std::string format, at::Tensor weight, std::optional<at::Tensor> scales,
                              std::optional<at::Tensor> zeros, int64_t group_size) {
@@ -89,7 +94,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_attention", &LayerStack::add_attention)
       .def("add_mlp", &LayerStack::add_mlp, arg("gate_up"), arg("down"))
       .def("add_moe", &LayerStack::add_moe, arg("moe"))
-      .def("run", &LayerStack::run, pybind11::call_guard<pybind11::gil_scoped_release>(),
+      .def("run", &LayerStack::run, arg("x"), arg("final_norm"), arg("cos"), arg("sin"), arg("counts"), arg("conv"),
+           arg("recurrent"), arg("keys"), arg("values"), arg("lengths"), arg("adapters") = std::vector<int64_t>{},
+           pybind11::call_guard<pybind11::gil_scoped_release>(),
            "rows of successive tokens per sequence through every layer -> (final-normed hidden, saved states)");
   pybind11::class_<GreedyCycle>(m, "GreedyCycle",
                                  "a greedy speculative cycle (verify, accept, commit, MTP drafts) as one call")
@@ -102,9 +109,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               std::vector<qwenrt::Stores> keys, std::vector<qwenrt::Stores> values, std::vector<int64_t> lengths,
               at::Tensor pending, std::vector<int64_t> pending_next, std::vector<int64_t> pending_counts,
               std::vector<at::Tensor> mtp_keys, std::vector<at::Tensor> mtp_values,
-              std::vector<int64_t> mtp_lengths) {
+              std::vector<int64_t> mtp_lengths, std::vector<int64_t> adapters) {
              auto r = cycle.run(longs(ids), counts, positions, ks, cos, sin, conv, recurrent, keys, values, lengths,
-                                pending, longs(pending_next), pending_counts, mtp_keys, mtp_values, mtp_lengths);
+                                pending, longs(pending_next), pending_counts, mtp_keys, mtp_values, mtp_lengths,
+                                adapters);
              return std::make_tuple(r.logits, r.picks, r.hidden, r.accepted, r.drafts, r.saved);
            },
            pybind11::call_guard<pybind11::gil_scoped_release>(),

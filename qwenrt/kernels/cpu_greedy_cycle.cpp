@@ -57,7 +57,8 @@ GreedyCycle::Result GreedyCycle::run(at::Tensor ids, std::vector<int64_t> counts
                                      std::vector<Stores> keys, std::vector<Stores> values,
                                      std::vector<int64_t> lengths, at::Tensor pending, at::Tensor pending_next,
                                      std::vector<int64_t> pending_counts, std::vector<at::Tensor> mtp_keys,
-                                     std::vector<at::Tensor> mtp_values, std::vector<int64_t> mtp_lengths) const {
+                                     std::vector<at::Tensor> mtp_values, std::vector<int64_t> mtp_lengths,
+                                     std::vector<int64_t> adapters) const {
   const size_t S = counts.size();
   TORCH_CHECK(positions.size() == S && ks.size() == S && lengths.size() == S && pending_counts.size() == S &&
               mtp_keys.size() == S && mtp_values.size() == S && mtp_lengths.size() == S && ids.dim() == 1 &&
@@ -67,7 +68,8 @@ GreedyCycle::Result GreedyCycle::run(at::Tensor ids, std::vector<int64_t> counts
   for (size_t b = 0; b < S; ++b) where.push_back(slots(lengths[b], counts[b], options));
   Result r;
   auto verified = stack_.run(embed_.rows(ids), final_norm_, table_rows(cos, positions, counts),
-                             table_rows(sin, positions, counts), counts, conv, recurrent, keys, values, where);
+                             table_rows(sin, positions, counts), counts, conv, recurrent, keys, values, where,
+                             adapters);
   r.hidden = verified.first;
   r.saved = std::move(verified.second);
   r.logits = head_(r.hidden, "bf16_fp32")[0];

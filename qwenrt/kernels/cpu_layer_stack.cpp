@@ -4,7 +4,9 @@
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/silu.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "kernels.h"
@@ -60,6 +62,39 @@ std::vector<at::Tensor> Projection::operator()(const at::Tensor& x, const std::s
     for (const auto& g : groups) pieces.push_back(g[i]);
     out.push_back(at::cat(pieces));
   }
+  return out;
+}
+
+void Projection::add_adapter(int64_t output, int64_t slot, at::Tensor A, at::Tensor Bt, double scale) {
+  const int64_t n = static_cast<int64_t>(outputs());
+  TORCH_CHECK(0 <= output && output < n && slot >= 1, "Projection.add_adapter: output in [0, ", n, "), slot >= 1");
+  TORCH_CHECK(A.dim() == 2 && Bt.dim() == 2 && A.size(0) == Bt.size(0) && A.scalar_type() == at::kFloat &&
+              Bt.scalar_type() == at::kFloat, "Projection.add_adapter: A [r, K] and Bt [r, N] fp32");
+  adapters.resize(n);
+  auto& slots = adapters[output];
+  if (static_cast<int64_t>(slots.size()) <= slot) slots.resize(slot + 1);
+  slots[slot] = Adapter{A.contiguous(), Bt.contiguous(), scale};
+}
+
+std::vector<at::Tensor> Projection::operator()(const at::Tensor& x, const std::string& mode,
+                                               const std::vector<int64_t>& slots) const {
+  const bool adapted = !adapters.empty() && std::any_of(slots.begin(), slots.end(), [](int64_t s) { return s; });
+  if (!adapted) return (*this)(x, mode);
+  TORCH_CHECK(mode == "bf16" || mode == "swiglu", "Projection: adapters in modes bf16 and swiglu");
+  TORCH_CHECK(static_cast<int64_t>(slots.size()) == x.size(0), "Projection: a slot per row");
+  auto out = (*this)(x, "bf16");
+  const at::Tensor xc = x.contiguous();
+  for (size_t i = 0; i < adapters.size(); ++i) {
+    for (size_t s = 1; s < adapters[i].size(); ++s) {
+      if (!adapters[i][s]) continue;
+      std::vector<int64_t> rows;
+      for (int64_t m = 0; m < x.size(0); ++m)
+        if (slots[m] == static_cast<int64_t>(s)) rows.push_back(m);
+      const Adapter& a = *adapters[i][s];
+      if (!rows.empty()) lora_add_rows(xc, out[i], a.A, a.Bt, a.scale, longs(rows));
+    }
+  }
+  if (mode == "swiglu") return {at::silu(out[0]).mul(out[1])};
   return out;
 }
 
@@ -140,8 +175,9 @@ at::Tensor join(std::vector<at::Tensor>& parts) { return parts.size() == 1 ? par
 std::pair<at::Tensor, std::vector<std::vector<at::Tensor>>> LayerStack::run(
     at::Tensor x, at::Tensor final_norm, at::Tensor cos, at::Tensor sin, std::vector<int64_t> counts,
     std::vector<Stores> conv, std::vector<Stores> recurrent, std::vector<Stores> keys, std::vector<Stores> values,
-    std::vector<at::Tensor> lengths) const {
+    std::vector<at::Tensor> lengths, std::vector<int64_t> adapters) const {
   const size_t S = counts.size();
+  TORCH_CHECK(adapters.empty() || adapters.size() == S, "LayerStack.run: an adapter slot per sequence, or none");
   int64_t N = 0;
   for (const int64_t n : counts) {
     TORCH_CHECK(n >= 1, "LayerStack.run: every sequence has a row");
@@ -150,12 +186,14 @@ std::pair<at::Tensor, std::vector<std::vector<at::Tensor>>> LayerStack::run(
   TORCH_CHECK(x.dim() == 2 && x.size(0) == N && lengths.size() == S && conv.size() == S && recurrent.size() == S &&
               keys.size() == S && values.size() == S, "LayerStack.run: rows, counts and stores disagree");
   for (const Layer& layer : layers_) TORCH_CHECK(layer.gate_up || layer.moe, "LayerStack.run: a layer has no MLP");
+  std::vector<int64_t> slots;  // per row, its sequence's adapter slot
+  for (size_t b = 0; b < adapters.size(); ++b) slots.insert(slots.end(), counts[b], adapters[b]);
   std::vector<std::vector<at::Tensor>> saved(S);
   std::optional<at::Tensor> delta;  // the last layer's MLP output, still to be added to x
   for (const Layer& layer : layers_) {
     auto normed = rms_norm(x, delta, layer.input_norm, eps_);
     x = normed[0];
-    const auto p = layer.project(normed[1], "bf16");
+    const auto p = layer.project(normed[1], "bf16", slots);
     std::vector<at::Tensor> parts;
     int64_t start = 0;
     for (size_t s = 0; s < S; ++s) {
@@ -188,10 +226,10 @@ std::pair<at::Tensor, std::vector<std::vector<at::Tensor>>> LayerStack::run(
       }
       start += n;
     }
-    normed = rms_norm(x, layer.out(join(parts), "bf16")[0], layer.post_norm, eps_);
+    normed = rms_norm(x, layer.out(join(parts), "bf16", slots)[0], layer.post_norm, eps_);
     x = normed[0];
     delta = layer.moe ? (*layer.moe)(normed[1])
-                      : (*layer.down)((*layer.gate_up)(normed[1], "swiglu")[0], "bf16")[0];
+                      : (*layer.down)((*layer.gate_up)(normed[1], "swiglu", slots)[0], "bf16", slots)[0];
   }
   return {rms_norm(x, delta, final_norm, eps_)[1], std::move(saved)};
 }

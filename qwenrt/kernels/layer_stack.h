@@ -38,6 +38,20 @@ struct Projection {
   // ids [N] int64 -> rows ids of the one weight, bf16 [N, K] (quantized ones dequantized as looked up): the token
   // lookup of a table bound as a Projection (a tied quantized model looks its tokens up in its head)
   at::Tensor rows(const at::Tensor& ids) const;
+
+  // A LoRA adapter on one output (qwenrt/served_adapters.py): A [r, K] and Bt = Bᵀ [r, N], fp32
+  struct Adapter {
+    at::Tensor A, Bt;
+    double scale;
+  };
+  // adapters[i][s]: output i's adapter of slot s (slot 0, the base alone, never has one)
+  std::vector<std::vector<std::optional<Adapter>>> adapters;
+  void add_adapter(int64_t output, int64_t slot, at::Tensor A, at::Tensor Bt, double scale);
+  // operator() with row m through the adapters of slot slots[m] ("bf16" or "swiglu"): each output's bf16 rows then
+  // lora_add_rows; swiglu then as torch's bf16 ops, silu(gate)·up. What qwenrt/served_adapters.py's modules compute
+  // at decode sizes, bit for bit.
+  std::vector<at::Tensor> operator()(const at::Tensor& x, const std::string& mode,
+                                     const std::vector<int64_t>& slots) const;
 };
 
 // E experts' weights of one projection, stacked as published: gate_up [E, 2I, *] or down [E, D, *] in one format
@@ -132,13 +146,13 @@ class LayerStack {
 
   // x [N, D] bf16: counts[b] successive tokens of sequence b, in sequence order; cos, sin [N, R] bf16; per sequence
   // its stores (conv, recurrent, keys, values, each a slot per layer) and lengths[b] (int64 [counts[b]], the cache
-  // slots its rows write). Returns the final-normed hidden states [N, D], then per sequence the DeltaNet states
-  // after each of its tokens but the last, [conv [n-1, C, K-1], recurrent [n-1, Hv, Dk, Dv]] per DeltaNet layer in
-  // order (empty for a sequence of one row).
+  // slots its rows write); adapters[b] the adapter slot of sequence b's rows (empty: none). Returns the final-normed
+  // hidden states [N, D], then per sequence the DeltaNet states after each of its tokens but the last, [conv [n-1,
+  // C, K-1], recurrent [n-1, Hv, Dk, Dv]] per DeltaNet layer in order (empty for a sequence of one row).
   std::pair<at::Tensor, std::vector<std::vector<at::Tensor>>> run(
       at::Tensor x, at::Tensor final_norm, at::Tensor cos, at::Tensor sin, std::vector<int64_t> counts,
       std::vector<Stores> conv, std::vector<Stores> recurrent, std::vector<Stores> keys,
-      std::vector<Stores> values, std::vector<at::Tensor> lengths) const;
+      std::vector<Stores> values, std::vector<at::Tensor> lengths, std::vector<int64_t> adapters = {}) const;
 
   // the layer slots of the DeltaNet layers, in order (the order of run's saved states)
   std::vector<int64_t> linear_slots() const;
@@ -190,13 +204,14 @@ class GreedyCycle {
   // the sequences with ks[b] > 0, first pending[b] rows of `pending` [C, D] (hidden states of the inputs just
   // before, with their next tokens pending_next [C]), then the accepted rows, and writes its cache (mtp_keys,
   // mtp_values) from slot mtp_lengths[b]. The caches' lengths are the caller's to move on; the DeltaNet state of a
-  // sequence whose drafts were not all accepted is that after its last accepted input.
+  // sequence whose drafts were not all accepted is that after its last accepted input. adapters[b]: the adapter
+  // slot of sequence b's rows through the model (empty: none; the MTP head has none).
   Result run(at::Tensor ids, std::vector<int64_t> counts, std::vector<int64_t> positions, std::vector<int64_t> ks,
              at::Tensor cos, at::Tensor sin, std::vector<Stores> conv, std::vector<Stores> recurrent,
              std::vector<Stores> keys, std::vector<Stores> values, std::vector<int64_t> lengths,
              at::Tensor pending, at::Tensor pending_next, std::vector<int64_t> pending_counts,
              std::vector<at::Tensor> mtp_keys, std::vector<at::Tensor> mtp_values,
-             std::vector<int64_t> mtp_lengths) const;
+             std::vector<int64_t> mtp_lengths, std::vector<int64_t> adapters = {}) const;
 
  private:
   // the MTP head over rows (hidden [M, D], the next tokens [M]) of the given sequences -> its normed outputs [M, D]

@@ -44,6 +44,7 @@ class ServerConfig:
     media_policy: MediaPolicy = field(default_factory=MediaPolicy.strict)
     # browser origins answered with CORS headers ("*": any); None: no CORS, as a server without the flag
     allowed_origins: list[str] | None = None
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters served by name (--lora): their directories
 
 
 @dataclass
@@ -73,14 +74,19 @@ class ServerState:
         return self.config.media_policy
 
     def check_model(self, name: str | None) -> str:
-        """The served name a request addresses (none given: the first); 404 for any other."""
-        names = self.config.served_model_names
+        """The served name a request addresses, the base model's or an adapter's (none given: the first); 404 for
+        any other."""
+        names = [*self.config.served_model_names, *self.config.adapters]
         if name is None:
             return names[0]
         if name not in names:
             raise APIError(404, f"The model `{name}` does not exist (this server has: {', '.join(names)})", "model",
                            "model_not_found")
         return name
+
+    def adapter(self, name: str | None) -> str | None:
+        """The adapter a request's `model` names, or None (the base model)."""
+        return name if name in self.config.adapters else None
 
     def track(self, submission) -> None:
         """Cut `submission` when the server stops (now, if it already is)."""
@@ -114,8 +120,11 @@ class ServerState:
         return None
 
     def model_card(self, name: str) -> dict:
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "qwenrt", "root": self.config.model,
-                "parent": None, "max_model_len": self.max_model_len}
+        """/v1/models' entry: an adapter's root is its directory and its parent the base model (as vLLM's)."""
+        adapter = self.config.adapters.get(name)
+        root, parent = (self.config.model, None) if adapter is None else (adapter, self.config.served_model_names[0])
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "qwenrt", "root": root,
+                "parent": parent, "max_model_len": self.max_model_len}
 
 
 def create_app(config: ServerConfig, load: Callable[[], object],
@@ -176,7 +185,8 @@ def create_app(config: ServerConfig, load: Callable[[], object],
 
     @app.get("/v1/models")
     async def models(s: ServerState = Depends(ready)):
-        return {"object": "list", "data": [s.model_card(name) for name in s.config.served_model_names]}
+        names = [*s.config.served_model_names, *s.config.adapters]
+        return {"object": "list", "data": [s.model_card(name) for name in names]}
 
     @app.get("/v1/models/{name:path}")  # names may hold slashes: Qwen/Qwen3.5-0.8B
     async def model(name: str, s: ServerState = Depends(ready)):

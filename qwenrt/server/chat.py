@@ -182,7 +182,8 @@ async def submit_chat(body: ChatCompletionRequest, state) -> tuple[str, Submissi
     tool_choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
     requests = [Request(messages, params, enable_thinking=thinking, tools=tools, logprobs=logprobs,
                         tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls is not False,
-                        request_id=f"{request_id}-{j}", media_policy=state.media_policy)
+                        request_id=f"{request_id}-{j}", media_policy=state.media_policy,
+                        adapter=state.adapter(body.model))
                 for j, params in enumerate(choice_params(body, state.tokenizer, max_tokens, state.max_model_len,
                                                          constraint))]
     submission = await submit(state, requests, "messages", field)

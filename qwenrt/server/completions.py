@@ -52,7 +52,7 @@ async def completions(body: CompletionRequest, http: HTTPRequest, state):
                            constraint_options(body.response_format))
     request_id = new_id("cmpl")
     requests = [Request(prompt, p, logprobs=body.logprobs, prompt_logprobs=_prompt_logprobs(body),
-                        request_id=f"{request_id}-{k}-{j}")
+                        request_id=f"{request_id}-{k}-{j}", adapter=state.adapter(name))
                 for k, prompt in enumerate(prompts) for j, p in enumerate(params)]
     submission = await submit(state, requests, "prompt")
     try:

@@ -33,7 +33,7 @@ def load_engine(args):
 
     start = time.perf_counter()
     model, tokenizer = load(args.model, dtype=args.dtype, quantize=args.quantize, progress=log.shows_progress(),
-                            threads=args.threads, mmproj=args.mmproj)
+                            threads=args.threads, mmproj=args.mmproj, adapters=dict(args.lora) or None)
     if args.tokenizer is not None:
         from qwenrt.hub import resolve_model_path
         from qwenrt.tokenizer import load_tokenizer
@@ -123,7 +123,11 @@ def serve(args) -> None:
     model = str(args.model) if args.model is not None else DEFAULT_MODEL
     config = ServerConfig(model, args.served_model_name or [model],
                           args.api_key or os.environ.get("QWENRT_API_KEY") or None,
-                          MediaPolicy.strict(file_root=allowed), args.allowed_origins)
+                          MediaPolicy.strict(file_root=allowed), args.allowed_origins, dict(args.lora))
+    clash = set(config.adapters) & set(config.served_model_names)
+    if clash:
+        raise QwenrtError(f"--lora {min(clash)}: the name of the base model too (--served-model-name); name the "
+                          "adapter otherwise")
     server = None
 
     def stop(_: str) -> None:
@@ -187,6 +191,14 @@ def _origin(text: str) -> str:
     return text
 
 
+def _lora(text: str) -> tuple[str, str]:
+    """NAME=DIR -> (NAME, DIR)."""
+    name, sep, directory = text.partition("=")
+    if not (sep and name and directory):
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR (an adapter's name and its directory), got {text!r}")
+    return name, directory
+
+
 def add_parser(verbs) -> None:
     p = verbs.add_parser("serve", help="OpenAI-compatible HTTP server (needs the `serve` extra)")
     p.add_argument("model", nargs="?", help=f"{MODEL_HELP} (default: the built-in model {DEFAULT_MODEL})")
@@ -196,6 +208,10 @@ def add_parser(verbs) -> None:
     p.add_argument("--served-model-name", nargs="+", help="name(s) clients use as `model` (default: MODEL, or "
                    f"{DEFAULT_MODEL})")
     p.add_argument("--tokenizer", help="directory or repo id of the tokenizer (default: MODEL's)")
+    p.add_argument("--lora", "--lora-modules", dest="lora", nargs="+", action="extend", type=_lora, default=[],
+                   metavar="NAME=DIR", help="serve LoRA adapters (PEFT's format) beside the base model: a request "
+                   "whose `model` is NAME runs with that adapter; requests of different adapters and of the base "
+                   "share one batched step")
     add_mmproj_option(p)
     p.add_argument("--dtype", default="auto", help="auto (as stored), bfloat16, float16 or float32")
     p.add_argument("--quantize", "--quantization", dest="quantize", choices=("int8", "int4"),
