@@ -4,6 +4,7 @@ speculative against plain decoding), parity with transformers, quantization KL, 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import time
@@ -14,14 +15,18 @@ from pathlib import Path
 import torch
 
 from qwenrt import __version__, log
+from qwenrt.bench_worker import engine_steps, time_steps
 from qwenrt.default_model import DEFAULT_MODEL, resolve_model
 from qwenrt.engine import Engine
+from qwenrt.engine.runner import decode_step
 from qwenrt.errors import QwenrtError
 from qwenrt.generate import batch_generate
 from qwenrt.gguf.reader import GGUFCheckpoint
 from qwenrt.hub import resolve_model_path
+from qwenrt.inspect import inspect_checkpoint
 from qwenrt.kernels import LEVELS, cpu_level, kernel_path, native_bf16_matmul
-from qwenrt.loader import check_checkpoint, load, prepare_kernels, resolve_dtype, stored_float_dtype, use_threads
+from qwenrt.loader import (check_checkpoint, load, prepare_kernels, resolve_dtype, stored_float_dtype, use_threads,
+                           verify_checkpoint)
 from qwenrt.meminfo import meminfo
 from qwenrt.quant import QuantSpec, stored_spec
 from qwenrt.sampling import SamplingParams
@@ -68,7 +73,7 @@ class Subject:
     dtype: torch.dtype  # of the determinism and speed checks
     broken: str | None  # why the checkpoint fails its contract (headers, tokenizer), else None
     gguf: bool = False
-    quantized: str | None = None  # a stored quantized format, for the reasons of parity and KL
+    quantized: str | None = None  # the format of a `qwenrt quantize` checkpoint (the reasons of parity and KL)
     mtp: bool = False
     prompts: list[list[int]] = field(default_factory=list)
     text: list[int] = field(default_factory=list)  # KL_TOKENS ids of TEXT (random ids without a tokenizer)
@@ -93,6 +98,20 @@ class Models:
 
     def release(self) -> None:
         self.loaded = self.key = None
+
+
+@dataclass
+class Run:
+    """One `qwenrt qa` run: its subject, the model slot, the options, and each prompt's greedy tokens alone (the
+    determinism checks' reference, computed once)."""
+
+    subject: Subject
+    models: Models
+    prompt_len: int = 128
+    gen_len: int = 64
+    assert_tps: float | None = None
+    kl: list[QuantSpec] = field(default_factory=list)
+    alone: list[list[int]] | None = None
 
 
 def select_checks(checks: str | None, kl: list[QuantSpec]) -> list[str]:
@@ -140,19 +159,17 @@ def examine(source: str | None, dtype) -> Subject:
     except QwenrtError as e:
         return Subject(source, label, path, resolve_dtype(dtype, None), broken=str(e))
     gguf = isinstance(ckpt, GGUFCheckpoint)
-    stored = stored_spec(config.raw) if not gguf else None
+    stored = None if gguf else stored_spec(config.raw)
     prompts, text = _prompt_ids(tokenizer, config.text.vocab_size)
     return Subject(source, label, path, resolve_dtype(dtype, stored_float_dtype(ckpt, plan)), None, gguf,
-                   ckpt.type_summary()[0] if gguf else stored and stored[0].short,
-                   any(n.startswith("mtp.") for n in plan), prompts, text)
+                   stored[0].short if stored else None, any(n.startswith("mtp.") for n in plan), prompts, text)
 
 
 # ---- the checks --------------------------------------------------------------------------------------------------
 
-def check_contract(subject: Subject, models: Models, options: dict) -> Result:
+def check_contract(run: Run) -> Result:
     """The checkpoint against its config: inspect's checks, the NaN/Inf scan of every weight included."""
-    from qwenrt.inspect import inspect_checkpoint
-
+    subject = run.subject
     if subject.broken:
         return Result("contract", FAIL, subject.broken)
     try:
@@ -174,8 +191,7 @@ def greedy_tokens(engine: Engine, prompts: list[list[int]], together: bool, n: i
 
 
 def _engine(model, tokenizer, drafts: int = 0) -> Engine:
-    return Engine(model, tokenizer, speculative_tokens=drafts, prefix_cache_size=0,
-                  max_running=max(len(PROMPTS), 1))
+    return Engine(model, tokenizer, speculative_tokens=drafts, prefix_cache_size=0, max_running=len(PROMPTS))
 
 
 def _first_difference(expected: list[list[int]], got: list[list[int]], what: str, against: str) -> str | None:
@@ -183,22 +199,25 @@ def _first_difference(expected: list[list[int]], got: list[list[int]], what: str
     for p, (a, b) in enumerate(zip(expected, got)):
         if a != b:
             t = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            shown = lambda tokens: tokens[t] if t < len(tokens) else "nothing"
-            return f"prompt {p + 1}, token {t + 1}: {shown(a)} {against}, {shown(b)} {what}"
+            return f"prompt {p + 1}, token {t + 1}: {_token(a, t)} {against}, {_token(b, t)} {what}"
     return None
 
 
-def _alone(subject: Subject, models: Models, options: dict) -> list[list[int]]:
+def _token(tokens: list[int], t: int) -> int | str:
+    return tokens[t] if t < len(tokens) else "nothing"
+
+
+def _alone(run: Run) -> list[list[int]]:
     """Each prompt's greedy tokens decoded alone, without drafts: the determinism checks' reference (once a run)."""
-    if "alone" not in options:
-        options["alone"] = greedy_tokens(_engine(*models.get(subject.dtype)), subject.prompts, together=False)[0]
-    return options["alone"]
+    if run.alone is None:
+        run.alone = greedy_tokens(_engine(*run.models.get(run.subject.dtype)), run.subject.prompts, together=False)[0]
+    return run.alone
 
 
-def check_repeat(subject: Subject, models: Models, options: dict) -> Result:
+def check_repeat(run: Run) -> Result:
     """Greedy generation twice, each prompt alone on a fresh engine: the same tokens."""
-    first = _alone(subject, models, options)
-    second, _ = greedy_tokens(_engine(*models.get(subject.dtype)), subject.prompts, together=False)
+    first = _alone(run)
+    second, _ = greedy_tokens(_engine(*run.models.get(run.subject.dtype)), run.subject.prompts, together=False)
     figures = {"prompts": len(first), "tokens": GREEDY_TOKENS}
     diff = _first_difference(first, second, "the second time", "the first time")
     if diff:
@@ -206,10 +225,10 @@ def check_repeat(subject: Subject, models: Models, options: dict) -> Result:
     return Result("repeat", PASS, f"{len(first)} prompts x {GREEDY_TOKENS} greedy tokens, twice: identical", figures)
 
 
-def check_batch(subject: Subject, models: Models, options: dict) -> Result:
+def check_batch(run: Run) -> Result:
     """The prompts decoded in one batch: each the tokens it gives alone."""
-    alone = _alone(subject, models, options)
-    batched, _ = greedy_tokens(_engine(*models.get(subject.dtype)), subject.prompts, together=True)
+    alone = _alone(run)
+    batched, _ = greedy_tokens(_engine(*run.models.get(run.subject.dtype)), run.subject.prompts, together=True)
     figures = {"prompts": len(alone), "tokens": GREEDY_TOKENS}
     diff = _first_difference(alone, batched, "batched", "alone")
     if diff:
@@ -218,12 +237,12 @@ def check_batch(subject: Subject, models: Models, options: dict) -> Result:
                   "each", figures)
 
 
-def check_speculative(subject: Subject, models: Models, options: dict) -> Result:
+def check_speculative(run: Run) -> Result:
     """The prompts in one batch with the MTP head's drafts verified: plain decoding's tokens."""
-    if not subject.mtp:
+    if not run.subject.mtp:
         return Result("speculative", SKIPPED, "the checkpoint has no MTP head (no mtp.* tensors) to draft with")
-    alone = _alone(subject, models, options)
-    drafted, counts = greedy_tokens(_engine(*models.get(subject.dtype), drafts=DRAFTS), subject.prompts,
+    alone = _alone(run)
+    drafted, counts = greedy_tokens(_engine(*run.models.get(run.subject.dtype), drafts=DRAFTS), run.subject.prompts,
                                     together=True)
     figures = {"prompts": len(alone), "tokens": GREEDY_TOKENS, "drafts_per_step": DRAFTS,
                "draft_tokens": counts.draft_tokens, "accepted_tokens": counts.accepted_tokens}
@@ -237,12 +256,10 @@ def check_speculative(subject: Subject, models: Models, options: dict) -> Result
                   "accepted)", figures)
 
 
-def check_speed(subject: Subject, models: Models, options: dict) -> Result:
+def check_speed(run: Run) -> Result:
     """Prefill and decode tokens/s through the engine (greedy, no drafts), timed as `qwenrt bench` times them."""
-    from qwenrt.bench_worker import engine_steps, time_steps
-
-    model, _ = models.get(subject.dtype)
-    prompt_len, gen_len, floor = options["prompt_len"], options["gen_len"], options["assert_tps"]
+    model, _ = run.models.get(run.subject.dtype)
+    prompt_len, gen_len, floor = run.prompt_len, run.gen_len, run.assert_tps
     ids = torch.randint(0, model.config.text.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
     ttft, decode_s = time_steps(engine_steps, model, ids, gen_len)
     figures = {"prefill_tps": prompt_len / ttft, "decode_tps": gen_len / decode_s, "ttft_s": ttft,
@@ -257,8 +274,6 @@ def check_speed(subject: Subject, models: Models, options: dict) -> Result:
 
 def _parity_skip(subject: Subject) -> str | None:
     """Why transformers cannot be the reference for this checkpoint, or None."""
-    import importlib.util
-
     if importlib.util.find_spec("transformers") is None:
         return "transformers is not installed (pip install transformers)"
     if subject.gguf:
@@ -270,8 +285,6 @@ def _parity_skip(subject: Subject) -> str | None:
 
 def _fp32_memory_short(path: Path) -> str | None:
     """Why two fp32 copies of the model (ours and transformers') do not fit the available memory, or None."""
-    from qwenrt.loader import verify_checkpoint
-
     model = verify_checkpoint(path)[4]  # on `meta`
     need = 2 * 4 * sum(p.numel() for p in model.parameters()) + (512 << 20)
     available = meminfo("MemAvailable")
@@ -310,9 +323,10 @@ def _reference(path: Path):
 
 
 @torch.inference_mode()
-def check_parity(subject: Subject, models: Models, options: dict) -> Result:
+def check_parity(run: Run) -> Result:
     """fp32 logits of the prompts and the text against transformers' (<= PARITY_BOUND relative), and their greedy
     tokens identical."""
+    subject, models = run.subject, run.models
     why = _parity_skip(subject) or _fp32_memory_short(subject.path)
     if why:
         return Result("parity", SKIPPED, why)
@@ -345,8 +359,6 @@ def check_parity(subject: Subject, models: Models, options: dict) -> Result:
 def teacher_forced_logprobs(model, ids: list[int]) -> torch.Tensor:
     """log-softmax [T - T/2 + 1, V] fp32 at positions T/2-1 .. T-1: the first half of `ids` prefilled, the rest
     decoded one token at a time through the engine's decode step, so both paths count."""
-    from qwenrt.engine.runner import decode_step
-
     x, half = torch.tensor([ids]), len(ids) // 2
     cache = model.new_cache(1)
     rows = [model(x[:, :half], cache=cache, logits_to_keep=1)[0].float()]
@@ -354,16 +366,17 @@ def teacher_forced_logprobs(model, ids: list[int]) -> torch.Tensor:
     return torch.cat(rows).log_softmax(-1)
 
 
-def check_kl(subject: Subject, models: Models, options: dict) -> Result:
+def check_kl(run: Run) -> Result:
     """Per-token KL(bf16 || quantized) and top-1 agreement over TEXT for each format of --kl, quantized in memory as
     `qwenrt quantize` quantizes. Reported, not judged (no bound fits every model): fails only on non-finite logits."""
+    subject, models = run.subject, run.models
     if subject.gguf:
         return Result("kl", SKIPPED, "a GGUF file runs as its own blocks; quantize takes a checkpoint directory")
     if subject.quantized:
         return Result("kl", SKIPPED, f"already quantized ({subject.quantized}): no full-precision reference")
     reference = teacher_forced_logprobs(models.get(torch.bfloat16)[0], subject.text)
     figures, said = {"tokens": len(subject.text), "positions": reference.shape[0], "reference": "bf16"}, []
-    for spec in options["kl"]:
+    for spec in run.kl:
         logprobs = teacher_forced_logprobs(models.get(torch.bfloat16, spec)[0], subject.text)
         if not torch.isfinite(logprobs).all():
             return Result("kl", FAIL, f"{spec.short}: non-finite logits", figures)
@@ -371,11 +384,11 @@ def check_kl(subject: Subject, models: Models, options: dict) -> Result:
         top1 = (reference.argmax(-1) == logprobs.argmax(-1)).float().mean().item()
         figures[spec.short] = {"mean_kl": kl.mean().item(), "max_kl": kl.max().item(), "top1_agreement": top1}
         said.append(f"{spec.short} mean {kl.mean().item():.1e} max {kl.max().item():.1e} nats, top-1 {100 * top1:.1f}%")
-    return Result("kl", PASS, f"KL(bf16 || q) per token over {reference.shape[0]} positions: " + "; ".join(said),
-                  figures)
+    return Result("kl", PASS, f"KL(bf16 || q) per token over {reference.shape[0]} positions: " + "; ".join(said)
+                  + " (reported; no pass bound)", figures)
 
 
-RUNNERS: dict[str, Callable[[Subject, Models, dict], Result]] = {
+RUNNERS: dict[str, Callable[[Run], Result]] = {
     "contract": check_contract, "repeat": check_repeat, "batch": check_batch, "speculative": check_speculative,
     "speed": check_speed, "parity": check_parity, "kl": check_kl}
 
@@ -384,18 +397,16 @@ RUNNERS: dict[str, Callable[[Subject, Models, dict], Result]] = {
 
 def machine() -> dict:
     """The CPU, the kernel level qwenrt uses on it and the ISA flags that choose it, threads, versions."""
-    name, flags = platform.machine(), set()
+    first = {}  # /proc/cpuinfo's fields of the first CPU
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and name == platform.machine():
-                name = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
+            first.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    flags = set(first.get("flags", "").split())
     known = set().union(*(needs for needs, _ in LEVELS.values()))
-    return {"cpu": name, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "kernels": kernel_path(),
+    return {"cpu": first.get("model name", platform.machine()), "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "kernels": kernel_path(),
             "kernel_level": cpu_level(), "isa_flags": sorted(flags & known), "bf16_hardware": native_bf16_matmul(),
             "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
             "torch": torch.__version__, "qwenrt": __version__}
@@ -415,18 +426,18 @@ def run_qa(source: str | None, checks: str | None = None, kl: str | None = None,
     use_threads(threads)
     subject = examine(source, dtype)
     prepare_kernels(log.shows_progress())  # a first build's minutes before the checks, not inside one
-    models = Models(subject.path)
-    options = {"prompt_len": prompt_len, "gen_len": gen_len, "assert_tps": assert_tps, "kl": specs}
+    run = Run(subject, Models(subject.path), prompt_len, gen_len, assert_tps, specs)
     results: list[Result] = []
+    unchecked = f": {subject.broken}" if subject.broken and "contract" not in chosen else ""
     for name in chosen:
         blocked = subject.broken or any(r.name == "contract" and r.status == FAIL for r in results)
         if name != "contract" and blocked:
-            results.append(Result(name, SKIPPED, "the checkpoint fails its contract"))
+            results.append(Result(name, SKIPPED, "the checkpoint fails its contract" + unchecked))
             continue
         log.info(f"qa: {name} …")
         start = time.perf_counter()
         try:
-            result = RUNNERS[name](subject, models, options)
+            result = RUNNERS[name](run)
         except QwenrtError as e:  # e.g. a weight that does not load: this check fails, the next ones still run
             result = Result(name, FAIL, str(e))
         result.seconds = time.perf_counter() - start
@@ -441,11 +452,11 @@ def format_report(report: dict) -> str:
     """The report as a table: one row per check (status, seconds, reason), the model and machine above it."""
     m = report["machine"]
     lines = [f"model    {report['model']['name']}, {report['model']['dtype']}",
-             f"machine  {m['cpu']}, {m['cores']} cores, {m['threads']} threads, CPU kernels {m['kernels']} "
+             f"machine  {m['cpu']}, {m['cpus']} CPUs, {m['threads']} threads, CPU kernels {m['kernels']} "
              f"(flags: {' '.join(m['isa_flags']) or 'none'}; bf16 products "
              f"{'in hardware' if m['bf16_hardware'] else 'emulated'})"
              + (f", load average {m['load_average']:.1f}" if m["load_average"] is not None else ""), ""]
-    width = max(len(c["name"]) for c in report["checks"]) if report["checks"] else 5
+    width = max(map(len, CHECKS))
     lines += [f"{'check':<{width}}  status   time    result"]
     for c in report["checks"]:
         lines.append(f"{c['name']:<{width}}  {c['status']:<7}  {c['seconds']:5.1f}s  {c['reason']}")

@@ -164,3 +164,17 @@ def test_bad_arguments_are_refused_in_one_line(argv, fragment, capsys):
     assert main(["qa", *argv]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("qwenrt: error: ") and fragment in err and "\n" not in err, err
+
+
+def test_a_missing_tensor_is_named_by_the_contract_and_by_the_checks_it_skips(dense_ckpt, tmp_path):
+    path = tmp_path / "missing"
+    shutil.copytree(dense_ckpt[0], path)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.norm.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    report = qa.run_qa(str(path), checks="contract,speed", **FAST)
+    assert statuses(report) == {"contract": "fail", "speed": "skipped"}
+    assert "missing 1 tensor(s): model.norm.weight" in check(report, "contract")["reason"]
+    alone = qa.run_qa(str(path), checks="speed", **FAST)
+    assert "the checkpoint fails its contract: " in check(alone, "speed")["reason"]
+    assert "model.norm.weight" in check(alone, "speed")["reason"]
