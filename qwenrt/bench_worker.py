@@ -48,7 +48,7 @@ def _load(job: dict):
     return load_model(job["path"], dtype=dtype)
 
 
-def _qwenrt_steps(model, ids: torch.Tensor, steps: int, speculative=0, drafts: list | None = None):
+def engine_steps(model, ids: torch.Tensor, steps: int, speculative=0, drafts: list | None = None):
     """Yield once after prefill (first token chosen) and once per generated token, through the engine (with
     speculation several tokens come at once: they are yielded together). `drafts` receives the DraftCounts."""
     from qwenrt.engine import Engine, Request
@@ -73,6 +73,18 @@ def _transformers_steps(model, ids: torch.Tensor, steps: int):
         yield
 
 
+def time_steps(steps, model, ids: torch.Tensor, gen_len: int) -> tuple[float, float]:
+    """(time to first token, seconds of the `gen_len` steps after it) of `steps` (engine_steps or
+    _transformers_steps) on the prompt ids [1, T], after a short warm-up run."""
+    with torch.inference_mode():
+        for _ in steps(model, ids[:, :WARMUP_PROMPT], WARMUP_STEPS):  # first-call costs (allocations, kernel setup)
+            pass
+        marks = [time.perf_counter()]
+        for _ in steps(model, ids, gen_len):
+            marks.append(time.perf_counter())
+    return marks[1] - marks[0], marks[-1] - marks[1]
+
+
 def measure(job: dict) -> dict:
     """job: engine (qwenrt|transformers), path, dtype, threads, prompt_len, gen_len, seed."""
     torch.set_num_threads(job["threads"])
@@ -85,17 +97,10 @@ def measure(job: dict) -> dict:
     ids = torch.randint(0, vocab, (1, job["prompt_len"]), generator=g)
     drafts = []
     if job["engine"] == "qwenrt":
-        steps = functools.partial(_qwenrt_steps, speculative=job.get("speculative", 0), drafts=drafts)
+        steps = functools.partial(engine_steps, speculative=job.get("speculative", 0), drafts=drafts)
     else:
         steps = _transformers_steps
-    with torch.inference_mode():
-        for _ in steps(model, ids[:, :WARMUP_PROMPT], WARMUP_STEPS):  # first-call costs (allocations, kernel setup)
-            pass
-        marks = [time.perf_counter()]
-        for _ in steps(model, ids, job["gen_len"]):
-            marks.append(time.perf_counter())
-    ttft = marks[1] - marks[0]
-    decode_s = marks[-1] - marks[1]
+    ttft, decode_s = time_steps(steps, model, ids, job["gen_len"])
     top_k, experts = getattr(text, "num_experts_per_tok", 0) or 0, getattr(text, "num_experts", 0) or 0
     return {
         "load_s": load_s,

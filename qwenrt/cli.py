@@ -105,6 +105,16 @@ def _bench(args) -> None:
     run(args)
 
 
+def _qa(args) -> int:
+    from qwenrt.qa import format_report, run_qa
+
+    report = run_qa(args.model, checks=args.checks, kl=args.kl, group_size=args.group_size, dtype=args.dtype,
+                    threads=args.threads, prompt_len=args.prompt_len, gen_len=args.gen_len,
+                    assert_tps=args.assert_tps)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0 if report["passed"] else 1
+
+
 def _merge_lora(args) -> None:
     from qwenrt.merge import merge_lora
 
@@ -327,6 +337,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="also write the results (medians and every sample) to this file")
     p.set_defaults(run=_bench)
 
+    p = verbs.add_parser("qa", help="check a model and this machine: contract, determinism, parity with "
+                         "transformers, quantization KL, speed", description="Run the checks before trusting a model "
+                         "or a machine: each passes, fails or is skipped (with the reason). Exit code 0 when every "
+                         "check that ran passed, 1 otherwise.")
+    p.add_argument("model", nargs="?", help=f"{MODEL_HELP}; default: the built-in model {DEFAULT_MODEL}")
+    p.add_argument("--checks", metavar="A,B,...", help="the checks to run: contract, repeat, batch, speculative "
+                   "(determinism: all three), speed, parity, kl (default: all but kl; kl with --kl)")
+    p.add_argument("--kl", metavar="FORMATS", help="quantize in memory to these formats (int8, int4; comma-separated) "
+                   "and report KL(bf16 || quantized) per token and top-1 agreement over a fixed text")
+    p.add_argument("--group-size", type=int, help="int4 group size of --kl: 32, 64 (default) or 128")
+    p.add_argument("--dtype", default="auto", help="of the determinism and speed checks: auto (as stored), "
+                   "bfloat16, float16 or float32 (parity runs in float32, kl's reference in bfloat16)")
+    p.add_argument("--threads", type=_at_least(1), help="CPU threads (default: torch's, the physical cores)")
+    p.add_argument("--prompt-len", type=_at_least(1), default=128, help="prompt tokens of the speed check")
+    p.add_argument("--gen-len", type=_at_least(1), default=64, help="greedy decode steps of the speed check")
+    p.add_argument("--assert-tps", type=float, metavar="N", help="fail (exit code 1) when decode is slower than N "
+                   "tokens/s")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    log.add_options(p, verbose=False)
+    p.set_defaults(run=_qa)
+
     add_serve_parser(verbs)
 
     p = verbs.add_parser("list", help="the models qwenrt can see: the built-in one and the Qwen3.5-family checkpoints "
@@ -349,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         _verb_parser(parser, args.verb).error(UNRECOGNIZED + " ".join(unknown))
     log.set_level(args.verbosity if "verbosity" in args else log.NORMAL)
     try:
-        args.run(args)
+        return args.run(args) or 0  # a verb's exit code where it has one (qa: 1 when a check failed)
     except QwenrtError as e:
         print(f"qwenrt: error: {e}", file=sys.stderr)
         return 1
@@ -358,4 +389,3 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # e.g. piped into `head`
         return 0
-    return 0
