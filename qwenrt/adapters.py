@@ -5,8 +5,10 @@ the tensors under transformers' module names as PEFT saves them,
     base_model.model.model.layers.0.linear_attn.in_proj_qkv.lora_B.weight   [N, r]
 
 (`model.language_model.layers.` for a vision-language base), so `peft.PeftModel.from_pretrained` loads ours and
-adapters trained with PEFT load here. Read strictly: an adapter that does not fit the base is one error naming the
-file.
+adapters trained with PEFT load here. The routed MoE experts' fused banks [E, N, K] are adapted as PEFT's
+`target_parameters` do: one pair per bank, lora_A [r·E, K] and lora_B [N, r·E] (expert e's A rows e·r..e·r+r-1, its
+B columns e, e+E, ...), several banks of one module nested (`experts.base_layer.lora_A` the first one the config
+names, `experts.lora_A` the last). Read strictly: an adapter that does not fit the base is one error naming the file.
 """
 
 from __future__ import annotations
@@ -23,15 +25,18 @@ from qwenrt.checkpoint import canonical_name
 from qwenrt.errors import QwenrtError
 from qwenrt.files import CheckpointDir, output_dir
 from qwenrt.lora import LoraSpec, kind, lora_modules, projections
+from qwenrt.mlp import Experts
+from qwenrt.quant import QuantExperts, QuantLinear
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 PIECES = (".lora_A.weight", ".lora_B.weight")
+EXPERTS, NESTED = "mlp.experts", ".base_layer"  # a routed experts module; PEFT's wrapper around a wrapped bank
+BANKS = ("experts.gate_up_proj", "experts.down_proj")
 # PEFT settings whose adapters compute something else than base + scaling·B·A on projections: refused when set
 UNSUPPORTED = {"use_dora": "DoRA", "lora_bias": "LoRA biases", "modules_to_save": "modules_to_save (whole modules)",
                "rank_pattern": "per-module ranks (rank_pattern)", "alpha_pattern": "per-module alphas (alpha_pattern)",
-               "target_parameters": "adapters on parameters (target_parameters: the routed MoE experts)",
                "fan_in_fan_out": "fan_in_fan_out (Conv1D bases)", "trainable_token_indices": "trainable tokens",
                "layer_replication": "layer replication"}
 
@@ -63,8 +68,9 @@ def save_adapter(directory: str | Path, model: nn.Module, spec: LoraSpec, base: 
         raise QwenrtError(f"cannot write the adapter into {directory}: {e.strerror or e}") from None
 
 
-def read_config(directory: str | Path) -> tuple[LoraSpec, Path]:
-    """An adapter directory's adapter_config.json -> (its LoraSpec, the weights file), or one QwenrtError."""
+def read_config(directory: str | Path) -> tuple[LoraSpec, Path, tuple[str, ...]]:
+    """An adapter directory's adapter_config.json -> (its LoraSpec, the weights file, its target_parameters: the
+    expert banks it adapts), or one QwenrtError."""
     where = CheckpointDir(directory)
     if not where.exists(CONFIG_FILE):
         raise QwenrtError(f"{where.path}: no {CONFIG_FILE} (a PEFT LoRA adapter holds {CONFIG_FILE} and "
@@ -78,6 +84,10 @@ def read_config(directory: str | Path) -> tuple[LoraSpec, Path]:
             raise QwenrtError(f"{file}: {what} not supported")
     targets = raw.get("target_modules")
     targets = (targets,) if isinstance(targets, str) else tuple(targets or ())
+    parameters = raw.get("target_parameters") or []
+    if not (isinstance(parameters, list) and all(isinstance(p, str) and p.endswith(BANKS) for p in parameters)):
+        raise QwenrtError(f"{file}: target_parameters {parameters!r:.120} must name the MoE experts' banks "
+                          f"(mlp.experts.gate_up_proj, mlp.experts.down_proj)")
     try:
         spec = LoraSpec(raw.get("r"), raw.get("lora_alpha"), targets or ("?",), rslora=bool(raw.get("use_rslora")))
     except QwenrtError as e:
@@ -86,16 +96,17 @@ def read_config(directory: str | Path) -> tuple[LoraSpec, Path]:
         pickled = " (adapter_model.bin, a pickle, is not read: save with safe_serialization=True)" \
             if where.exists("adapter_model.bin") else ""
         raise QwenrtError(f"{where.path}: no {WEIGHTS_FILE}{pickled}")
-    return spec, where.file(WEIGHTS_FILE, "adapter weights")
+    return spec, where.file(WEIGHTS_FILE, "adapter weights"), tuple(parameters)
 
 
 def read_adapter(directory: str | Path, model: nn.Module) -> tuple[LoraSpec, dict[str, tuple[torch.Tensor, ...]]]:
-    """Read and check an adapter against `model` (loaded, or on `meta`): (its spec, projection path -> (lora_A
-    [r, K], lora_B [N, r]) fp32). Every tensor must be a lora_A / lora_B pair of a projection the model has, of
-    its shape and the config's rank, finite."""
-    spec, file = read_config(directory)
+    """Read and check an adapter against `model` (loaded, or on `meta`): (its spec, path -> (lora_A, lora_B) fp32):
+    a projection's path -> ([r, K], [N, r]); an expert bank's ("model.layers.0.mlp.experts.gate_up_proj") ->
+    ([E, r, K], [E, N, r]), expert by expert. Every tensor must be a lora_A / lora_B pair of a projection or bank the
+    model has, of its shape and the config's rank, finite."""
+    spec, file, parameters = read_config(directory)
     tensors = _read_tensors(file)
-    found = projections(model)
+    found, banks = projections(model), expert_banks(model)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in tensors.items():
         piece = next((p for p in PIECES if name.endswith(p)), None)
@@ -103,13 +114,40 @@ def read_adapter(directory: str | Path, model: nn.Module) -> tuple[LoraSpec, dic
         if path is None:
             raise QwenrtError(f"{file}: tensor '{name:.120}' is not a LoRA weight (base_model.model.<module>"
                               ".lora_A.weight / .lora_B.weight)")
-        if path not in found:
+        if path.endswith(EXPERTS) or path.endswith(EXPERTS + NESTED):
+            path = _bank_path(file, name, path, parameters)
+        if path not in found and path not in banks:
             raise QwenrtError(f"{file}: tensor '{name:.120}' adapts {path:.120}, which is no projection of this "
                               "model")
         pairs.setdefault(path, {})[piece] = t
     if not pairs:
         raise QwenrtError(f"{file}: holds no LoRA weights")
-    return spec, {path: _checked_pair(file, path, pieces, found[path], spec.rank) for path, pieces in pairs.items()}
+    return spec, {path: _checked_pair(file, path, pieces, found.get(path) or banks[path], spec.rank)
+                  for path, pieces in pairs.items()}
+
+
+def expert_banks(model: nn.Module) -> dict[str, tuple[int, int, int]]:
+    """The routed experts' banks an adapter may adapt, by path ("...mlp.experts.gate_up_proj") -> (E, N, K)."""
+    banks = {}
+    for path, m in model.named_modules():
+        if type(m) in (Experts, QuantExperts):
+            for bank in ("gate_up_proj", "down_proj"):
+                w = getattr(m, bank)
+                E, N = (w.qweight.shape[0], w.out_features) if isinstance(w, QuantLinear) else w.shape[:2]
+                K = w.in_features if isinstance(w, QuantLinear) else w.shape[2]
+                banks[f"{path}.{bank}"] = (E, N, K)
+    return banks
+
+
+def _bank_path(file: Path, name: str, module: str, parameters: tuple[str, ...]) -> str:
+    """The bank a pair nested `depth` wrappers deep in an experts module adapts: PEFT wraps the banks in the order
+    target_parameters names them, the first innermost."""
+    depth = module.count(NESTED)
+    module = module.replace(NESTED, "")
+    banks = [p.rpartition(".")[2] for p in parameters]
+    if depth >= len(banks):
+        raise QwenrtError(f"{file}: tensor '{name:.120}' adapts an expert bank that target_parameters does not name")
+    return f"{module}.{banks[len(banks) - 1 - depth]}"
 
 
 def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
@@ -120,19 +158,24 @@ def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
         raise QwenrtError(f"{file}: cannot read the adapter weights ({' '.join(str(e).split())[:200]})") from None
 
 
-def _checked_pair(file: Path, path: str, pieces: dict[str, torch.Tensor], base: nn.Module, rank: int):
+def _checked_pair(file: Path, path: str, pieces: dict[str, torch.Tensor], base: nn.Module | tuple, rank: int):
+    """A projection's pair (base: the module) or an expert bank's (base: (E, N, K)), checked, fp32, expert by
+    expert for a bank."""
     missing = [p for p in PIECES if p not in pieces]
     if missing:
         raise QwenrtError(f"{file}: {path} has no {missing[0][1:]}")
     A, B = pieces[PIECES[0]], pieces[PIECES[1]]
-    N, K = base.out_features, base.in_features
+    E, N, K = base if isinstance(base, tuple) else (1, base.out_features, base.in_features)
     if A.dim() != 2 or B.dim() != 2 or A.shape[1] != K or B.shape[0] != N:
         raise QwenrtError(f"{file}: {path}: lora_A {list(A.shape)} and lora_B {list(B.shape)} do not fit the base's "
-                          f"[{N}, {K}] weight (expected [r, {K}] and [{N}, r])")
-    if A.shape[0] != rank or B.shape[1] != rank:
-        raise QwenrtError(f"{file}: {path} has rank {A.shape[0]} (lora_A) / {B.shape[1]} (lora_B), but "
+                          f"[{N}, {K}] weight{' per expert' * (E > 1)} (expected [r{'·E' * (E > 1)}, {K}] and "
+                          f"[{N}, r{'·E' * (E > 1)}])")
+    if A.shape[0] != rank * E or B.shape[1] != rank * E:
+        raise QwenrtError(f"{file}: {path} has rank {A.shape[0] // E} (lora_A) / {B.shape[1] // E} (lora_B), but "
                           f"{CONFIG_FILE} says r = {rank}")
     for name, t in (("lora_A", A), ("lora_B", B)):
         if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
             raise QwenrtError(f"{file}: {path}.{name} must hold finite floats ({t.dtype})")
-    return A.float(), B.float()
+    if not isinstance(base, tuple):
+        return A.float(), B.float()
+    return A.float().reshape(E, rank, K), B.float().reshape(N, rank, E).permute(2, 0, 1).contiguous()

@@ -117,12 +117,13 @@ def kind(path: str) -> str:
 def resolve_targets(model: nn.Module, targets: tuple[str, ...], defaults: bool = False) -> list[str]:
     """The paths of the projections `targets` name, in model order. A target naming nothing is an error, unless
     `defaults` (the default list names every kind of projection; a model has some of them). Routed MoE experts are
-    refused: their adapters (PEFT's target_parameters) are not supported yet."""
+    refused: training their adapters (PEFT's target_parameters) is not supported yet."""
     available = projections(model)
     for target in targets:
         if "experts" in target.split("."):
-            raise QwenrtError(f"LoRA target {target!r}: adapters on the routed MoE experts (mlp.experts.*) are not "
-                              "supported yet; the shared expert (mlp.shared_expert.*) and every other projection are")
+            raise QwenrtError(f"LoRA target {target!r}: training adapters on the routed MoE experts (mlp.experts.*) "
+                              "is not supported yet (PEFT's, on target_parameters, load, serve and merge); the shared "
+                              "expert (mlp.shared_expert.*) and every other projection train")
         if not defaults and not any(matches(path, target) for path in available):
             kinds = sorted({kind(path) for path in available})
             raise QwenrtError(f"LoRA target {target!r} matches no projection of this model (it has: "

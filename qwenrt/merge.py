@@ -33,7 +33,8 @@ def merge_lora(base: str | Path, adapter: str | Path, out: str | Path, progress:
     if stored_spec(config.raw):
         raise QwenrtError(f"{base}: a quantized checkpoint; merge the adapter into its full-precision original")
     spec, adapters = read_adapter(adapter, model)
-    merged = {f"{path}.weight": (A, B) for path, (A, B) in adapters.items()}
+    # a projection's weight [N, K] gets B·A; an expert bank [E, N, K] (named as its path) B_e·A_e per expert
+    merged = {path if A.dim() == 3 else f"{path}.weight": (A, B) for path, (A, B) in adapters.items()}
 
     def first_name(name):
         source = plan[name]
@@ -50,7 +51,8 @@ def merge_lora(base: str | Path, adapter: str | Path, out: str | Path, progress:
             return materialize(ckpt, plan[entry.name], entry.dtype)
         A, B = merged[entry.name]
         w = materialize(ckpt, plan[entry.name], torch.float32)
-        return w.addmm(B, A, alpha=spec.scaling).to(entry.dtype)  # W + scaling·B·A in fp32, rounded once
+        w = w.baddbmm(B, A, alpha=spec.scaling) if A.dim() == 3 else w.addmm(B, A, alpha=spec.scaling)
+        return w.to(entry.dtype)  # W + scaling·B·A in fp32, rounded once
 
     tmp = _partial_dir(out)
     try:

@@ -28,8 +28,8 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert e on its tokens x [n, D] -> [n, D]."""
+    def expert(self, e: int, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Expert e on its tokens x [n, D] (rows of the block's input: `rows`) -> [n, D]."""
         gate, up = linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
         return linear(F.silu(gate) * up, self.down_proj[e])
 
@@ -38,7 +38,8 @@ class Experts(nn.Module):
 
 
 def dispatch_experts(expert, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [N, D]; index, weight [N, A] -> Σ_a weight·expert(index, x) [N, D], each expert run once on its tokens."""
+    """x [N, D]; index, weight [N, A] -> Σ_a weight·expert(index, x) [N, D], each expert run once on its tokens:
+    expert(e, x[rows], rows)."""
     out = torch.zeros_like(x)
     flat = index.reshape(-1)  # [N·A]
     order = flat.argsort()
@@ -49,6 +50,6 @@ def dispatch_experts(expert, x: torch.Tensor, index: torch.Tensor, weight: torch
     for e, n in zip(experts.tolist(), counts.tolist()):
         rows, cols = token[start:start + n], slot[start:start + n]
         start += n
-        y = expert(e, x[rows]) * weight[rows, cols, None]
+        y = expert(e, x[rows], rows) * weight[rows, cols, None]
         out.index_add_(0, rows, y.to(out.dtype))
     return out

@@ -450,7 +450,7 @@ class QuantExperts(nn.Module):
         super().__init__()
         self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+    def expert(self, e: int, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         gate, up = self.gate_up_proj(x, e).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up, e)
 

@@ -6,6 +6,8 @@ Adapters are numbered by slot: 0 is the base alone, 1.. the adapters in the orde
 slot (`SequenceState.adapter`); a forward takes each row's slot from the cache it continues (the model's default
 slot without one). A wrapped projection is a `ServedLinear`; the native decode plan binds its base and adapters
 (`kernels.Projection.add_adapter`), so adapted models keep their native decode path on bf16, int8 and int4 bases.
+Adapters on the routed MoE experts' banks (PEFT's target_parameters) wrap the experts in a `ServedExperts`, which
+the modules compute (the native MoE block has no adapters: such a model decodes through its modules).
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ from torch import nn
 from qwenrt.adapters import read_adapter
 from qwenrt.errors import QwenrtError
 from qwenrt.lora import device_of, projections
-from qwenrt.ops.linear import decode_kernels
+from qwenrt.mlp import dispatch_experts
+from qwenrt.ops.linear import decode_kernels, linear
+from qwenrt.quant import QuantLinear
 
+BANKS = ("gate_up_proj", "down_proj")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}")
 
 
@@ -112,6 +117,44 @@ class ServedLinear(nn.Module):
         return f"adapters in slots {[s for s, a in enumerate(self.adapters) if a is not None]}"
 
 
+class ServedExperts(nn.Module):
+    """The routed experts (Experts or QuantExperts) and the adapters some slots put on their banks: gate_up[s],
+    down[s] = (A [E, r, K], Bᵀ [E, r, N] fp32, scaling), or None. Computed through the modules (the native MoE block
+    has no adapters): each expert's rows as the base computes them, plus each row's adapter product in fp32 rounded
+    once, per slot."""
+
+    def __init__(self, base_layer: nn.Module, served: AdapterSet, gate_up: list, down: list):
+        super().__init__()
+        self.base_layer = base_layer
+        self.gate_up, self.down = gate_up, down
+        self._served = [served]
+        self._rows: torch.Tensor | None = None  # per input row, its slot (during forward)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        slots = self._served[0].slots()
+        self._rows = torch.tensor(slots).repeat_interleave(x.shape[0] // len(slots))  # [N]
+        try:
+            return dispatch_experts(self.expert, x, index, weight)
+        finally:
+            self._rows = None
+
+    def expert(self, e: int, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = self._bank("gate_up_proj", self.gate_up, e, x, rows).chunk(2, dim=-1)
+        return self._bank("down_proj", self.down, e, F.silu(gate) * up, rows)
+
+    def _bank(self, name: str, adapters: list, e: int, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Expert e's projection `name` of x [n, K] (input rows `rows`), each row with its slot's adapter."""
+        bank = getattr(self.base_layer, name)
+        y = bank(x, e) if isinstance(bank, QuantLinear) else linear(x, bank[e])
+        slots = self._rows[rows]
+        for s in slots.unique().tolist():
+            if s < len(adapters) and adapters[s] is not None:
+                A, Bt, scaling = adapters[s]
+                mine = slots == s
+                y[mine] = (y[mine] + (x[mine].float() @ A[e].t()) @ Bt[e] * scaling).to(y.dtype)
+        return y
+
+
 def _mark(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> int:
     """A negative 62-bit number from an adapter's weights: prompts run with different adapters never share cached
     states (image marks are negative too; a collision needs equal 62-bit digests)."""
@@ -135,19 +178,28 @@ def attach(model: nn.Module, adapters: dict[str, str | Path], default: str | Non
             raise QwenrtError(f"adapter name {name!r:.80} must be 1-128 letters, digits or . _ / : - (starting with "
                               "a letter or digit)")
     read = {name: read_adapter(directory, model) for name, directory in adapters.items()}  # spec, {path: (A, B)}
-    names = list(read)
-    served = AdapterSet(names, [_mark(pairs, spec.scaling) for spec, pairs in read.values()])
+    served = AdapterSet(list(read), [_mark(pairs, spec.scaling) for spec, pairs in read.values()])
+    paths = {p for _, pairs in read.values() for p in pairs}
     found = projections(model)
-    for path in sorted({p for _, pairs in read.values() for p in pairs}, key=list(found).index):
+    for path in (p for p in found if p in paths):
         base = found[path]
-        device = device_of(base)
-        slots = [None] + [(pairs[path][0].to(device), pairs[path][1].t().contiguous().to(device), spec.scaling)
-                          if path in pairs else None for spec, pairs in read.values()]
-        parent_path, _, attr = path.rpartition(".")
-        setattr(model.get_submodule(parent_path), attr, ServedLinear(base, served, slots))
+        setattr(model.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2],
+                ServedLinear(base, served, _slots(read, path, device_of(base))))
+    for path in sorted({p.rpartition(".")[0] for p in paths - found.keys()}):  # the routed experts' modules
+        experts = model.get_submodule(path)
+        device = device_of(experts)
+        setattr(model.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2],
+                ServedExperts(experts, served, *(_slots(read, f"{path}.{bank}", device) for bank in BANKS)))
     served.default = served.slot(default) if default is not None else 0
     model.served_adapters = served
     return served
+
+
+def _slots(read: dict, path: str, device) -> list[tuple[torch.Tensor, torch.Tensor, float] | None]:
+    """Per slot, the adapter on `path` as (A, Bᵀ, scaling) (a bank's: [E, r, K], [E, r, N]), None in slot 0 and
+    where an adapter leaves it."""
+    return [None] + [(pairs[path][0].to(device), pairs[path][1].transpose(-1, -2).contiguous().to(device),
+                      spec.scaling) if path in pairs else None for spec, pairs in read.values()]
 
 
 def served_modules(model: nn.Module) -> dict[str, ServedLinear]:

@@ -14,7 +14,7 @@ from qwenrt.cli import main
 from qwenrt.decode_plan import DecodePlan
 from qwenrt.lora import DEFAULT_TARGETS, LoraSpec, add_adapters, lora_modules
 from qwenrt.merge import merge_lora
-from qwenrt.served_adapters import served_modules
+from qwenrt.served_adapters import ServedExperts, served_modules
 from tests.hostile import one_line_error
 
 peft = pytest.importorskip("peft")
@@ -88,12 +88,29 @@ def test_moe_shared_expert_adapter_round_trip(moe_ckpt, tmp_path):
         assert _bound(model(IDS), peft_model(IDS).logits) <= 1e-4
 
 
-def test_routed_experts_are_refused_in_one_line(moe_ckpt, tmp_path):
-    path, ref = moe_ckpt
+def test_training_routed_experts_is_refused_in_one_line(moe_ckpt):
+    path, _ = moe_ckpt
     model, _ = qwenrt.load(path, dtype="float32")
     one_line_error(lambda: add_adapters(model, LoraSpec(2, 2, ("mlp.experts.gate_up_proj",))), "routed MoE experts")
-    _peft_adapter(ref, tmp_path / "p", ["self_attn.q_proj"], target_parameters=["mlp.experts.down_proj"])
-    one_line_error(lambda: qwenrt.load(path, adapter=tmp_path / "p"), "adapter_config.json", "target_parameters")
+
+
+@pytest.mark.parametrize("banks", [["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], ["mlp.experts.down_proj"]])
+def test_peft_routed_expert_adapters_load_and_merge_with_peft_logits(moe_ckpt, tmp_path, banks):
+    """PEFT's target_parameters on the fused expert banks (both nested, or one): qwenrt's logits (the adapter loaded,
+    and merged) are PEFT's."""
+    path, ref = moe_ckpt
+    peft_model = _peft_adapter(ref, tmp_path / "p", ["self_attn.q_proj"], target_parameters=banks)
+    with torch.no_grad():
+        expected = peft_model(IDS).logits
+        model, _ = qwenrt.load(path, dtype="float32", adapter=tmp_path / "p")
+        assert _bound(model(IDS), expected) <= 1e-4
+        assert main(["merge-lora", str(path), str(tmp_path / "p"), str(tmp_path / "merged")]) == 0
+        merged, _ = qwenrt.load(tmp_path / "merged", dtype="float32")
+        assert _bound(merged(IDS), expected) <= 1e-4
+        for m in model.modules():  # the experts' adapters off: the check sees them
+            if isinstance(m, ServedExperts):
+                m.gate_up = m.down = [None, None]
+        assert _bound(model(IDS), expected) > 1e-3
 
 
 def test_merged_checkpoint_gives_the_adapted_logits_here_and_in_transformers(dense_ckpt, tmp_path, capsys):

@@ -190,3 +190,18 @@ def test_run_with_an_adapter(chat_adapter, capsys):
     assert main(["run", str(path), "The capital of", "--adapter", str(directory), "--raw", "-n", "6",
                  "--temperature", "0", "--dtype", "bfloat16", "-q"]) == 0
     assert capsys.readouterr().out == expected + "\n"
+
+
+def test_routed_expert_adapters_in_a_mixed_batch_equal_each_alone(moe_ckpt, tmp_path):
+    """Adapters on the MoE experts' banks (PEFT's target_parameters), through the modules: a batch of two adapters
+    and the base gives each request its tokens alone, and the adapters change them."""
+    path, ref = moe_ckpt
+    dirs = {}
+    for seed, name in enumerate(("a", "b")):
+        _peft_adapter(ref, tmp_path / name, ["self_attn.q_proj"], seed=seed,
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+        dirs[name] = tmp_path / name
+    model, _ = qwenrt.load(path, dtype="bfloat16", adapters=dirs)
+    alone, mixed = _each_alone_and_mixed(model, [None, "a", "b", "a"])
+    assert mixed == alone
+    assert _each_alone_and_mixed(model, [None] * 4)[1][1:] != mixed[1:]
