@@ -15,6 +15,10 @@ ADAMW_BYTES = 16  # an fp32 trainable parameter: itself, its gradient, AdamW's t
 # activations autograd keeps per token and layer, in units of the layer's summed projection widths (inputs and
 # outputs): the projections' inputs, the DeltaNet / attention intermediates, norms and gates; a rough figure
 SAVED_PER_WIDTH = 2
+# a DeltaNet layer's backward keeps two fp32 [Hv, Dk, Dv] states per token (the state after each token and its
+# gradient): most of the per-token memory (0.8B shape: 2 MiB a token)
+DELTANET_STATES = 2
+RUNTIME_BYTES = 0.45 * (1 << 30)  # the process before any weight: Python, torch, qwenrt (RSS, measured)
 
 
 def _gib(n: float) -> str:
@@ -24,13 +28,11 @@ def _gib(n: float) -> str:
 def lora_plan(cfg) -> str:
     """The plan of the LoRA run `cfg` (a TrainConfig) as lines of text."""
     from qwenrt.loader import verify_checkpoint, weight_bytes
-    from qwenrt.ops.linear import Linear
     from qwenrt.quant import LoadQuantizer, QuantLinear, QuantSpec
 
     config, _, _, _, model = verify_checkpoint(cfg.init)
     spec = cfg.lora_spec()
     quantize = base_quantization(cfg)
-    quantized = cfg.lora_base in ("int8", "int4")
     dtype = getattr(torch, base_dtype(cfg))
     quantizer = LoadQuantizer(model, QuantSpec.parse(quantize), dtype) if quantize else None
     base_bytes = weight_bytes(model, dtype, quantizer)
@@ -53,20 +55,19 @@ def lora_plan(cfg) -> str:
                  f"({100 * trainable / total:.2f}% of {total:,})")
     tokens = cfg.micro_batch_tokens
     act = dtype.itemsize
-    if cfg.gradient_checkpointing:
-        activations = (2 * c.num_hidden_layers * c.hidden_size * act + SAVED_PER_WIDTH * width * act) * tokens
+    deltanet = DELTANET_STATES * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    if cfg.gradient_checkpointing:  # every layer's input kept; one layer's intermediates at a time
+        per_token = 2 * c.num_hidden_layers * c.hidden_size * act + SAVED_PER_WIDTH * width * act + deltanet
         logits = 3 * min(tokens, LOSS_SLICE) * c.vocab_size * 4
     else:
-        activations = SAVED_PER_WIDTH * width * act * tokens * c.num_hidden_layers
+        per_token = SAVED_PER_WIDTH * width * act * c.num_hidden_layers + deltanet * len(c.linear_attention_layers)
         logits = 3 * tokens * c.vocab_size * 4
-    if quantized:  # a prefill-sized product dequantizes its matrix whole (the head's the largest)
-        activations += 4 * max(m.out_features * m.in_features for m in model.modules()
-                               if type(m) in (Linear, QuantLinear))
+    activations = per_token * tokens
     states = trainable * ADAMW_BYTES
-    estimate = base_bytes + states + activations + logits
+    estimate = RUNTIME_BYTES + base_bytes + states + activations + logits
     lines.append(f"memory (estimate): base weights {_gib(base_bytes)}, adapters with gradients and AdamW "
                  f"state {_gib(states)}, activations {_gib(activations + logits)} at "
                  f"{tokens} tokens per micro-batch{' with' if cfg.gradient_checkpointing else ' without'} gradient "
-                 f"checkpointing: about {_gib(estimate)}")
+                 f"checkpointing, the runtime {_gib(RUNTIME_BYTES)}: about {_gib(estimate)} at its peak")
     return "\n".join(lines)
 
