@@ -5,8 +5,9 @@ the tensors under transformers' module names as PEFT saves them,
     base_model.model.model.layers.0.linear_attn.in_proj_qkv.lora_B.weight   [N, r]
 
 (`model.language_model.layers.` for a vision-language base), so `peft.PeftModel.from_pretrained` loads ours and
-adapters trained with PEFT load here. Read strictly: an adapter that does not fit the base is one error naming the
-file.
+adapters trained with PEFT load here. A classifier's adapter (task_type SEQ_CLS) also holds its whole score head,
+`base_model.model.score.weight`, as PEFT's modules_to_save keeps it. Read strictly: an adapter that does not fit
+the base is one error naming the file.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 PIECES = (".lora_A.weight", ".lora_B.weight")
+HEAD = PREFIX + "score.weight"  # a SEQ_CLS adapter's head [num_labels, hidden]
+HEAD_MODULES = {"score", "classifier"}  # what PEFT lists in a SEQ_CLS adapter's modules_to_save
 # PEFT settings whose adapters compute something else than base + scaling·B·A on projections: refused when set
 UNSUPPORTED = {"use_dora": "DoRA", "lora_bias": "LoRA biases", "modules_to_save": "modules_to_save (whole modules)",
                "rank_pattern": "per-module ranks (rank_pattern)", "alpha_pattern": "per-module alphas (alpha_pattern)",
@@ -51,11 +54,16 @@ def save_adapter(directory: str | Path, model: nn.Module, spec: LoraSpec, base: 
         name = PREFIX + _transformers_path(path, vlm)
         tensors[name + PIECES[0]] = m.lora_A.detach().float().contiguous()
         tensors[name + PIECES[1]] = m.lora_B.detach().float().contiguous()
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "revision": None,
+    head = getattr(model, "score", None)
+    if head is not None:
+        tensors[HEAD] = head.weight.detach().float().contiguous()
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM" if head is None else "SEQ_CLS",
+              "base_model_name_or_path": base, "revision": None,
               "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "use_rslora": spec.rslora,
               "target_modules": sorted({kind(path) for path in adapters}), "bias": "none",
               "fan_in_fan_out": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
-              "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
+              "modules_to_save": None if head is None else ["score"], "layers_to_transform": None,
+              "rank_pattern": {}, "alpha_pattern": {}}
     try:
         save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
         (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
@@ -74,7 +82,7 @@ def read_config(directory: str | Path) -> tuple[LoraSpec, Path]:
     if raw.get("peft_type") != "LORA":
         raise QwenrtError(f"{file}: peft_type {raw.get('peft_type')!r:.40} is not a LoRA adapter (LORA)")
     for key, what in UNSUPPORTED.items():
-        if raw.get(key):
+        if raw.get(key) and not (key == "modules_to_save" and _head_only(raw)):
             raise QwenrtError(f"{file}: {what} not supported")
     targets = raw.get("target_modules")
     targets = (targets,) if isinstance(targets, str) else tuple(targets or ())
@@ -89,12 +97,23 @@ def read_config(directory: str | Path) -> tuple[LoraSpec, Path]:
     return spec, where.file(WEIGHTS_FILE, "adapter weights")
 
 
+def _head_only(raw: dict) -> bool:
+    """A SEQ_CLS adapter whose modules_to_save are the classification head's names (as PEFT writes them)."""
+    saved = raw.get("modules_to_save")
+    return raw.get("task_type") == "SEQ_CLS" and isinstance(saved, list) and set(saved) <= HEAD_MODULES
+
+
 def read_adapter(directory: str | Path, model: nn.Module) -> tuple[LoraSpec, dict[str, tuple[torch.Tensor, ...]]]:
     """Read and check an adapter against `model` (loaded, or on `meta`): (its spec, projection path -> (lora_A
     [r, K], lora_B [N, r]) fp32). Every tensor must be a lora_A / lora_B pair of a projection the model has, of
-    its shape and the config's rank, finite."""
+    its shape and the config's rank, finite; a classifier's head (read_head) only where the model has one."""
     spec, file = read_config(directory)
     tensors = _read_tensors(file)
+    if HEAD in tensors:
+        if getattr(model, "score", None) is None:
+            raise QwenrtError(f"{file}: a classifier's adapter (it holds the score head): it goes on a sequence "
+                              "classifier, not on a causal LM")
+        del tensors[HEAD]
     found = projections(model)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in tensors.items():
@@ -110,6 +129,19 @@ def read_adapter(directory: str | Path, model: nn.Module) -> tuple[LoraSpec, dic
     if not pairs:
         raise QwenrtError(f"{file}: holds no LoRA weights")
     return spec, {path: _checked_pair(file, path, pieces, found[path], spec.rank) for path, pieces in pairs.items()}
+
+
+def read_head(directory: str | Path, num_labels: int, hidden: int) -> torch.Tensor:
+    """A classifier adapter's score head [num_labels, hidden] fp32, checked."""
+    _, file = read_config(directory)
+    head = _read_tensors(file).get(HEAD)
+    if head is None:
+        raise QwenrtError(f"{file}: no classification head ({HEAD})")
+    if tuple(head.shape) != (num_labels, hidden) or not head.is_floating_point() or not bool(
+            torch.isfinite(head).all()):
+        raise QwenrtError(f"{file}: {HEAD} must hold finite floats of shape [{num_labels}, {hidden}], not "
+                          f"{list(head.shape)} {head.dtype}")
+    return head.float()
 
 
 def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
