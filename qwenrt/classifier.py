@@ -100,35 +100,44 @@ def last_token_logits(model, ids: torch.Tensor, lengths: torch.Tensor) -> torch.
 
 @dataclass
 class Classification:
-    """One text's result: the most probable label, every class's probability (by class id), the text's tokens."""
+    """One text's result: the most probable label, every class's logit and probability (by class id), the tokens
+    the head read up to."""
 
     label: str
+    logits: list[float]
     probs: list[float]
     prompt_tokens: int
 
 
-def classify(model, tokenizer, texts: list[str], engine=None) -> list[Classification]:
-    """Classify `texts` through the engine (the model's default one unless given): each is a request that only
-    prefills and hands back its last token's final-normed hidden state, which the head scores here."""
+def classify(model, tokenizer, texts: list[str | list[int]], engine=None) -> list[Classification]:
+    """Classify `texts` (strings, or token ids) through the engine (the model's default one unless given): each is a
+    request that only prefills and hands back its last token's final-normed hidden state, which the head scores
+    here, all texts at once."""
     from qwenrt.engine import Engine, Request
 
     spec = spec_of(model)
-    if tokenizer is None:
-        raise QwenrtError("classifying text needs the checkpoint's tokenizer")
     engine = engine or Engine.for_model(model, tokenizer)
-    prompts = []
-    for i, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise QwenrtError(f"input {i}: expected a string, got {type(text).__name__}")
-        ids = tokenizer.encode(text)
-        if not ids:
-            raise QwenrtError(f"input {i}: the text is empty")
-        prompts.append(pooled_ids(ids, spec.pad_token_id))
+    prompts = [pooled_ids(_ids(tokenizer, text, i), spec.pad_token_id) for i, text in enumerate(texts)]
     streams = [engine.submit(Request(ids, hidden_only=True)) for ids in prompts]
-    hidden = torch.stack([_hidden(stream) for stream in streams])  # [n, D]
-    with torch.inference_mode():
-        probs = model.score(hidden).float().softmax(-1)  # [n, num_labels]
-    return [Classification(spec.labels[int(p.argmax())], p.tolist(), len(ids)) for p, ids in zip(probs, prompts)]
+    hidden = [_hidden(stream) for stream in streams]  # [D] each
+    with torch.inference_mode():  # row by row: a text's logits do not depend on the others (a GEMM's sums would)
+        logits = torch.cat([model.score(h[None]).float() for h in hidden])  # [n, num_labels]
+    probs = logits.softmax(-1)
+    return [Classification(spec.labels[int(p.argmax())], z.tolist(), p.tolist(), len(ids))
+            for z, p, ids in zip(logits, probs, prompts)]
+
+
+def _ids(tokenizer, text, i: int) -> list[int]:
+    if isinstance(text, list) and text and all(type(t) is int for t in text):
+        return text
+    if not isinstance(text, str):
+        raise QwenrtError(f"input {i}: expected a string or token ids, got {type(text).__name__}")
+    if tokenizer is None:
+        raise QwenrtError("classifying text needs the checkpoint's tokenizer (or pass token ids)")
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise QwenrtError(f"input {i}: the text is empty")
+    return ids
 
 
 def _hidden(stream) -> torch.Tensor:
