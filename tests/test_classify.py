@@ -222,3 +222,22 @@ def test_classify_endpoint_has_vllms_shape_and_refuses_what_does_not_fit(trained
             assert reply.status_code == 400 and "not a sequence classifier" in reply.json()["error"]["message"]
     finally:
         engine.stop()
+
+
+def test_finetune_sft_is_train_with_rank_16_and_classify_plans_its_head(tmp_path, capsys):
+    assert main(["finetune", str(tmp_path / "a"), "--data", "none.jsonl", "--plan"]) == 0
+    assert capsys.readouterr().out.startswith("LoRA rank 16, alpha 32")
+    assert main(["finetune", str(tmp_path / "b"), "--task", "classify", "--num-labels", "3", "--data", "none.jsonl",
+                 "--plan"]) == 0
+    assert "score (classification head)         1 x           384 parameters" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("options, fragment", [
+    (["--task", "classify"], "task classify needs num_labels (--num-labels)"),
+    (["--num-labels", "2"], "num_labels is for task classify"),
+    (["--task", "classify", "--num-labels", "2", "--eval-split", "1"], "eval_split must be in [0, 1)"),
+])
+def test_bad_finetune_options_get_one_line_errors(tmp_path, capsys, options, fragment):
+    assert main(["finetune", str(tmp_path / "out"), "--data", "none.jsonl", *options]) == 1
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1

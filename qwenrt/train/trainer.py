@@ -142,8 +142,8 @@ class TrainConfig:
             if self.lora_rank is None:
                 raise QwenrtError("training: a classifier trains LoRA adapters and its head: give lora_rank")
             if type(self.num_labels) is not int or not 1 <= self.num_labels <= MAX_LABELS:
-                raise QwenrtError(f"training: classify needs num_labels, an integer in [1, {MAX_LABELS}], not "
-                                  f"{self.num_labels!r:.40}")
+                raise QwenrtError(f"training: task classify needs num_labels (--num-labels), an integer in "
+                                  f"[1, {MAX_LABELS}], not {self.num_labels!r:.40}")
         elif self.num_labels is not None:
             raise QwenrtError("training: num_labels is for task classify")
 
