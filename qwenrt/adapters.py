@@ -8,7 +8,9 @@ the tensors under transformers' module names as PEFT saves them,
 adapters trained with PEFT load here. The routed MoE experts' fused banks [E, N, K] are adapted as PEFT's
 `target_parameters` do: one pair per bank, lora_A [r·E, K] and lora_B [N, r·E] (expert e's A rows e·r..e·r+r-1, its
 B columns e, e+E, ...), several banks of one module nested (`experts.base_layer.lora_A` the first one the config
-names, `experts.lora_A` the last). Read strictly: an adapter that does not fit the base is one error naming the file.
+names, `experts.lora_A` the last). A classifier's adapter (task_type SEQ_CLS) also holds its whole score head,
+`base_model.model.score.weight`, as PEFT's modules_to_save keeps it. Read strictly: an adapter that does not fit
+the base is one error naming the file.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ PREFIX = "base_model.model."
 PIECES = (".lora_A.weight", ".lora_B.weight")
 EXPERTS, NESTED = "mlp.experts", ".base_layer"  # a routed experts module; PEFT's wrapper around a wrapped bank
 BANKS = ("experts.gate_up_proj", "experts.down_proj")
+HEAD = PREFIX + "score.weight"  # a SEQ_CLS adapter's head [num_labels, hidden]
+HEAD_MODULES = {"score", "classifier"}  # what PEFT lists in a SEQ_CLS adapter's modules_to_save
 # PEFT settings whose adapters compute something else than base + scaling·B·A on projections: refused when set
 UNSUPPORTED = {"use_dora": "DoRA", "lora_bias": "LoRA biases", "modules_to_save": "modules_to_save (whole modules)",
                "rank_pattern": "per-module ranks (rank_pattern)", "alpha_pattern": "per-module alphas (alpha_pattern)",
@@ -56,11 +60,16 @@ def save_adapter(directory: str | Path, model: nn.Module, spec: LoraSpec, base: 
         name = PREFIX + _transformers_path(path, vlm)
         tensors[name + PIECES[0]] = m.lora_A.detach().float().contiguous()
         tensors[name + PIECES[1]] = m.lora_B.detach().float().contiguous()
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "revision": None,
+    head = getattr(model, "score", None)
+    if head is not None:
+        tensors[HEAD] = head.weight.detach().float().contiguous()
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM" if head is None else "SEQ_CLS",
+              "base_model_name_or_path": base, "revision": None,
               "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "use_rslora": spec.rslora,
               "target_modules": sorted({kind(path) for path in adapters}), "bias": "none",
               "fan_in_fan_out": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
-              "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
+              "modules_to_save": None if head is None else ["score"], "layers_to_transform": None,
+              "rank_pattern": {}, "alpha_pattern": {}}
     try:
         save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
         (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
@@ -80,7 +89,7 @@ def read_config(directory: str | Path) -> tuple[LoraSpec, Path, tuple[str, ...]]
     if raw.get("peft_type") != "LORA":
         raise QwenrtError(f"{file}: peft_type {raw.get('peft_type')!r:.40} is not a LoRA adapter (LORA)")
     for key, what in UNSUPPORTED.items():
-        if raw.get(key):
+        if raw.get(key) and not (key == "modules_to_save" and _head_only(raw)):
             raise QwenrtError(f"{file}: {what} not supported")
     targets = raw.get("target_modules")
     targets = (targets,) if isinstance(targets, str) else tuple(targets or ())
@@ -99,13 +108,25 @@ def read_config(directory: str | Path) -> tuple[LoraSpec, Path, tuple[str, ...]]
     return spec, where.file(WEIGHTS_FILE, "adapter weights"), tuple(parameters)
 
 
+def _head_only(raw: dict) -> bool:
+    """A SEQ_CLS adapter whose modules_to_save are the classification head's names (as PEFT writes them)."""
+    saved = raw.get("modules_to_save")
+    return raw.get("task_type") == "SEQ_CLS" and isinstance(saved, list) and set(saved) <= HEAD_MODULES
+
+
 def read_adapter(directory: str | Path, model: nn.Module) -> tuple[LoraSpec, dict[str, tuple[torch.Tensor, ...]]]:
     """Read and check an adapter against `model` (loaded, or on `meta`): (its spec, path -> (lora_A, lora_B) fp32):
     a projection's path -> ([r, K], [N, r]); an expert bank's ("model.layers.0.mlp.experts.gate_up_proj") ->
     ([E, r, K], [E, N, r]), expert by expert. Every tensor must be a lora_A / lora_B pair of a projection or bank the
-    model has, of its shape and the config's rank, finite."""
+    model has, of its shape and the config's rank, finite; a classifier's head (read_head) only where the model has
+    one."""
     spec, file, parameters = read_config(directory)
     tensors = _read_tensors(file)
+    if HEAD in tensors:
+        if getattr(model, "score", None) is None:
+            raise QwenrtError(f"{file}: a classifier's adapter (it holds the score head): it goes on a sequence "
+                              "classifier, not on a causal LM")
+        del tensors[HEAD]
     found, banks = projections(model), expert_banks(model)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in tensors.items():
@@ -148,6 +169,19 @@ def _bank_path(file: Path, name: str, module: str, parameters: tuple[str, ...]) 
     if depth >= len(banks):
         raise QwenrtError(f"{file}: tensor '{name:.120}' adapts an expert bank that target_parameters does not name")
     return f"{module}.{banks[len(banks) - 1 - depth]}"
+
+
+def read_head(directory: str | Path, num_labels: int, hidden: int) -> torch.Tensor:
+    """A classifier adapter's score head [num_labels, hidden] fp32, checked."""
+    file = read_config(directory)[1]
+    head = _read_tensors(file).get(HEAD)
+    if head is None:
+        raise QwenrtError(f"{file}: no classification head ({HEAD})")
+    if tuple(head.shape) != (num_labels, hidden) or not head.is_floating_point() or not bool(
+            torch.isfinite(head).all()):
+        raise QwenrtError(f"{file}: {HEAD} must hold finite floats of shape [{num_labels}, {hidden}], not "
+                          f"{list(head.shape)} {head.dtype}")
+    return head.float()
 
 
 def _read_tensors(file: Path) -> dict[str, torch.Tensor]:

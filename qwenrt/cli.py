@@ -129,6 +129,98 @@ def _train(args) -> None:
     print(train_command(args.out, args.recipe, **options))
 
 
+def _finetune(args) -> None:
+    from qwenrt.train import finetune_command
+
+    options = {k: v for k, v in vars(args).items() if k not in ("verb", "run", "out", "verbosity") and v is not None}
+    print(finetune_command(args.out, **options))
+
+
+def _classify(args) -> None:
+    from qwenrt.classifier import classify
+    from qwenrt.loader import load
+
+    model, tokenizer = load(args.model, threads=args.threads, progress=log.shows_progress())
+    results = classify(model, tokenizer, args.texts)
+    labels = model.classifier.labels
+    for text, r in zip(args.texts, results):
+        if args.json:
+            print(json.dumps({"text": text, "label": r.label, "probs": dict(zip(labels, r.probs))}))
+        else:
+            print(f"{r.label}\t{max(r.probs):.4f}\t{text}")
+
+
+FINETUNE_DESCRIPTION = (
+    "LoRA adapters (rank 16 on every projection, DeltaNet's included) on a frozen checkpoint (default: the built-in "
+    "model). --task classify reads --data as JSONL, one {\"text\": \"...\", \"label\": NAME or ID} per line: "
+    "label names become class ids in sorted order and the data must hold exactly --num-labels of them; integer "
+    "labels are the class ids, in [0, --num-labels), named LABEL_i. It trains the adapters and a classification "
+    "head (transformers' Qwen3_5ForSequenceClassification: a linear map of the last token's hidden state) and "
+    "writes OUT as a classifier checkpoint with the adapters merged (qwenrt classify, qwenrt serve's /classify, "
+    "transformers' AutoModelForSequenceClassification) and OUT/adapter as a PEFT adapter (task_type SEQ_CLS); "
+    "held-out accuracy and macro-F1 show in the progress bar and train_log.jsonl. --task sft trains on chat "
+    "conversations as `qwenrt train --lora-rank 16` does. Without --eval-data a tenth of --data is held out.")
+
+
+def _training_options(p: argparse.ArgumentParser, finetune: bool) -> None:
+    """The options `train` and `finetune` share (finetune: LoRA always, no MTP head, no fresh model)."""
+    data = "labelled texts (classify) or conversations (sft)" if finetune else "conversations"
+    p.add_argument("--data", help=f"training {data}: JSONL" + ("" if finetune else ", one {\"messages\": [...], "
+                   "\"tools\": [...]} per line"))
+    p.add_argument("--eval-data", dest="eval_data", help=f"held-out {data} (JSONL), evaluated periodically")
+    p.add_argument("--init", help="checkpoint to start from: a directory, hub repo id or qwenrt-tiny (its config, "
+                   "tokenizer and weights; default: the built-in model qwenrt-tiny" +
+                   (")" if finetune else ", unless --config)"))
+    if not finetune:
+        p.add_argument("--config", dest="model_config", help="config.json of a freshly initialised model (needs "
+                       "--tokenizer)")
+        p.add_argument("--tokenizer", help="directory with the tokenizer files, for --config")
+    p.add_argument("--resume", action="store_true", default=None, help="continue from the last step checkpoint in OUT")
+    p.add_argument("--overwrite", action="store_true", default=None,
+                   help="train even if OUT already holds a model (it is replaced)")
+    if not finetune:
+        p.add_argument("--mtp-only", dest="mtp_only", action="store_true", default=None,
+                       help="train the MTP head alone, the model frozen (fit a head to a trained model)")
+    p.add_argument("--gradient-checkpointing", dest="gradient_checkpointing", action="store_true", default=None,
+                   help="recompute each layer in the backward: far less memory, about a third more time")
+    lora = p.add_argument_group("LoRA" if finetune else
+                                "LoRA (the model frozen, adapters trained; OUT gets the adapter in PEFT's format)")
+    lora.add_argument("--lora-rank", dest="lora_rank", type=_at_least(1), help="rank of the LoRA adapters" +
+                      (" (default 16)" if finetune else ": train LoRA adapters of this rank"))
+    lora.add_argument("--lora-alpha", dest="lora_alpha", type=float, help="LoRA alpha (scaling alpha / rank; "
+                      "default 2 x rank)")
+    lora.add_argument("--lora-targets", dest="lora_targets", metavar="A,B,...", help="projections to adapt, as "
+                      "PEFT names them (default: every projection of every layer, DeltaNet's included)")
+    lora.add_argument("--lora-dropout", dest="lora_dropout", type=float, help="dropout on the adapters' input")
+    lora.add_argument("--lora-base", dest="lora_base", choices=["float32", "bfloat16", "int8", "int4"],
+                      help="the frozen base's weights (default float32; int8 / int4: QLoRA, computed in fp32)")
+    lora.add_argument("--plan", action="store_true", default=None, help="print the adapters, trainable parameters "
+                      "and a memory estimate, and exit")
+    mtp = () if finetune else (
+        ("mtp-weight", float, "weight of the MTP head's loss (0: no MTP head)"),
+        ("mtp-depths", int, "the MTP head's loss also on its own chained drafts, as speculative decoding uses it "
+         "for more than one (default 1)"))
+    for flag, kind, what in (("steps", int, "optimizer steps"),
+                             ("batch-size", int, f"{'examples' if finetune else 'conversations'} per step"),
+                             ("micro-batch-tokens", int, "padded tokens per micro-batch (gradient accumulation)"),
+                             ("length-groups", int, "runs of this many steps regrouped by length: less padding "
+                              "(default 1: off)"),
+                             ("lr", float, "peak learning rate"),
+                             ("warmup", int, "warm-up steps (default: a tenth of --steps, at most 50)"),
+                             ("hold", int, "steps at the peak learning rate before the cosine decay"),
+                             ("min-lr-ratio", float, "final learning rate / peak (cosine)"),
+                             ("weight-decay", float, "AdamW weight decay"), ("clip", float, "gradient norm clip"),
+                             *mtp,
+                             ("max-len", int, f"longest {'example' if finetune else 'conversation'} in tokens"),
+                             ("eval-every", int, "steps between held-out evaluations"),
+                             ("save-every", int, "steps between resumable checkpoints"),
+                             ("save-dtype", str, "dtype of the final checkpoint: float32 or bfloat16"),
+                             ("seed", int, "seed of the initialisation and the data order"),
+                             ("threads", int, "torch threads (1 is faster on a machine busy with other work)")):
+        p.add_argument(f"--{flag}", dest=flag.replace("-", "_"), type=kind, help=what)
+    log.add_options(p, verbose=False)
+
+
 RUN_DESCRIPTION = ("Answer one prompt, streamed to stdout. On a terminal a thinking model's reasoning comes first, "
                    "dimmed, between 'Thinking...' and '...done thinking.' lines; when stdout is a pipe or a file it "
                    "gets the answer alone and the reasoning goes to stderr, with the load lines and the stats line "
@@ -264,51 +356,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="output directory: the trained checkpoint, step checkpoints, train_log.jsonl")
     p.add_argument("--recipe", choices=["tiny"], help="rebuild the built-in model from scratch (data, tokenizer, "
                    "model); with --steps to shorten it")
-    p.add_argument("--data", help="training conversations: JSONL, one {\"messages\": [...], \"tools\": [...]} per line")
-    p.add_argument("--eval-data", dest="eval_data", help="held-out conversations (JSONL), evaluated periodically")
-    p.add_argument("--init", help="checkpoint to start from: a directory, hub repo id or qwenrt-tiny (its config, "
-                   "tokenizer and weights; default: the built-in model qwenrt-tiny, unless --config)")
-    p.add_argument("--config", dest="model_config", help="config.json of a freshly initialised model (needs --tokenizer)")
-    p.add_argument("--tokenizer", help="directory with the tokenizer files, for --config")
-    p.add_argument("--resume", action="store_true", default=None, help="continue from the last step checkpoint in OUT")
-    p.add_argument("--overwrite", action="store_true", default=None,
-                   help="train even if OUT already holds a model (it is replaced)")
-    p.add_argument("--mtp-only", dest="mtp_only", action="store_true", default=None,
-                   help="train the MTP head alone, the model frozen (fit a head to a trained model)")
-    p.add_argument("--gradient-checkpointing", dest="gradient_checkpointing", action="store_true", default=None,
-                   help="recompute each layer in the backward: far less memory, about a third more time")
-    lora = p.add_argument_group("LoRA (the model frozen, adapters trained; OUT gets the adapter in PEFT's format)")
-    lora.add_argument("--lora-rank", dest="lora_rank", type=_at_least(1), help="train LoRA adapters of this rank")
-    lora.add_argument("--lora-alpha", dest="lora_alpha", type=float, help="LoRA alpha (scaling alpha / rank; "
-                      "default 2 x rank)")
-    lora.add_argument("--lora-targets", dest="lora_targets", metavar="A,B,...", help="projections to adapt, as "
-                      "PEFT names them (default: every projection of every layer, DeltaNet's included)")
-    lora.add_argument("--lora-dropout", dest="lora_dropout", type=float, help="dropout on the adapters' input")
-    lora.add_argument("--lora-base", dest="lora_base", choices=["float32", "bfloat16", "int8", "int4"],
-                      help="the frozen base's weights (default float32; int8 / int4: QLoRA, computed in fp32)")
-    lora.add_argument("--plan", action="store_true", default=None, help="print the adapters, trainable parameters "
-                      "and a memory estimate, and exit")
-    for flag, kind, what in (("steps", int, "optimizer steps"), ("batch-size", int, "conversations per step"),
-                             ("micro-batch-tokens", int, "padded tokens per micro-batch (gradient accumulation)"),
-                             ("length-groups", int, "runs of this many steps regrouped by length: less padding "
-                              "(default 1: off)"),
-                             ("lr", float, "peak learning rate"),
-                             ("warmup", int, "warm-up steps (default: a tenth of --steps, at most 50)"),
-                             ("hold", int, "steps at the peak learning rate before the cosine decay"),
-                             ("min-lr-ratio", float, "final learning rate / peak (cosine)"),
-                             ("weight-decay", float, "AdamW weight decay"), ("clip", float, "gradient norm clip"),
-                             ("mtp-weight", float, "weight of the MTP head's loss (0: no MTP head)"),
-                             ("mtp-depths", int, "the MTP head's loss also on its own chained drafts, as "
-                              "speculative decoding uses it for more than one (default 1)"),
-                             ("max-len", int, "longest conversation in tokens"),
-                             ("eval-every", int, "steps between held-out evaluations"),
-                             ("save-every", int, "steps between resumable checkpoints"),
-                             ("save-dtype", str, "dtype of the final checkpoint: float32 or bfloat16"),
-                             ("seed", int, "seed of the initialisation and the data order"),
-                             ("threads", int, "torch threads (1 is faster on a machine busy with other work)")):
-        p.add_argument(f"--{flag}", dest=flag.replace("-", "_"), type=kind, help=what)
-    log.add_options(p, verbose=False)
+    _training_options(p, finetune=False)
     p.set_defaults(run=_train)
+
+    p = verbs.add_parser("finetune", help="LoRA fine-tuning of a checkpoint: a classifier on labelled texts, or "
+                         "chat conversations", description=FINETUNE_DESCRIPTION)
+    p.add_argument("out", help="output directory: the classifier checkpoint and OUT/adapter (classify) or the "
+                   "adapter (sft), step checkpoints, train_log.jsonl")
+    p.add_argument("--task", choices=["classify", "sft"], default="sft", help="classify: labelled texts, a "
+                   "sequence-classification head; sft: chat conversations (default; = train --lora-rank 16)")
+    p.add_argument("--num-labels", dest="num_labels", type=_at_least(1), help="classify: the number of classes "
+                   "(checked against the data)")
+    p.add_argument("--eval-split", dest="eval_split", type=float, help="without --eval-data: the share of --data "
+                   "held out for evaluation (default 0.1)")
+    _training_options(p, finetune=True)
+    p.set_defaults(run=_finetune)
 
     p = verbs.add_parser("merge-lora", help="write a checkpoint with a LoRA adapter merged into its weights")
     p.add_argument("base", help=f"full-precision checkpoint: a directory, hub repo id or {DEFAULT_MODEL}")
@@ -357,6 +419,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     log.add_options(p, verbose=False)
     p.set_defaults(run=_qa)
+
+    p = verbs.add_parser("classify", help="classify texts with a classifier checkpoint (qwenrt finetune --task "
+                         "classify)", description="Print each text's most probable label and its probability, "
+                         "tab-separated with the text (--json: one object per line with every label's probability).")
+    p.add_argument("model", help=f"{MODEL_HELP} whose config's architectures end in ForSequenceClassification")
+    p.add_argument("texts", nargs="+", metavar="text", help="a text to classify (repeatable)")
+    p.add_argument("--json", action="store_true", help="one JSON object per text: text, label, probs by label")
+    p.add_argument("--threads", type=_at_least(1), help="CPU threads (default: torch's, the physical cores)")
+    log.add_options(p, verbose=False)
+    p.set_defaults(run=_classify)
 
     add_serve_parser(verbs)
 

@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from qwenrt.checkpoint import materialize, open_checkpoint, plan_text_tensors
+from qwenrt.classifier import attach_head, classifier_spec
 from qwenrt.config import load_config
 from qwenrt.default_model import resolve_model
 from qwenrt.errors import QwenrtError
@@ -140,6 +141,10 @@ def verify_checkpoint(path: str | Path, mmproj: str | Path | None = None, blocks
         model = Qwen35ForCausalLM(config)
         if any(name.startswith(MTP_PREFIX) for name in plan):  # loaded, quantized and checked with the rest
             model.mtp = MTPHead(config.text)
+        classifier = classifier_spec(config.raw, str(path / "config.json")) if not is_gguf(path) else None
+        if classifier is not None:
+            attach_head(model, classifier.num_labels)
+            model.classifier = classifier
     stored = stored_spec(config.raw, str(path / "config.json"))
     quantized = install_placeholders(model, *stored) if stored else {}  # stored quantized weights: their pieces
     if isinstance(ckpt, GGUFCheckpoint):

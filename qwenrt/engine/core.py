@@ -116,6 +116,16 @@ def _check_logprobs(name: str, value) -> None:
         raise QwenrtError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
 
 
+def _check_kind(model, request: Request) -> None:
+    """A classifier only scores prompts (hidden_only requests); prompt logprobs need an LM head too."""
+    check_flag(request.hidden_only, "hidden_only")
+    if model.lm_head is None and not request.hidden_only:
+        raise QwenrtError("this model is a sequence classifier: it has no LM head to generate with (classify texts "
+                          "with `qwenrt classify` or POST /classify)")
+    if request.hidden_only and request.prompt_logprobs is not None:
+        raise QwenrtError("prompt_logprobs cannot be combined with hidden_only")
+
+
 def _speculative_tokens(value) -> int | str:
     if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_DRAFTS):
         return value
@@ -279,15 +289,17 @@ class Engine:
         _check_logprobs("logprobs", request.logprobs)
         _check_logprobs("prompt_logprobs", request.prompt_logprobs)
         params = request.params
-        if request.prompt_logprobs is None:
+        _check_kind(self.model, request)
+        if request.prompt_logprobs is None and not request.hidden_only:
             check_generates(params)
         prompt = prepare_prompt(self.model, self.tokenizer, request.prompt, request.enable_thinking, request.tools,
                                 limit, request.media_policy)
         if prompt.vision is not None and request.prompt_logprobs is not None:
             raise QwenrtError("prompt_logprobs is not supported with image or video prompts")
         stop_ids = (set() if params.ignore_eos else self.eos_ids) | set(params.stop_token_ids)
-        seq = Sequence(request, prompt, self.tokenizer, stop_ids, min(limit, len(prompt.ids) + params.max_tokens),
-                       sink, self.model.device)
+        generated = 0 if request.hidden_only else params.max_tokens
+        seq = Sequence(request, prompt, self.tokenizer, stop_ids, min(limit, len(prompt.ids) + generated), sink,
+                       self.model.device)
         served = self.model.served_adapters
         if served is not None:
             seq.adapter = served.slot(request.adapter)
@@ -295,8 +307,9 @@ class Engine:
             raise QwenrtError(f"adapter {request.adapter!r:.80}: this model serves no adapters (load it with "
                               "adapters={name: directory})", "adapter")
         seq.key = prefix_key(prompt_key(prompt, self.model.config), served, seq.adapter)
-        seq.mask = self._token_mask(request, prompt.thinking_started)
-        self._set_speculation(seq, request.speculative_tokens)
+        if not request.hidden_only:
+            seq.mask = self._token_mask(request, prompt.thinking_started)
+            self._set_speculation(seq, request.speculative_tokens)
         need = self.reservation(seq)
         if need > self.memory_budget:
             raise QwenrtError(f"the request needs {_size(need)} of cache for {seq.limit} tokens (prompt + max_tokens);"
@@ -459,7 +472,9 @@ class Engine:
         prefill takes snapshots. A prompt cached whole (with its logits) samples its first token at once. A request
         for prompt logprobs restores nothing (the cache has no logits of the positions it covers)."""
         seq.state = self.runner.allocate(seq)
-        if self.prefix_cache is None:
+        if seq.request.hidden_only:
+            seq.snapshots = []
+        if self.prefix_cache is None or seq.request.hidden_only:
             return
         hit = self.prefix_cache.match(seq.key) if seq.request.prompt_logprobs is None else Match(0, None, 0)
         if hit.length:
@@ -634,6 +649,11 @@ class Engine:
         if seq.prefill_start_time is None:
             seq.prefill_start_time = start
         logits, hidden = self.runner.prefill(seq, n)
+        if seq.request.hidden_only:
+            if hidden is not None:
+                seq.finish_reason = "length"
+                self._emit(seq, "", [], outputs, hidden=hidden[0])
+            return
         if hidden is not None:
             seq.prompt_logprobs += self._prompt_logprobs(seq, seq.computed - n, hidden)
         if n >= MIN_CHUNK // 2:  # short chunks say more about fixed costs than about speed
@@ -686,10 +706,11 @@ class Engine:
         self._emit(seq, seq.accept(token), [token], outputs, logprobs=logprobs)
 
     def _emit(self, seq: Sequence, text: str, tokens: list[int], outputs: list, logprobs=None,
-              error: str | None = None) -> None:
+              error: str | None = None, hidden: torch.Tensor | None = None) -> None:
         """Hand an output to its request (freeing the sequence first when it is the last)."""
         if seq.finish_reason is not None:
-            if seq.finish_reason in ("stop", "length") and self.prefix_cache is not None and seq.state is not None:
+            if (seq.finish_reason in ("stop", "length") and self.prefix_cache is not None and seq.state is not None
+                    and not seq.request.hidden_only):
                 # the next turn of a conversation (or an agent's next call) continues from here
                 self.prefix_cache.insert((seq.key + seq.tokens)[:seq.state.length], seq.state)
             self.scheduler.finish(seq)
@@ -698,6 +719,7 @@ class Engine:
             with self._lock:
                 self._sequences.pop(seq.request_id, None)
         out = seq.output(text, tokens, logprobs, error)
+        out.hidden = hidden
         outputs.append(out)
         try:
             seq.sink(out)

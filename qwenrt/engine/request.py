@@ -49,6 +49,9 @@ class Request:
     on_prefill: Callable[[int, int], None] | None = None  # (prompt tokens done, prompt tokens) after each chunk
     speculative_tokens: int | str | None = None  # drafts verified per step: 0 off, k, "auto"; None: the engine's
     adapter: str | None = None  # the served LoRA adapter to run with, by name (None: the model's default, if any)
+    # prefill only: the output carries the final-normed hidden state of the last prompt token (`hidden`, what a
+    # classification head reads) and no token is generated; the prefix cache is not used
+    hidden_only: bool = False
     request_id: str = field(default_factory=new_request_id)
 
 
@@ -154,6 +157,7 @@ class RequestOutput:
     # 0): one per prompt token, the first None (nothing comes before it), and the prompt's ids they refer to
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_token_ids: list[int] | None = None
+    hidden: torch.Tensor | None = None  # a hidden_only request's last output: the last prompt token's [D]
 
     @property
     def finished(self) -> bool:

@@ -80,7 +80,8 @@ class ModelRunner:
     def prefill(self, seq: Sequence, n: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run the next n prompt tokens of `seq` through its cache -> (logits [1, V] fp32 after its last prompt token,
         None while more of the prompt remains; where the request asked for prompt logprobs, the final-normed hidden
-        states [n, D] of every position of the chunk, for `logits_rows`, else None)."""
+        states [n, D] of every position of the chunk, for `logits_rows`; for a hidden_only request, the last prompt
+        token's [1, D] after the last chunk (and no logits); else None)."""
         model, prompt = self.model, seq.prompt
         start, end = seq.computed, seq.computed + n
         last = end == seq.prompt_len
@@ -107,6 +108,8 @@ class ModelRunner:
         if last:
             seq.vision_embeds = None
         seq.computed = end
+        if seq.request.hidden_only:
+            return None, h[:, -1] if last else None
         return (model.lm_head(h[:, -1]).float() if last else None,
                 h[0] if seq.request.prompt_logprobs is not None else None)
 

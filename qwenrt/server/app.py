@@ -19,12 +19,13 @@ from starlette.middleware.cors import CORSMiddleware
 
 from qwenrt.server import errors
 from qwenrt.server.chat import chat_completions
+from qwenrt.server.classify import classify_texts
 from qwenrt.server.completions import completions
 from qwenrt.server.errors import APIError
 from qwenrt.server.limits import Limits, RequestGate
 from qwenrt.server.metrics import ServerMetrics
-from qwenrt.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest,
-                                    TokenizeRequest)
+from qwenrt.server.protocol import (ChatCompletionRequest, ClassificationRequest, CompletionRequest, DetokenizeRequest,
+                                    ResponsesRequest, TokenizeRequest)
 from qwenrt.server.request_id import RequestId
 from qwenrt.server.responses_api import responses
 from qwenrt.server.tokenize import detokenize, tokenize
@@ -207,6 +208,11 @@ def create_app(config: ServerConfig, load: Callable[[], object],
     @app.post("/detokenize")
     async def detokenize_(body: DetokenizeRequest, s: ServerState = Depends(ready)):
         return await detokenize(body, s)
+
+    @app.post("/classify")
+    @app.post("/v1/classify")
+    async def classify_(body: ClassificationRequest, s: ServerState = Depends(ready)):
+        return await classify_texts(body, s)
 
     @app.post("/v1/responses")
     async def respond(body: ResponsesRequest, request: Request, s: ServerState = Depends(ready)):

@@ -239,3 +239,12 @@ class ReasoningInput(_Body):
     type: Literal["reasoning"]
     summary: list[ReasoningText] = []
     content: list[ReasoningText] | None = None
+
+
+class ClassificationRequest(_Body):
+    """vLLM's POST /classify: one text or a list of them."""
+
+    model: str | None = None
+    input: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]],
+                                                            Field(min_length=1)]
+    user: str | None = None

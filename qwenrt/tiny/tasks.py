@@ -238,6 +238,25 @@ def arithmetic_task(rng: random.Random, op: str, heldout: bool, draw: str = "uni
     return task, reasoning
 
 
+def sum_statements(n: int, seed: int, heldout: bool = False, digits: int = 2) -> list[dict]:
+    """Labelled texts for a classifier, {"text": "37 + 48 = 85", "label": "correct" | "wrong"}: operands of up to
+    `digits` digits (the held-out pairs or the training ones, as `held_out` splits them), half the sums right and
+    half near misses, off by 1, 2, 9, 10 or 11 (a digit or a carry wrong)."""
+    rng = random.Random(seed)
+    top = 10 ** digits - 1
+    out = []
+    while len(out) < n:
+        a, b = rng.randint(0, top), rng.randint(0, top)
+        if held_out(a, "+", b) != heldout:
+            continue
+        wrong = len(out) % 2 == 1
+        value = a + b + (rng.choice((-11, -10, -9, -2, -1, 1, 2, 9, 10, 11)) if wrong else 0)
+        if value < 0:
+            continue
+        out.append({"text": f"{a} + {b} = {value}", "label": "wrong" if wrong else "correct"})
+    return out
+
+
 # ---- tools ----
 
 def calculator_task(rng: random.Random, heldout: bool) -> Task:

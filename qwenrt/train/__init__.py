@@ -15,7 +15,9 @@ from qwenrt.files import read_json
 from qwenrt.train.checkpoints import check_no_model
 from qwenrt.train.trainer import TrainConfig, train
 
-__all__ = ["TrainConfig", "train", "train_command"]
+__all__ = ["TrainConfig", "train", "train_command", "finetune_command"]
+FINETUNE_DEFAULTS = {"lora_rank": 16}
+FINETUNE_EVAL_SPLIT = 0.1  # held out of the data when no eval data is given
 
 
 def train_command(out: str, recipe: str | None = None, **options) -> str:
@@ -60,6 +62,18 @@ def train_command(out: str, recipe: str | None = None, **options) -> str:
         summary = train(cfg)
     last = summary["history"][-1] if summary["history"] else {}
     figures = ", ".join(f"{k} {v:.4f}" for k, v in last.items() if k.startswith("eval"))
+    written = ("classifier (adapters merged) in {0}, its PEFT adapter in {0}/adapter" if options.get("task") ==
+               "classify" else "adapter in {0}" if "lora_rank" in options else "model in {0}").format(out)
     return (f"trained {summary['steps']} steps in {summary['seconds']:.0f} s ({summary['tokens']} tokens)"
-            f"{'; ' + figures if figures else ''}; {'adapter' if 'lora_rank' in options else 'model'} in {out}")
+            f"{'; ' + figures if figures else ''}; {written}")
+
+
+def finetune_command(out: str, task: str = "sft", **options) -> str:
+    """`qwenrt finetune`: `train` with LoRA (rank 16 unless given) on a checkpoint (the built-in model unless
+    --init), a share of the data held out unless --eval-data, for chat conversations (sft) or labelled texts
+    (classify)."""
+    options = FINETUNE_DEFAULTS | options
+    if "eval_data" not in options:
+        options.setdefault("eval_split", FINETUNE_EVAL_SPLIT)
+    return train_command(out, task=task, **options)
 

@@ -75,18 +75,23 @@ def _write_checkpoint(folder: Path, model, mtp, config: dict, tokenizer_dir: Pat
                if not (n == "lm_head.weight" and model.config.text.tie_word_embeddings)}
     if mtp is not None:
         tensors.update(mtp_state_dict(mtp))
-    tensors = {n: t.detach().to(torch.float32 if _keeps_fp32(n) else dtype).contiguous() for n, t in tensors.items()}
+    tensors = {n: t.detach().to(torch.float32 if keeps_fp32(n) else dtype).contiguous() for n, t in tensors.items()}
     (folder / "config.json").write_text(json.dumps(dict(config, dtype=str(dtype).removeprefix("torch.")), indent=2)
                                         + "\n")
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     # safetensors creates its file private (0600); the weights get the mode the umask gives every other file
     (folder / "model.safetensors").chmod((folder / "config.json").stat().st_mode & 0o777)
+    copy_tokenizer_files(tokenizer_dir, folder)
+    if state is not None:
+        torch.save(state, folder / STATE_FILE)
+
+
+def copy_tokenizer_files(tokenizer_dir: Path, folder: Path) -> None:
+    """The tokenizer, template and generation config files of `tokenizer_dir` that exist, into `folder`."""
     source = CheckpointDir(tokenizer_dir)  # read as loading reads it: no link out of it, no FIFO
     for name in TOKENIZER_FILES:
         if source.exists(name):
             (folder / name).write_bytes(read_bytes(source.file(name), TOKENIZER_LIMIT, name))
-    if state is not None:
-        torch.save(state, folder / STATE_FILE)
 
 
 def check_files(directory: Path, names) -> None:
@@ -134,7 +139,7 @@ def _is_file(path: Path) -> bool:
         return False
 
 
-def _keeps_fp32(name: str) -> bool:
+def keeps_fp32(name: str) -> bool:
     # norms, A_log and dt_bias are small and precision-critical; published checkpoints keep some of them in fp32 too
     return name.endswith(("A_log", "dt_bias")) or "norm" in name
 

@@ -33,6 +33,7 @@ class Example:
 
     ids: list[int]
     loss_mask: list[bool]
+    label: int | None = None  # a labelled text's class id (classification: the mask is unused)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -46,9 +47,10 @@ def load_conversations(source: str | Path | list[dict], what: str = "data") -> l
     return read_jsonl(check_path(source, f"{what} (a JSONL file, or a list of conversations)"))
 
 
-def read_jsonl(path: str | Path) -> list[tuple[str, dict]]:
-    """Conversations from a JSONL file, one object with a `messages` list per line, each with its "file:line".
-    A line is read whole only within the JSON file limit, and every fault is one error naming its line."""
+def read_jsonl(path: str | Path, check=None, kind: str = "conversations") -> list[tuple]:
+    """Conversations from a JSONL file, one object with a `messages` list per line, each with its "file:line"
+    (or, with `check`, what it makes of each line's object and "file:line"). A line is read whole only within the
+    JSON file limit, and every fault is one error naming its line."""
     path = Path(path)
     if not path.is_file():
         raise QwenrtError(f"training data not found: {path}")
@@ -60,11 +62,11 @@ def read_jsonl(path: str | Path) -> list[tuple[str, dict]]:
                 if len(line) > JSON_LIMIT:
                     raise QwenrtError(f"{where}: the line is over {JSON_LIMIT} bytes")
                 if line.strip():
-                    out.append((where, check_conversation(_parse_json(_utf8(line, where), where), where)))
+                    out.append((where, (check or check_conversation)(_parse_json(_utf8(line, where), where), where)))
     except OSError as e:
         raise QwenrtError(f"cannot read training data {path}: {e.strerror or e}") from None
     if not out:
-        raise QwenrtError(f"{path}: no conversations")
+        raise QwenrtError(f"{path}: no {kind}")
     return out
 
 

@@ -51,6 +51,10 @@ def lora_plan(cfg) -> str:
     lines = [f"LoRA rank {spec.rank}, alpha {spec.alpha:g} (scaling {spec.scaling:g}), dropout {spec.dropout:g}, on "
              f"{cfg.init} ({cfg.lora_base}, frozen)", "adapters:"]
     lines += [f"  {name:<32} {kinds[name]:>4} x  {params[name]:>12,} parameters" for name in kinds]
+    if cfg.task == "classify":  # the head trains whole, beside the adapters
+        head = cfg.num_labels * c.hidden_size
+        lines.append(f"  {'score (classification head)':<32} {1:>4} x  {head:>12,} parameters")
+        trainable += head
     lines.append(f"  {'total':<32} {len(adapters):>4}    {trainable:>12,} trainable parameters "
                  f"({100 * trainable / total:.2f}% of {total:,})")
     tokens = cfg.micro_batch_tokens

@@ -1,4 +1,5 @@
-"""Full-parameter training of a Qwen3.5 model (and its MTP head) on chat conversations.
+"""Full-parameter training of a Qwen3.5 model (and its MTP head) on chat conversations, LoRA adapters on a frozen
+one, or a LoRA-adapted sequence classifier on labelled texts (task "classify", qwenrt.train.classify).
 
 The model is the inference model (qwenrt/model.py): the chunked DeltaNet is differentiable and the native kernels
 step aside while autograd records. The loss is the cross-entropy on assistant tokens only; the MTP head learns
@@ -25,19 +26,25 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-from qwenrt.adapters import CONFIG_FILE as ADAPTER_CONFIG, WEIGHTS_FILE as ADAPTER_WEIGHTS, read_adapter, save_adapter
+from qwenrt.adapters import (CONFIG_FILE as ADAPTER_CONFIG, WEIGHTS_FILE as ADAPTER_WEIGHTS, read_adapter, read_head,
+                             save_adapter)
+from qwenrt.classifier import attach_head, init_head
 from qwenrt.config import parse_config
 from qwenrt.errors import QwenrtError
 from qwenrt.lora import DEFAULT_TARGETS, LoraSpec, add_adapters, lora_modules, trainable_count, wrap
 from qwenrt.mtp import MTPHead, chained_hidden
 from qwenrt.train.checkpoints import (STATE_FILE, config_json, latest_step_dir, load_state, prepare_output, prune,
                                       restore_optimizer, save_checkpoint, step_dir)
+from qwenrt.train.classify import classification_loss, classifier_config, evaluate_classifier, save_classifier
 from qwenrt.train.data import Example, collate, encode_all, load_conversations
+from qwenrt.train.labels import encode_labelled, label_map, label_names, read_labelled
 from qwenrt.validation import check_path
 
 LOG_FILE = "train_log.jsonl"
 LORA_BASES = ("float32", "bfloat16", "int8", "int4")
+TASKS = ("sft", "classify")
 LOSS_SLICE = 256  # rows of logits alive at a time in a checkpointed loss (a 248K vocabulary: 250 MB fp32)
+SHOWN = {"eval_accuracy": "acc", "eval_macro_f1": "f1"}  # held-out figures in the progress bar, by their short name
 
 
 @dataclass
@@ -82,6 +89,9 @@ class TrainConfig:
     lora_targets: tuple[str, ...] | None = None  # default: every projection (qwenrt.lora.DEFAULT_TARGETS)
     lora_dropout: float = 0.0
     lora_base: str = "float32"  # the frozen base: float32, bfloat16, int8 or int4 (QLoRA; computed in fp32)
+    task: str = "sft"  # "sft": chat conversations; "classify": labelled texts, LoRA plus a classification head
+    num_labels: int | None = None  # classify: the classes (the data's labels are checked against it)
+    eval_split: float = 0.0  # without eval_data: this share of the data is held out (a seeded choice)
 
     def __post_init__(self):
         """A one-line error for settings no run can use (they come from the command line)."""
@@ -119,6 +129,23 @@ class TrainConfig:
                 raise QwenrtError("training: LoRA trains adapters on a checkpoint: give `init`")
         if self.lora_base not in LORA_BASES:
             raise QwenrtError(f"training: lora_base must be one of {', '.join(LORA_BASES)}, not {self.lora_base!r}")
+        if not 0 <= self.eval_split < 1:
+            raise QwenrtError(f"training: eval_split must be in [0, 1), not {self.eval_split!r:.40}")
+        self._check_task()
+
+    def _check_task(self) -> None:
+        from qwenrt.classifier import MAX_LABELS
+
+        if self.task not in TASKS:
+            raise QwenrtError(f"training: task must be one of {', '.join(TASKS)}, not {self.task!r:.40}")
+        if self.task == "classify":
+            if self.lora_rank is None:
+                raise QwenrtError("training: a classifier trains LoRA adapters and its head: give lora_rank")
+            if type(self.num_labels) is not int or not 1 <= self.num_labels <= MAX_LABELS:
+                raise QwenrtError(f"training: task classify needs num_labels (--num-labels), an integer in "
+                                  f"[1, {MAX_LABELS}], not {self.num_labels!r:.40}")
+        elif self.num_labels is not None:
+            raise QwenrtError("training: num_labels is for task classify")
 
     def lora_spec(self) -> LoraSpec:
         """The adapters to train (one-line errors for bad settings)."""
@@ -225,6 +252,12 @@ def load_lora_model(cfg: TrainConfig, adapter_dir: Path | None = None):
 
     model = load_model(cfg.init, dtype=base_dtype(cfg), quantize=base_quantization(cfg))
     spec = cfg.lora_spec()
+    if cfg.task == "classify":  # a trainable fp32 head, fresh or saved
+        attach_head(model, cfg.num_labels)
+        init_head(model, cfg.seed)
+        if adapter_dir is not None:
+            with torch.no_grad():
+                model.score.weight.copy_(read_head(adapter_dir, cfg.num_labels, model.config.text.hidden_size))
     if adapter_dir is None:
         add_adapters(model, spec, cfg.seed)
     else:
@@ -377,9 +410,21 @@ def _train(cfg: TrainConfig) -> dict:
         raise QwenrtError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                           f"{model.config.text.vocab_size} embeddings")
 
-    train_set = encode_all(tokenizer, load_conversations(cfg.data, "training data"), cfg.max_len)
-    eval_set = (encode_all(tokenizer, load_conversations(cfg.eval_data, "eval data"), cfg.max_len)
-                if cfg.eval_data else [])
+    classify = cfg.task == "classify"
+    if classify:
+        _check_classifier_base(cfg, model)
+        train_set, eval_set, labels = _labelled_sets(cfg, tokenizer, pad_id)
+        config = classifier_config(config, labels, pad_id)
+    else:
+        train_set = encode_all(tokenizer, load_conversations(cfg.data, "training data"), cfg.max_len)
+        eval_set = (encode_all(tokenizer, load_conversations(cfg.eval_data, "eval data"), cfg.max_len)
+                    if cfg.eval_data else [])
+    held_out = _describe(cfg.eval_data)
+    if not cfg.eval_data and cfg.eval_split:
+        train_set, eval_set = split_held_out(train_set, cfg.eval_split, cfg.seed)
+        held_out = f"{len(eval_set)} of the {len(train_set) + len(eval_set)} training examples ({cfg.eval_split:.0%})"
+    if held_out and cfg.progress:
+        print(f"held out: {held_out}", file=sys.stderr)
 
     model.train()
     model.gradient_checkpointing = cfg.gradient_checkpointing
@@ -400,25 +445,30 @@ def _train(cfg: TrainConfig) -> dict:
     log = _open_log(out / LOG_FILE, append=bool(start))
     if not start:
         log.write(json.dumps({"config": asdict(cfg) | {"data": _describe(cfg.data), "eval_data": _describe(
-            cfg.eval_data)}, "parameters": _count(modules), "train_conversations": len(train_set)}) + "\n")
+            cfg.eval_data)}, "parameters": _count(modules), "train_conversations": len(train_set),
+            "held_out": held_out}) + "\n")
     history = []
     if eval_set and not start:  # the untrained model's held-out loss, for comparison
-        history.append({"step": 0, **evaluate(model, mtp, eval_set, pad_id, cfg.eval_batch, cfg.mtp_depths)})
+        history.append({"step": 0, **_evaluate(model, mtp, eval_set, pad_id, cfg)})
         log.write(json.dumps(history[0]) + "\n")
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="training", unit="step",
                disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True)
     began, cpu_began, tokens_seen = time.perf_counter(), time.process_time(), 0
+    shown = {}  # the last held-out figures, in the bar's postfix
     for step in bar:
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = step_examples(train_set, step, cfg.batch_size, cfg.seed, cfg.in_order, cfg.length_groups)
-        n_main = sum(sum(e.loss_mask[1:]) for e in batch)
+        n_main = len(batch) if classify else sum(sum(e.loss_mask[1:]) for e in batch)
         n_mtp = sum(sum(e.loss_mask[d + 1:]) for e in batch for d in range(1, cfg.mtp_depths + 1))
         loss_value = 0.0
         for part in micro_batches(batch, cfg.micro_batch_tokens):
             ids, mask = collate(part, pad_id)
-            main, extra, _, _ = sequence_losses(model, mtp, ids, mask, cfg.mtp_depths)
+            if classify:
+                main, extra = classification_loss(model, part, pad_id), []
+            else:
+                main, extra, _, _ = sequence_losses(model, mtp, ids, mask, cfg.mtp_depths)
             loss = 0 if cfg.mtp_only else main / max(n_main, 1)
             if mtp is not None:
                 loss = loss + cfg.mtp_weight * sum(extra) / max(n_mtp, 1)
@@ -430,13 +480,15 @@ def _train(cfg: TrainConfig) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         rate = tokens_seen / (time.perf_counter() - began)
-        bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.1e}", tok_s=f"{rate:.0f}")
+        bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.1e}", tok_s=f"{rate:.0f}", **shown)
         record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": float(norm), "tok_s": rate,
                   "cpu_s": time.process_time() - cpu_began}  # CPU time: what a shared machine does not distort
         done = step + 1 == cfg.steps
         if eval_set and ((step + 1) % cfg.eval_every == 0 or done):
-            record.update(evaluate(model, mtp, eval_set, pad_id, cfg.eval_batch, cfg.mtp_depths))
+            record.update(_evaluate(model, mtp, eval_set, pad_id, cfg))
             history.append(record)
+            shown = {SHOWN[k]: f"{v:.3f}" for k, v in record.items() if k in SHOWN}
+            bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.1e}", tok_s=f"{rate:.0f}", **shown)
             bar.write(f"step {step + 1}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items()
                                                         if k.startswith("eval")), file=sys.stderr)
         log.write(json.dumps(record) + "\n")
@@ -450,13 +502,54 @@ def _train(cfg: TrainConfig) -> dict:
             prune(out, cfg.keep_checkpoints)
     bar.close()
     log.close()
-    if lora:
+    if classify:
+        save_classifier(out, model, cfg, config, tokenizer_dir)
+    elif lora:
         save_adapter(out, model, cfg.lora_spec(), cfg.init)
     else:
         save_checkpoint(out, model, mtp, config, tokenizer_dir, dtype=getattr(torch, cfg.save_dtype))
     return {"steps": cfg.steps, "seconds": time.perf_counter() - began, "cpu_seconds": time.process_time() - cpu_began,
             "tokens": tokens_seen,
             "parameters": _count(modules), "history": history}
+
+
+def _evaluate(model, mtp, examples: list[Example], pad_id: int, cfg: TrainConfig) -> dict:
+    if cfg.task == "classify":
+        return evaluate_classifier(model, examples, pad_id, cfg.eval_batch)
+    return evaluate(model, mtp, examples, pad_id, cfg.eval_batch, cfg.mtp_depths)
+
+
+def split_held_out(examples: list, share: float, seed: int) -> tuple[list, list]:
+    """(the rest, a seeded `share` of the examples, at least one), each in the data's order."""
+    n = len(examples)
+    if n < 2:
+        raise QwenrtError(f"training: holding out {share:.0%} of {n} example(s) leaves nothing to train on; give "
+                          "more data or eval data")
+    held = set(np.random.default_rng([seed, 2]).permutation(n)[:max(1, round(share * n))].tolist())
+    return [e for i, e in enumerate(examples) if i not in held], [e for i, e in enumerate(examples) if i in held]
+
+
+def _labelled_sets(cfg: TrainConfig, tokenizer, pad_id: int) -> tuple[list[Example], list[Example], tuple[str, ...]]:
+    """The training and held-out labelled texts, encoded, and the class names (the training data's labels)."""
+    records = read_labelled(cfg.data, "training data")
+    ids = label_map(records, cfg.num_labels)
+    train_set = encode_labelled(tokenizer, records, ids, pad_id, cfg.max_len)
+    eval_set = (encode_labelled(tokenizer, read_labelled(cfg.eval_data, "eval data"), ids, pad_id, cfg.max_len)
+                if cfg.eval_data else [])
+    return train_set, eval_set, label_names(ids)
+
+
+def _check_classifier_base(cfg: TrainConfig, model) -> None:
+    """A classifier is written merged into its base as transformers has it: a dense, full-precision checkpoint."""
+    from qwenrt.config import load_config
+    from qwenrt.quant import stored_spec
+
+    if model.config.text.is_moe:
+        raise QwenrtError(f"{cfg.init}: a MoE model; transformers has no sequence-classification class for Qwen3.5 "
+                          "MoE, so classifiers are trained on dense bases")
+    if stored_spec(load_config(Path(cfg.init)).raw) is not None:
+        raise QwenrtError(f"{cfg.init} is quantized: train the classifier on its full-precision original (with "
+                          "lora_base int8 / int4 to quantize it while loading)")
 
 
 def _save_adapter_step(directory: Path, model, cfg: TrainConfig, state: dict) -> None:
