@@ -79,7 +79,8 @@ def main() -> None:
         for case, names in cases.items():
             samples[case].append(decode_tps(engine, names, args.prompt_len, args.gen_len))
     base = statistics.median(samples["base only"])
-    print(f"{path.name}, bf16{' ' + args.quantize if args.quantize else ''}, batch {B}, rank {args.rank} on every "
+    name = f"random {args.shape}" if args.shape else "qwenrt-tiny"
+    print(f"{name}, bf16{' ' + args.quantize if args.quantize else ''}, batch {B}, rank {args.rank} on every "
           f"projection, {torch.get_num_threads()} threads; decode tok/s (median of {args.repeats}, min-max)")
     for case, values in samples.items():
         median = statistics.median(values)

@@ -238,10 +238,12 @@ def arithmetic_task(rng: random.Random, op: str, heldout: bool, draw: str = "uni
     return task, reasoning
 
 
-def sum_statements(n: int, seed: int, heldout: bool = False, digits: int = 2) -> list[dict]:
+def sum_statements(n: int, seed: int, heldout: bool = False, digits: int = 2, working: bool = False) -> list[dict]:
     """Labelled texts for a classifier, {"text": "37 + 48 = 85", "label": "correct" | "wrong"}: operands of up to
     `digits` digits (the held-out pairs or the training ones, as `held_out` splits them), half the sums right and
-    half near misses, off by 1, 2, 9, 10 or 11 (a digit or a carry wrong)."""
+    half near misses, off by 1, 2, 9, 10 or 11 (a digit or a carry wrong). working: the column working first, as
+    the built-in model writes it ("37 + 48\n7+8=15, carry 1: 5\n3+4+1=8: 85\n37 + 48 = 85"), right, and the
+    wrong statements' answer a near miss of it."""
     rng = random.Random(seed)
     top = 10 ** digits - 1
     out = []
@@ -253,7 +255,8 @@ def sum_statements(n: int, seed: int, heldout: bool = False, digits: int = 2) ->
         value = a + b + (rng.choice((-11, -10, -9, -2, -1, 1, 2, 9, 10, 11)) if wrong else 0)
         if value < 0:
             continue
-        out.append({"text": f"{a} + {b} = {value}", "label": "wrong" if wrong else "correct"})
+        text = f"{a} + {b}\n{add_reasoning(a, b)}\n{a} + {b} = {value}" if working else f"{a} + {b} = {value}"
+        out.append({"text": text, "label": "wrong" if wrong else "correct"})
     return out
 
 
