@@ -20,6 +20,7 @@ from qwenrt.ops.linear import Linear
 SUFFIX = "ForSequenceClassification"
 TEXT_ARCHITECTURE = "Qwen3_5TextForSequenceClassification"  # transformers' class for a text-only config
 MAX_LABELS = 1 << 16
+WINDOW = 64  # texts queued at once by `classify`
 HEAD_STD = 0.02  # transformers' initializer_range: a fresh score head is N(0, 0.02²)
 
 
@@ -118,8 +119,10 @@ def classify(model, tokenizer, texts: list[str | list[int]], engine=None) -> lis
     spec = spec_of(model)
     engine = engine or Engine.for_model(model, tokenizer)
     prompts = [pooled_ids(_ids(tokenizer, text, i), spec.pad_token_id) for i, text in enumerate(texts)]
-    streams = [engine.submit(Request(ids, hidden_only=True)) for ids in prompts]
-    hidden = [_hidden(stream) for stream in streams]  # [D] each
+    hidden = []  # [D] each
+    for start in range(0, len(prompts), WINDOW):  # a window at a time: any number of texts, within the queue
+        streams = [engine.submit(Request(ids, hidden_only=True)) for ids in prompts[start:start + WINDOW]]
+        hidden += [_hidden(stream) for stream in streams]
     with torch.inference_mode():  # row by row: a text's logits do not depend on the others (a GEMM's sums would)
         logits = torch.cat([model.score(h[None]).float() for h in hidden])  # [n, num_labels]
     probs = logits.softmax(-1)

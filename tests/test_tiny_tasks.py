@@ -118,3 +118,21 @@ def test_invented_places_are_not_real_ones():
     rng = random.Random(2)
     names = {invented_place(rng) for _ in range(2000)}
     assert len(names) > 1000 and not names & (set(CAPITALS) | set(CAPITALS.values()))
+
+
+def test_sum_statements_label_every_statement_by_its_arithmetic():
+    """The classifier check's data: bare and after the column working, half right and half near misses, held out by
+    operand pair."""
+    import re
+
+    from qwenrt.tiny.tasks import add_reasoning, held_out, sum_statements
+
+    for working in (False, True):
+        train = sum_statements(200, 1, working=working)
+        test = sum_statements(100, 2, heldout=True, working=working)
+        for row, heldout in [(r, False) for r in train] + [(r, True) for r in test]:
+            a, b, value = map(int, re.fullmatch(r"(\d+) \+ (\d+) = (\d+)", row["text"].splitlines()[-1]).groups())
+            assert (value == a + b) == (row["label"] == "correct") and held_out(a, "+", b) == heldout
+            if working:
+                assert row["text"] == f"{a} + {b}\n{add_reasoning(a, b)}\n{a} + {b} = {value}"
+        assert sum(r["label"] == "wrong" for r in train) == 100
