@@ -209,6 +209,36 @@ def sub_reasoning(a: int, b: int) -> str:
     return "\n".join(lines)
 
 
+def digit_product_lines(a: int, d: int) -> list[str]:
+    """a x one digit d, column by column from a's ones digit, as the addition working goes: the product of the
+    column, its carry added in the next, the digits so far after the colon: "7*6=42, carry 4: 2",
+    "4*6+4=24+4=28: 282"; times 0 one line, "47*0=0"."""
+    if d == 0:
+        return [f"{a}*0=0"]
+    lines, carry, done = [], 0, ""
+    digits = _digits(a)
+    for i, x in enumerate(digits):
+        p = x * d
+        s = p + carry
+        last = i == len(digits) - 1
+        done = (str(s) if last else str(s % 10)) + done
+        step = f"{x}*{d}+{carry}={p}+{carry}={s}" if carry else f"{x}*{d}={p}"
+        lines.append(f"{step}{f', carry {s // 10}' if s > 9 and not last else ''}: {done}")
+        carry = s // 10
+    return lines
+
+
+def mul_reasoning(a: int, b: int) -> str:
+    """Two-digit multiplication as a model this small can follow it: a x b's ones digit, then a x b's tens digit
+    (a header line "47*6:" before each, `digit_product_lines`), then the two partial products added ("282+1410:",
+    the tens' with a 0 put after it) with the addition's own column working (`add_reasoning`)."""
+    ones, tens = b % 10, b // 10 % 10
+    lines = [f"{a}*{ones}:", *digit_product_lines(a, ones), f"{a}*{tens}:", *digit_product_lines(a, tens)]
+    low, high = a * ones, a * tens * 10
+    lines += [f"{low}+{high}:", add_reasoning(low, high)]
+    return "\n".join(lines)
+
+
 OPERAND_DRAWS = {"uniform": 0.66, "digits": 0.28, "close": 0.06}  # training's mix (the quality test's: uniform)
 
 
@@ -236,6 +266,17 @@ def arithmetic_task(rng: random.Random, op: str, heldout: bool, draw: str = "uni
     prompt = rng.choice(prompts).format(a=a, b=b)
     task = Task("add" if op == "+" else "sub", [{"role": "user", "content": prompt}], None, f"{a} {op} {b} = {value}")
     return task, reasoning
+
+
+def multiplication_task(rng: random.Random, heldout: bool) -> tuple[Task, str]:
+    """Two two-digit numbers (10-99) to multiply and the working (`mul_reasoning`), from the held-out or the
+    training pairs. Not one of the built-in model's families: a new task to fine-tune it on."""
+    while True:
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        if held_out(a, "*", b) == heldout:
+            break
+    prompt = rng.choice(MUL_PROMPTS).format(a=a, b=b)
+    return Task("mul", [{"role": "user", "content": prompt}], None, f"{a} * {b} = {a * b}"), mul_reasoning(a, b)
 
 
 # ---- tools ----
@@ -413,6 +454,9 @@ def conversation(rng: random.Random, family: str, thinking: bool, heldout: bool 
         messages = [*task.messages, arithmetic_answer(task, reasoning, thinking)]
         if rng.random() < 0.05:
             tools = TOOLS  # tools on offer do not change how the model adds
+    elif family == "mul":
+        task, reasoning = multiplication_task(rng, heldout)
+        messages = [*task.messages, arithmetic_answer(task, reasoning, thinking)]
     elif family in ("calculator", "capital"):
         task = (calculator_task(rng, heldout) if family == "calculator" else
                 capital_task(rng, heldout, invented=not heldout and rng.random() < INVENTED_COUNTRIES))
@@ -460,6 +504,17 @@ def conversations(n: int, seed: int, heldout: bool = False, curriculum: bool = F
     return out
 
 
+def multiplication_conversations(n: int, seed: int, replay: float = 0.0, heldout: bool = False) -> list[dict]:
+    """n conversations for fine-tuning the built-in model to multiply: two-digit products ("mul"), thinking on for
+    about half, and a `replay` share of the built-in mix (`conversations`), so that what it knew stays."""
+    if not 0 <= replay <= 1:
+        raise ValueError(f"replay must be a share in [0, 1], not {replay!r}")
+    pick, rng = random.Random(seed), random.Random(seed + 2)
+    replayed = [pick.random() < replay for _ in range(n)]
+    old = iter(conversations(sum(replayed), seed + 1, heldout))
+    return [next(old) if r else conversation(rng, "mul", rng.random() < 0.5, heldout) for r in replayed]
+
+
 def copy_conversations(n: int, seed: int) -> list[dict]:
     """n "repeat after me" conversations, thinking on for about half: the recipe opens with these alone."""
     rng = random.Random(seed)
@@ -471,6 +526,8 @@ def quality_tasks(family: str, n: int, seed: int) -> list[Task]:
     rng = random.Random(seed)
     if family in ("add", "sub"):
         return [arithmetic_task(rng, "+" if family == "add" else "-", True)[0] for _ in range(n)]
+    if family == "mul":
+        return [multiplication_task(rng, True)[0] for _ in range(n)]
     if family == "calculator":
         return [calculator_task(rng, True) for _ in range(n)]
     if family == "capital":
