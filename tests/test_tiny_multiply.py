@@ -9,18 +9,18 @@ import pytest
 
 from qwenrt.default_model import default_model_path
 from qwenrt.tiny import finetune_data
-from qwenrt.tiny.tasks import held_out, mul_reasoning, multiplication_conversations, quality_tasks
+from qwenrt.tiny.tasks import TIMES_PROMPT, held_out, mul_reasoning, multiplication_conversations, quality_tasks
 
 PAIRS = [(a, b) for a in range(10, 100) for b in range(10, 100)]
 
 
 def _product_lines_value(lines: list[str], a: int, d: int) -> int:
     """The value a x d the digit lines arrive at, each line's arithmetic checked."""
-    if lines == [f"{a}*0=0"]:
+    if lines == [f"{a} * 0=0"]:
         return 0
     carry = 0
     for line, x in zip(lines, reversed(str(a))):
-        m = re.fullmatch(r"(\d)\*(\d)(?:\+(\d))?=(\d+)(?:\+(\d)=(\d+))?(?:, carry (\d))?: (\d+)", line)
+        m = re.fullmatch(r"(\d) \* (\d)(?:\+(\d))?=(\d+)(?:\+(\d)=(\d+))?(?:, carry (\d))?: (\d+)", line)
         assert m, line
         assert (int(m.group(1)), int(m.group(2))) == (int(x), d) and int(m.group(4)) == int(x) * d, line
         total = int(m.group(6) or m.group(4))
@@ -35,8 +35,8 @@ def test_multiplication_working_is_right_for_every_two_digit_pair():
     for a, b in PAIRS:
         lines = mul_reasoning(a, b).splitlines()
         ones, tens = b % 10, b // 10
-        cut = lines.index(f"{a}*{tens}:", 1)
-        assert lines[0] == f"{a}*{ones}:"
+        cut = lines.index(f"{a} * {tens}:", 1)
+        assert lines[0] == f"{a} * {ones}:"
         low = _product_lines_value(lines[1:cut], a, ones)
         add = next(i for i, line in enumerate(lines) if re.fullmatch(r"\d+\+\d+:", line))
         high = _product_lines_value(lines[cut + 1:add], a, tens)
@@ -68,11 +68,25 @@ def test_replay_mixes_in_the_built_in_tasks_at_its_share():
     assert 60 < thinking < 140
 
 
+def test_times_table_drills_are_right_and_ask_what_they_answer():
+    drills = [c for c in multiplication_conversations(600, 6, replay=0.2, facts=0.3)
+              if c["messages"][0]["content"].startswith(TIMES_PROMPT.format(""))]
+    assert 120 < len(drills) < 240
+    for c in drills:
+        asked = c["messages"][0]["content"].removeprefix(TIMES_PROMPT.format("")).split(", ")
+        lines = c["messages"][1]["content"].splitlines()
+        assert [line.split("=")[0] for line in lines] == asked
+        for line in lines:
+            m = re.fullmatch(r"(\d) \* (\d)(?:\+(\d)=(\d+)\+\3)?=(\d+)", line)
+            assert m and int(m.group(5)) == int(m.group(1)) * int(m.group(2)) + int(m.group(3) or 0), line
+            assert m.group(4) is None or int(m.group(4)) == int(m.group(1)) * int(m.group(2)), line
+
+
 def test_the_built_in_tokenizer_encodes_every_multiplication_conversation():
     from qwenrt.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(default_model_path())
-    for c in multiplication_conversations(200, 4) + multiplication_conversations(100, 5, heldout=True):
+    for c in multiplication_conversations(200, 4, facts=0.3) + multiplication_conversations(100, 5, heldout=True):
         for thinking in (False, True):
             text = tokenizer.apply_chat_template(c["messages"], enable_thinking=thinking)
             assert tokenizer.decode(tokenizer.encode(text)) == text
