@@ -4,7 +4,8 @@ Families: addition / subtraction of integers up to 999 (digit-by-digit working i
 on, opening the reply when off); tool use (a `calculator` for multiplication and division of larger numbers, and
 `get_capital` over a small fixed table), answered from the <tool_response>; sorting a few numbers; repeating
 words back; and a short polite refusal for anything else. A fixed tenth of operand pairs and of countries never
-appears in training (`held_out`): the quality test draws only from those.
+appears in training (`held_out`): the quality test draws only from those. Two-digit multiplication with working
+(`mul_reasoning`, `multiplication_conversations`) is not one of them: a new task to fine-tune the model on.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def held_out(*key) -> bool:
 
 @dataclass
 class Task:
-    """A prompt and what a correct answer contains. `family`: add, sub, calculator, capital, sort, refusal."""
+    """A prompt and what a correct answer contains. `family`: add, sub, calculator, capital, sort, refusal, mul."""
 
     family: str
     messages: list[dict]
@@ -209,6 +210,37 @@ def sub_reasoning(a: int, b: int) -> str:
     return "\n".join(lines)
 
 
+def digit_product_lines(a: int, d: int) -> list[str]:
+    """a x one digit d, column by column from a's ones digit, as the addition working goes: the product of the
+    column, its carry added in the next, the digits so far after the colon: "7 * 6=42, carry 4: 2",
+    "4 * 6+4=24+4=28: 282"; times 0 one line, "47 * 0=0". The sign is " *" as in the calculator's calls: a bare
+    "*" the built-in model never wrote, and adapters cannot make it likely (its loss stayed at 2.8)."""
+    if d == 0:
+        return [f"{a} * 0=0"]
+    lines, carry, done = [], 0, ""
+    digits = _digits(a)
+    for i, x in enumerate(digits):
+        p = x * d
+        s = p + carry
+        last = i == len(digits) - 1
+        done = (str(s) if last else str(s % 10)) + done
+        step = f"{x} * {d}+{carry}={p}+{carry}={s}" if carry else f"{x} * {d}={p}"
+        lines.append(f"{step}{f', carry {s // 10}' if s > 9 and not last else ''}: {done}")
+        carry = s // 10
+    return lines
+
+
+def mul_reasoning(a: int, b: int) -> str:
+    """Two-digit multiplication as a model this small can follow it: a x b's ones digit, then a x b's tens digit
+    (a header line "47 * 6:" before each, `digit_product_lines`), then the two partial products added ("282+1410:",
+    the tens' with a 0 put after it) with the addition's own column working (`add_reasoning`)."""
+    tens, ones = divmod(b, 10)
+    lines = [f"{a} * {ones}:", *digit_product_lines(a, ones), f"{a} * {tens}:", *digit_product_lines(a, tens)]
+    low, high = a * ones, a * tens * 10
+    lines += [f"{low}+{high}:", add_reasoning(low, high)]
+    return "\n".join(lines)
+
+
 OPERAND_DRAWS = {"uniform": 0.66, "digits": 0.28, "close": 0.06}  # training's mix (the quality test's: uniform)
 
 
@@ -258,6 +290,31 @@ def sum_statements(n: int, seed: int, heldout: bool = False, digits: int = 2, wo
         text = f"{a} + {b}\n{add_reasoning(a, b)}\n{a} + {b} = {value}" if working else f"{a} + {b} = {value}"
         out.append({"text": text, "label": "wrong" if wrong else "correct"})
     return out
+
+
+def multiplication_task(rng: random.Random, heldout: bool) -> tuple[Task, str]:
+    """Two two-digit numbers (10-99) to multiply and the working (`mul_reasoning`), from the held-out or the
+    training pairs. Not one of the built-in model's families: a new task to fine-tune it on."""
+    while True:
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        if held_out(a, "*", b) == heldout:
+            break
+    prompt = rng.choice(MUL_PROMPTS).format(a=a, b=b)
+    return Task("mul", [{"role": "user", "content": prompt}], None, f"{a} * {b} = {a * b}"), mul_reasoning(a, b)
+
+
+TIMES_PROMPT = "Times table: {}"
+
+
+def times_facts(rng: random.Random) -> tuple[str, str]:
+    """4-8 one-digit products as the multiplication working writes them ("7 * 6=42", "4 * 6+4=24+4=28"): the table
+    that working needs, many facts to a short conversation. Returns (prompt, answer)."""
+    facts = []
+    for _ in range(rng.randint(4, 8)):
+        x, d, carry = rng.randint(0, 9), rng.randint(1, 9), rng.choice([0, 0, 0, 0] + list(range(1, 9)))
+        facts.append((f"{x} * {d}", f"{x} * {d}={x * d}") if not carry else
+                     (f"{x} * {d}+{carry}", f"{x} * {d}+{carry}={x * d}+{carry}={x * d + carry}"))
+    return TIMES_PROMPT.format(", ".join(q for q, _ in facts)), "\n".join(a for _, a in facts)
 
 
 # ---- tools ----
@@ -435,6 +492,9 @@ def conversation(rng: random.Random, family: str, thinking: bool, heldout: bool 
         messages = [*task.messages, arithmetic_answer(task, reasoning, thinking)]
         if rng.random() < 0.05:
             tools = TOOLS  # tools on offer do not change how the model adds
+    elif family == "mul":
+        task, reasoning = multiplication_task(rng, heldout)
+        messages = [*task.messages, arithmetic_answer(task, reasoning, thinking)]
     elif family in ("calculator", "capital"):
         task = (calculator_task(rng, heldout) if family == "calculator" else
                 capital_task(rng, heldout, invented=not heldout and rng.random() < INVENTED_COUNTRIES))
@@ -482,6 +542,28 @@ def conversations(n: int, seed: int, heldout: bool = False, curriculum: bool = F
     return out
 
 
+def multiplication_conversations(n: int, seed: int, replay: float = 0.0, heldout: bool = False,
+                                 facts: float = 0.0) -> list[dict]:
+    """n conversations for fine-tuning the built-in model to multiply: two-digit products ("mul"), thinking on for
+    about half; a `facts` share of one-digit drills (`times_facts`, thinking off); a `replay` share of the built-in
+    mix (`conversations`), so that what it knew stays."""
+    if not (0 <= replay <= 1 and 0 <= facts <= 1 - replay):
+        raise ValueError(f"replay and facts must be shares in [0, 1] together, not {replay!r} and {facts!r}")
+    pick, rng = random.Random(seed), random.Random(seed + 2)
+    kinds = [pick.random() for _ in range(n)]
+    old = iter(conversations(sum(k < replay for k in kinds), seed + 1, heldout))
+    out = []
+    for k in kinds:
+        if k < replay:
+            out.append(next(old))
+        elif k < replay + facts:
+            prompt, answer = times_facts(rng)
+            out.append({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]})
+        else:
+            out.append(conversation(rng, "mul", rng.random() < 0.5, heldout))
+    return out
+
+
 def copy_conversations(n: int, seed: int) -> list[dict]:
     """n "repeat after me" conversations, thinking on for about half: the recipe opens with these alone."""
     rng = random.Random(seed)
@@ -493,6 +575,8 @@ def quality_tasks(family: str, n: int, seed: int) -> list[Task]:
     rng = random.Random(seed)
     if family in ("add", "sub"):
         return [arithmetic_task(rng, "+" if family == "add" else "-", True)[0] for _ in range(n)]
+    if family == "mul":
+        return [multiplication_task(rng, True)[0] for _ in range(n)]
     if family == "calculator":
         return [calculator_task(rng, True) for _ in range(n)]
     if family == "capital":
