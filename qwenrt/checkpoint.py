@@ -191,6 +191,8 @@ class Source:
     names: tuple[str, ...] | tuple[tuple[str, ...], ...]
     shape: tuple[int, ...]
     stacked: bool = False  # names[e] = (gate, up) or (down,) for expert e
+    offset: float = 0.0  # added to the stored values in fp32 (a family's w·x norm read as qwenrt's (1 + w) one)
+    transposed: bool = False  # an expert bank stored [E, K, N]: read as [E, N, K]
 
 
 def plan_text_tensors(ckpt: Checkpoint) -> tuple[dict[str, Source], list[str]]:
@@ -229,4 +231,8 @@ def materialize(ckpt: Checkpoint, source: Source, dtype: torch.dtype) -> torch.T
     """Read one planned tensor in `dtype` (zero-copy when stored in that dtype and not stacked)."""
     if source.stacked:
         return torch.stack([torch.cat([ckpt.get(n).to(dtype) for n in parts]) for parts in source.names])
+    if source.offset:
+        return (ckpt.get(source.names[0]).float() + source.offset).to(dtype)
+    if source.transposed:
+        return ckpt.get(source.names[0]).to(dtype).transpose(1, 2).contiguous()
     return ckpt.get(source.names[0]).to(dtype)

@@ -9,8 +9,12 @@ from qwenrt.errors import QwenrtError
 from qwenrt.fields import Fields
 from qwenrt.files import CheckpointDir
 
-TEXT_MODEL_TYPES = {"qwen3_5_text": False, "qwen3_5_moe_text": True}  # model_type -> is MoE
-VLM_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}  # outer -> text sub-config type
+TEXT_MODEL_TYPES = {"qwen3_5_text": False, "qwen3_5_moe_text": True,  # model_type -> is MoE
+                    "qwen3_vl_text": False, "qwen3_vl_moe_text": True}
+VLM_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",  # outer -> text sub-config type
+                   "qwen3_vl": "qwen3_vl_text", "qwen3_vl_moe": "qwen3_vl_moe_text"}
+QWEN3_VL = "qwen3_vl"  # the family of the Qwen3-VL text types: Qwen3 layers (all full attention, no output gate)
+FAMILY_NAMES = {"qwen3_5": "Qwen3.5", QWEN3_VL: "Qwen3-VL"}
 LAYER_TYPES = ("linear_attention", "full_attention")
 DEFAULT_MROPE_SECTION = (11, 11, 10)  # transformers' default when config.json gives none
 
@@ -44,10 +48,26 @@ class TextConfig:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     tie_word_embeddings: bool = False
+    mlp_only_layers: tuple[int, ...] = ()  # MoE models: layers with a dense MLP of intermediate_size instead
+    decoder_sparse_step: int = 1  # MoE models: every n-th layer is sparse
+
+    @property
+    def family(self) -> str:
+        """"qwen3_5" or "qwen3_vl" (Qwen3-VL's decoder: plain w·x norms, no attention output gate)."""
+        return QWEN3_VL if self.model_type.startswith(QWEN3_VL) else "qwen3_5"
+
+    @property
+    def attention_gate(self) -> bool:
+        return self.family != QWEN3_VL
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def layer_is_moe(self, i: int) -> bool:
+        """Layer i has the sparse MoE block (transformers' rule: not listed in mlp_only_layers, every
+        decoder_sparse_step-th layer)."""
+        return self.is_moe and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     @property
     def rotary_dim(self) -> int:
@@ -95,14 +115,19 @@ MAX_EXPERTS = 4096
 MAX_POSITIONS = 1 << 24
 
 
-def _rope_fields(f: Fields) -> dict:
-    """rope_parameters (transformers 5) or the older flat rope_theta / partial_rotary_factor / rope_scaling keys."""
+def _rope_fields(f: Fields, vl: bool = False) -> dict:
+    """rope_parameters (transformers 5) or the older flat rope_theta / partial_rotary_factor / rope_scaling keys.
+    Qwen3-VL (vl): rotary over the whole head, sections (24, 20, 20) unless given, always interleaved."""
     flat = {k: f.d[k] for k in ("rope_theta", "partial_rotary_factor", "mrope_section") if k in f.d}
     params = Fields({**flat, **f.obj("rope_scaling", {}).d, **f.obj("rope_parameters", {}).d},
                     f"{f.where} rope_parameters")
     rope_type = params.d.get("rope_type", params.d.get("type", "default"))
     if rope_type not in ("default", "mrope"):
         raise QwenrtError(f"{f.where}: rope_type {rope_type!r} is not supported (supported: default)")
+    if vl:
+        return {"rope_theta": params.float("rope_theta", 500_000.0, lo=0.0, open_low=True),
+                "partial_rotary_factor": 1.0, "mrope_interleaved": True,
+                "mrope_section": params.ints("mrope_section", (24, 20, 20), lo=0, hi=MAX_DIM, max_len=8)}
     return {
         "rope_theta": params.float("rope_theta", 10_000_000.0, lo=0.0, open_low=True),
         "partial_rotary_factor": params.float("partial_rotary_factor", 0.25, lo=0.0, hi=1.0, open_low=True),
@@ -117,9 +142,11 @@ def parse_text_config(d: dict, tie_word_embeddings: bool | None = None, where: s
     model_type = d.get("model_type")
     if model_type not in TEXT_MODEL_TYPES:
         raise QwenrtError(f"{where}: unsupported text model_type {model_type!r} (supported: {', '.join(TEXT_MODEL_TYPES)})")
-    is_moe = TEXT_MODEL_TYPES[model_type]
+    is_moe, vl = TEXT_MODEL_TYPES[model_type], model_type.startswith(QWEN3_VL)
     if d.get("hidden_act", "silu") != "silu":
         raise QwenrtError(f"{where}: hidden_act must be 'silu', got {d['hidden_act']!r}")
+    if vl and f.bool("attention_bias", False):
+        raise QwenrtError(f"{where}: attention_bias true is not supported (Qwen3-VL's projections have no bias)")
     n_layers = f.int("num_hidden_layers", hi=MAX_LAYERS)
     fields = {
         "model_type": model_type,
@@ -128,10 +155,10 @@ def parse_text_config(d: dict, tie_word_embeddings: bool | None = None, where: s
         "num_hidden_layers": n_layers,
         "num_attention_heads": f.int("num_attention_heads", hi=MAX_HEADS),
         "num_key_value_heads": f.int("num_key_value_heads", hi=MAX_HEADS),
-        "head_dim": f.int("head_dim", 256, hi=MAX_DIM),
+        "head_dim": f.int("head_dim", 128 if vl else 256, hi=MAX_DIM),
         # eps is added to a mean of squares: outside (0, 1) the norm is meaningless or divides by ~0
         "rms_norm_eps": f.float("rms_norm_eps", 1e-6, lo=0.0, hi=1.0, open_low=True),
-        "max_position_embeddings": f.int("max_position_embeddings", 262144, hi=MAX_POSITIONS),
+        "max_position_embeddings": f.int("max_position_embeddings", 128000 if vl else 262144, hi=MAX_POSITIONS),
         "tie_word_embeddings": f.bool("tie_word_embeddings", False) if tie_word_embeddings is None else tie_word_embeddings,
     }
     for key, default in (("linear_key_head_dim", 128), ("linear_value_head_dim", 128)):
@@ -140,20 +167,26 @@ def parse_text_config(d: dict, tie_word_embeddings: bool | None = None, where: s
         fields[key] = f.int(key, default, hi=MAX_HEADS)
     fields["linear_conv_kernel_dim"] = f.int("linear_conv_kernel_dim", 4, hi=64)
     if is_moe:
-        fields["num_experts"] = f.int("num_experts", hi=MAX_EXPERTS)
+        # Qwen3-VL-MoE: 5.23 writes num_local_experts where the published configs say num_experts; no shared expert
+        fields["num_experts"] = f.int("num_local_experts" if vl and "num_experts" not in d else "num_experts",
+                                      hi=MAX_EXPERTS)
         fields["num_experts_per_tok"] = f.int("num_experts_per_tok", hi=MAX_EXPERTS)
-        for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        for key in ("moe_intermediate_size",) if vl else ("moe_intermediate_size", "shared_expert_intermediate_size"):
             fields[key] = f.int(key, hi=MAX_DIM)
-    else:
+        fields["mlp_only_layers"] = tuple(f.ints("mlp_only_layers", (), lo=0, hi=n_layers - 1, max_len=MAX_LAYERS))
+        fields["decoder_sparse_step"] = f.int("decoder_sparse_step", 1, hi=MAX_LAYERS)
+    if not is_moe or fields["mlp_only_layers"] or fields["decoder_sparse_step"] > 1:
         fields["intermediate_size"] = f.int("intermediate_size", hi=MAX_DIM)
 
     layer_types = f.list("layer_types", None, max_len=MAX_LAYERS)
-    if layer_types is None:
+    if vl:  # Qwen3 layers are all softmax attention (a layer_types key, where written, says so too)
+        layer_types = ["full_attention"] * n_layers
+    elif layer_types is None:
         interval = f.int("full_attention_interval", 4, hi=MAX_LAYERS)
         layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
     if not all(isinstance(t, str) for t in layer_types):
         raise QwenrtError(f"{where}: layer_types must be a list of strings")
-    rope = _rope_fields(f)
+    rope = _rope_fields(f, vl)
     fields["layer_types"] = tuple(layer_types)
     fields.update({k: v for k, v in rope.items() if v is not None})
     cfg = TextConfig(**fields)
@@ -205,12 +238,30 @@ def parse_config(d: dict, where: str = "config.json") -> ModelConfig:
            if k in d}
     vision = f.obj("vision_config", None)
     if vision is not None:
+        vision = _deepstack(vision, text_cfg, where)
         from qwenrt.vision.config import VisionConfig  # here: the vision package imports torch (`qwenrt list` need not)
 
         VisionConfig.from_dict(vision.d)  # refused now, not at the first image
     eos = Fields(text, where) if "eos_token_id" in text else f
     return ModelConfig(model_type, text_cfg, vision=vision and vision.d, eos_token_id=_token_ids(eos, "eos_token_id"),
                        raw=d, **ids)
+
+
+def _deepstack(vision: Fields, text: TextConfig, where: str) -> Fields:
+    """vision_config with its DeepStack blocks made explicit: Qwen3-VL's default (8, 16, 24) where unnamed (as
+    transformers reads it); Qwen3.5 has none (transformers drops the key), so naming some is refused."""
+    named = vision.d.get("deepstack_visual_indexes")
+    if text.family != QWEN3_VL:
+        if named:
+            raise QwenrtError(f"{where}: vision_config deepstack_visual_indexes {named!r:.80} is not supported for "
+                              f"{text.model_type} (Qwen3.5 has no DeepStack)")
+        return vision
+    if named is None:
+        vision = Fields({**vision.d, "deepstack_visual_indexes": [8, 16, 24]}, vision.where)
+    if isinstance(named, list) and len(named) > text.num_hidden_layers:
+        raise QwenrtError(f"{where}: {len(named)} deepstack_visual_indexes but only {text.num_hidden_layers} "
+                          "decoder layers to add them to")
+    return vision
 
 
 def _token_ids(f: Fields, key: str) -> tuple[int, ...]:

@@ -138,7 +138,7 @@ def _stack(kernels, layers: list[_Layer], eps: float):
                                m.norm.eps)
         else:
             stack.add_attention(*common, m.q_norm.weight.float(), m.k_norm.weight.float(), m.num_heads, m.head_dim,
-                                m.q_norm.eps)
+                                m.q_norm.eps, m.gated)
         if isinstance(layer.mlp, tuple):
             stack.add_mlp(*layer.mlp)
         else:

@@ -10,6 +10,7 @@ import torch
 
 from qwenrt.hub import resolve_model_path
 from qwenrt.checkpoint import DTYPE_BYTES
+from qwenrt.config import FAMILY_NAMES
 from qwenrt.gguf.reader import GGUFCheckpoint
 from qwenrt.loader import VISUAL_PREFIX, check_checkpoint, scan_weights, stored_float_dtype
 from qwenrt.mtp import MTPHead
@@ -48,7 +49,8 @@ def inspect_checkpoint(path: str | Path, check_finite: bool = True, mmproj: str 
     active = decoder
     if c.is_moe:  # per token only A of E routed experts run
         per_expert = 3 * c.hidden_size * c.moe_intermediate_size
-        active -= c.num_hidden_layers * (c.num_experts - c.num_experts_per_tok) * per_expert
+        sparse = sum(map(c.layer_is_moe, range(c.num_hidden_layers)))
+        active -= sparse * (c.num_experts - c.num_experts_per_tok) * per_expert
     stored = ckpt.type_summary() if isinstance(ckpt, GGUFCheckpoint) else sorted({ckpt.dtypes[n] for n in ckpt.location})
     compute_bytes = DTYPE_BYTES[stored_float_dtype(ckpt, plan)]
     n_full, n_linear = len(c.full_attention_layers), len(c.linear_attention_layers)
@@ -60,7 +62,9 @@ def inspect_checkpoint(path: str | Path, check_finite: bool = True, mmproj: str 
         "path": str(path),
         "mmproj": str(mmproj) if mmproj is not None else None,
         "model_type": config.model_type,
+        "architecture": FAMILY_NAMES[c.family],
         "family": ("MoE" if c.is_moe else "dense") + (" VLM" if config.is_vlm else " text"),
+        "deepstack_layers": len((config.vision or {}).get("deepstack_visual_indexes") or ()),
         "mtp": has_mtp,
         "vision_tensors": sum(n.startswith("model.visual.") for n in aside),
         "layers": c.num_hidden_layers,
@@ -69,7 +73,8 @@ def inspect_checkpoint(path: str | Path, check_finite: bool = True, mmproj: str 
         "layer_pattern": pattern,
         "hidden_size": c.hidden_size,
         "vocab_size": c.vocab_size,
-        "experts": f"{c.num_experts} (top-{c.num_experts_per_tok}) + shared" if c.is_moe else None,
+        "experts": (f"{c.num_experts} (top-{c.num_experts_per_tok})"
+                    + (" + shared" if c.shared_expert_intermediate_size else "")) if c.is_moe else None,
         "tied_embeddings": c.tie_word_embeddings,
         "params_decoder": decoder,
         "params_embeddings": embeddings,
@@ -115,7 +120,9 @@ def _pattern(p: str) -> str:
 def format_report(r: dict) -> str:
     lines = [
         f"checkpoint      {r['path']}" + (f" + vision projector {r['mmproj']}" if r["mmproj"] else ""),
-        f"model_type      {r['model_type']}  ({r['family']}, MTP head: {'yes' if r['mtp'] else 'no'}, "
+        f"model_type      {r['model_type']}  ({r['architecture']} {r['family']}"
+        + (f", DeepStack into {r['deepstack_layers']} layers" if r["deepstack_layers"] else "")
+        + f", MTP head: {'yes' if r['mtp'] else 'no'}, "
         f"vision tensors: {r['vision_tensors']})",
         f"layers          {r['layers']} = {r['deltanet_layers']} Gated DeltaNet + {r['attention_layers']} gated attention"
         f"  [{_pattern(r['layer_pattern'])}; L = DeltaNet, F = full attention]",

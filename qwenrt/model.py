@@ -98,13 +98,15 @@ def _norm_kernels(x: torch.Tensor, *weights: torch.Tensor):
 
 
 class GatedAttention(nn.Module):
-    """Softmax attention with a sigmoid output gate: q_proj emits [query | gate] per head; q/k RMSNorm; partial RoPE."""
+    """Softmax attention with a sigmoid output gate: q_proj emits [query | gate] per head; q/k RMSNorm; partial RoPE.
+    Qwen3-VL's layers have no gate (`gated` False: q_proj emits the query alone)."""
 
     def __init__(self, c: TextConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = Linear(c.hidden_size, 2 * c.num_attention_heads * c.head_dim)
+        self.gated = c.attention_gate
+        self.q_proj = Linear(c.hidden_size, (1 + self.gated) * c.num_attention_heads * c.head_dim)
         self.k_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim)
         self.v_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim)
         self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size)
@@ -124,7 +126,7 @@ class GatedAttention(nn.Module):
             o = self.native_step(kernels, qg.view(B, -1), k.view(B, -1), v.view(B, -1), cos.reshape(B, -1),
                                  sin.reshape(B, -1), cache.sequences)
             return self.o_proj(o.view(B, 1, -1))
-        qg = qg.view(B, T, self.num_heads, 2 * self.head_dim)
+        qg = qg.view(B, T, self.num_heads, (1 + self.gated) * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim:]
         q = self.q_norm(q).transpose(1, 2)  # [B, H, T, Dh]
         k = self.k_norm(k.view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)  # [B, Hkv, T, Dh]
@@ -135,8 +137,8 @@ class GatedAttention(nn.Module):
         else:  # each sequence over its own keys: [1, Hkv, S_b, Dh]
             o = torch.cat([self._cached_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], seq)
                            for b, seq in enumerate(cache.sequences)])
-        o = o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))  # [B, T, H·Dh]
-        return self.o_proj(o)
+        o = o.transpose(1, 2).reshape(B, T, -1)  # [B, T, H·Dh]
+        return self.o_proj(o * torch.sigmoid(gate.reshape(B, T, -1)) if self.gated else o)
 
     def _cached_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SequenceState):
         """q [1, H, T, Dh] at positions length..length+T-1 of `seq`; k, v [1, Hkv, T, Dh] are stored first."""
@@ -152,12 +154,12 @@ class GatedAttention(nn.Module):
 
     def native_step(self, kernels, qg, k, v, cos: torch.Tensor, sin: torch.Tensor, sequences: list[SequenceState],
                     lengths: list[torch.Tensor] | None = None, counts: list[int] | None = None):
-        """Projections of N rows (qg [N, H·2·Dh], k, v [N, Hkv·Dh]; cos, sin [N, R]): counts[b] successive tokens of
-        sequences[b] (default one each), in sequence order -> the gated attention output [N, H·Dh] before o_proj,
-        one native call per sequence: norms, RoPE, the cache writes at positions lengths[b] (an int64 tensor
-        [counts[b]]; default the sequence's length), then each row's attention over its sequence's stores up to its
-        own position, the gate."""
-        qg = qg.view(qg.shape[0], self.num_heads, 2 * self.head_dim)
+        """Projections of N rows (qg [N, H·2·Dh], or [N, H·Dh] ungated; k, v [N, Hkv·Dh]; cos, sin [N, R]):
+        counts[b] successive tokens of sequences[b] (default one each), in sequence order -> the attention output
+        [N, H·Dh] before o_proj, one native call per sequence: norms, RoPE, the cache writes at positions lengths[b]
+        (an int64 tensor [counts[b]]; default the sequence's length), then each row's attention over its sequence's
+        stores up to its own position, the gate."""
+        qg = qg.view(qg.shape[0], self.num_heads, (1 + self.gated) * self.head_dim)
         qn, kn, i = self.q_norm.weight.float(), self.k_norm.weight.float(), self.layer_idx
         if lengths is None:
             lengths = [seq.length_tensor() for seq in sequences]
@@ -168,7 +170,7 @@ class GatedAttention(nn.Module):
             end = start + n
             out.append(kernels.attention_decode_step(qg[start:end], k[start:end], v[start:end], qn, kn,
                                                      cos[start:end], sin[start:end], seq.keys[i], seq.values[i],
-                                                     positions, self.q_norm.eps))
+                                                     positions, self.q_norm.eps, self.gated))
             start = end
         return out[0] if len(out) == 1 else torch.cat(out)
 
@@ -183,7 +185,7 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(c, layer_idx)
         else:
             self.self_attn = GatedAttention(c, layer_idx)
-        self.mlp = SparseMoeBlock(c) if c.is_moe else MLP(c.hidden_size, c.intermediate_size)
+        self.mlp = SparseMoeBlock(c) if c.layer_is_moe(layer_idx) else MLP(c.hidden_size, c.intermediate_size)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -264,25 +266,34 @@ class Qwen35ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None = None, cache: HybridCache | None = None, *,
                 inputs_embeds: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                logits_to_keep: int = 0) -> torch.Tensor:
+                logits_to_keep: int = 0, deepstack_embeds: list[torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids [B, T] (or inputs_embeds [B, T, D]) -> logits [B, T', V] fp32.
 
         position_ids: [B, T] or [3, B, T] (M-RoPE axes); by default the text positions after the cache.
         logits_to_keep: 0 = every position, n = the last n only (prefill needs just the last).
+        deepstack_embeds: Qwen3-VL's DeepStack features, k tensors like inputs_embeds (multimodal.VisionInputs), the
+        i-th added to the hidden states after decoder layer i.
         Bad inputs are one QwenrtError before any work; `hidden_states`, the path the engine and training take with
         ids they have checked, does not look again.
         """
-        self._check_inputs(input_ids, cache, inputs_embeds, logits_to_keep)
+        self._check_inputs(input_ids, cache, inputs_embeds, logits_to_keep, deepstack_embeds)
         h = self.hidden_states(input_ids, cache, inputs_embeds=inputs_embeds, position_ids=position_ids,
-                               keep=logits_to_keep)
+                               keep=logits_to_keep, deepstack=deepstack_embeds)
         return self.lm_head(h).float()
 
-    def _check_inputs(self, input_ids, cache, inputs_embeds, logits_to_keep) -> None:
+    def _check_inputs(self, input_ids, cache, inputs_embeds, logits_to_keep, deepstack=None) -> None:
         if (input_ids is None) == (inputs_embeds is None):
             raise QwenrtError("pass input_ids or inputs_embeds, not both or neither")
         c = self.config.text
         x = _check_ids(input_ids, c.vocab_size) if inputs_embeds is None else _check_embeds(inputs_embeds,
                                                                                             c.hidden_size)
+        if deepstack is not None:
+            if not isinstance(deepstack, (list, tuple)) or len(deepstack) > c.num_hidden_layers:
+                raise QwenrtError(f"deepstack_embeds must be a list of at most {c.num_hidden_layers} tensors")
+            for d in deepstack:
+                if _check_embeds(d, c.hidden_size).shape != x.shape[:2] + (c.hidden_size,):
+                    raise QwenrtError(f"each deepstack_embeds tensor must be [B, T, D] = "
+                                      f"{list(x.shape[:2]) + [c.hidden_size]}, got {list(d.shape)}")
         if cache is not None:
             _check_room(cache, x.shape[1])
         if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
@@ -290,9 +301,10 @@ class Qwen35ForCausalLM(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor | None = None, cache: HybridCache | None = None, *,
                       inputs_embeds: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                      keep: int | None = 0) -> torch.Tensor | None:
+                      keep: int | None = 0, deepstack: list[torch.Tensor] | None = None) -> torch.Tensor | None:
         """The final-normed hidden states [B, T', D] the LM head reads: keep 0 = every position, n = the last n,
-        None = none (the cache still takes the tokens; a prefill chunk that is not the prompt's last)."""
+        None = none (the cache still takes the tokens; a prefill chunk that is not the prompt's last). deepstack:
+        [B, T, D] each, the i-th added after layer i (to x + its MLP output, the add the next layer would fuse)."""
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T, _ = x.shape
         if cache is not None:
@@ -307,18 +319,20 @@ class Qwen35ForCausalLM(nn.Module):
             self.served_adapters.active = [s.adapter for s in cache.sequences] if cache is not None else None
         delta = None
         recompute = self.gradient_checkpointing and torch.is_grad_enabled()
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
             if recompute:
                 x, delta = checkpoint(layer, x, delta, cos, sin, cache, use_reentrant=False)
             else:
                 x, delta = layer(x, delta, cos, sin, cache)
+            if deepstack is not None and i < len(deepstack):
+                x, delta = x + delta + deepstack[i].to(x.dtype), None
         if cache is not None:
             cache.advance(T)
         if keep is None:
             return None
         if keep:
-            x, delta = x[:, -keep:], delta[:, -keep:]
-        return self.model.norm.add_forward(x, delta)[1]
+            x, delta = x[:, -keep:], None if delta is None else delta[:, -keep:]
+        return self.model.norm(x) if delta is None else self.model.norm.add_forward(x, delta)[1]
 
     def rotary(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables cos, sin [B, T, rotary_dim] in `dtype` for positions [B, T] or [3, B, T] (M-RoPE axes)."""

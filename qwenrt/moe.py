@@ -1,5 +1,5 @@
 """The sparse MoE block: a softmax router (fp32), top-A experts renormalised, plus a shared expert scaled by
-sigmoid(shared_expert_gate(x)).
+sigmoid(shared_expert_gate(x)) (Qwen3-VL-MoE has none).
 
 Without autograd, in bf16 on the CPU it runs as one native call (`kernels.MoE`: the router, each used expert's SwiGLU
 and down projections in its weight format, the gated shared expert), at decode inside the decode plan's layer loop
@@ -26,8 +26,10 @@ class SparseMoeBlock(nn.Module):
         self.top_k = c.num_experts_per_tok
         self.gate = Linear(c.hidden_size, c.num_experts)
         self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
-        self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size)
-        self.shared_expert_gate = Linear(c.hidden_size, 1)
+        self.shared_expert = self.shared_expert_gate = None
+        if c.shared_expert_intermediate_size:
+            self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(c.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -45,6 +47,8 @@ class SparseMoeBlock(nn.Module):
         weight, index = probs.topk(self.top_k, dim=-1)  # [N, A]
         weight = (weight / weight.sum(-1, keepdim=True)).to(logits.dtype)
         out = self.experts(x, index, weight)
+        if self.shared_expert is None:
+            return out
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
@@ -59,6 +63,9 @@ def _bind_moe(kernels, block: SparseMoeBlock):
     if type(experts) not in (Experts, QuantExperts):
         return None
     banks = [expert_bank(kernels, w) for w in (experts.gate_up_proj, experts.down_proj)]
+    if shared is None:  # Qwen3-VL-MoE
+        router = bind(kernels, [block.gate])
+        return None if None in (*banks, router) else kernels.MoE(router, *banks, None, None, block.top_k)
     router = bind(kernels, [block.gate, block.shared_expert_gate])
     gate_up = bind(kernels, [shared.gate_proj, shared.up_proj], one_format=True)
     down = bind(kernels, [shared.down_proj])

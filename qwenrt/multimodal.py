@@ -6,6 +6,7 @@ The vision tower of a VLM checkpoint is loaded on first use, so a text-only prom
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -86,10 +87,13 @@ class VisionEncoder:
         self.tower.requires_grad_(False).eval()
         model.vision_checkpoint = None  # its tensors are in the tower now: release the file's map
 
-    def embed(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Patches -> merged vision embeddings [N / merge², D] in the decoder's dtype."""
+    def embed(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, dtype: torch.dtype
+              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Patches -> (merged vision embeddings [N / merge², D], the DeepStack features: one more such per
+        deepstack block, none for Qwen3.5) in the decoder's dtype."""
         device = next(self.tower.parameters()).device
-        return self.tower(pixel_values.to(device=device, dtype=dtype), grid_thw.to(device)).to(dtype)
+        main, deepstack = self.tower(pixel_values.to(device=device, dtype=dtype), grid_thw.to(device))
+        return main.to(dtype), [d.to(dtype) for d in deepstack]
 
 
 def vision_encoder(model) -> VisionEncoder:
@@ -131,17 +135,33 @@ def prepare_vision_prompt(model, tokenizer, text: str, images: list, videos: lis
                              video_batch.grid_thw if video_batch else None, positions, int(deltas[0, 0]))
 
 
-def vision_embeddings(model, ids: torch.Tensor, prompt: VisionPrompt) -> torch.Tensor:
-    """Token embeddings [1, T, D] with the image/video placeholders replaced by the tower's outputs."""
+class VisionInputs(NamedTuple):
+    """A prompt's decoder inputs: token embeddings [1, T, D] with the placeholders replaced by the tower's outputs,
+    and (Qwen3-VL) per DeepStack block a [1, T, D] that is its features at the placeholders and zero elsewhere, which
+    the model adds after its first decoder layers (adding zeros leaves the text positions exactly as they are)."""
+
+    embeds: torch.Tensor
+    deepstack: list[torch.Tensor]
+
+    def chunk(self, positions: slice) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """(embeds, deepstack) of a prefill chunk's positions; deepstack None without DeepStack."""
+        return self.embeds[:, positions], [d[:, positions] for d in self.deepstack] or None
+
+
+def vision_embeddings(model, ids: torch.Tensor, prompt: VisionPrompt) -> VisionInputs:
+    """The decoder inputs of a prompt's ids [1, T] with its images and video (the tower runs here)."""
     encoder = vision_encoder(model)
     embeds = model.model.embed_tokens(ids)
+    deepstack = [torch.zeros_like(embeds) for _ in encoder.tower.cfg.deepstack_visual_indexes]
     for pixels, grid, token in ((prompt.pixel_values, prompt.image_grid_thw, model.config.image_token_id),
                                 (prompt.pixel_values_videos, prompt.video_grid_thw, model.config.video_token_id)):
         if pixels is None:
             continue
-        features = encoder.embed(pixels, grid, embeds.dtype)  # [n_tokens, D]
+        features, stacked = encoder.embed(pixels, grid, embeds.dtype)  # [n_tokens, D] each
         mask = ids == token
         if int(mask.sum()) != features.shape[0]:
             raise QwenrtError(f"{int(mask.sum())} placeholder tokens but {features.shape[0]} vision embeddings")
         embeds[mask] = features
-    return embeds
+        for full, part in zip(deepstack, stacked):
+            full[mask] = part
+    return VisionInputs(embeds, deepstack)

@@ -200,3 +200,51 @@ def add_mtp_head(src: Path, dst: Path, seed: int = 7) -> Path:
             tensors[name] = t.to(dtype).contiguous()
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
+
+
+# Qwen3-VL: the Qwen3 decoder (all attention, no gate, full rotary: sections sum to head_dim/2) under a ViT whose
+# DeepStack blocks are named out of order (the features still join the decoder in block order)
+QWEN3_VL_TEXT = dict(vocab_size=248320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=32, intermediate_size=96, rms_norm_eps=1e-6,
+                     max_position_embeddings=4096, eos_token_id=[248046, 248044], pad_token_id=248044,
+                     rope_parameters=dict(rope_type="default", rope_theta=5e5, mrope_section=[6, 5, 5],
+                                          mrope_interleaved=True))
+QWEN3_VL_MOE = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=3, mlp_only_layers=[1])
+QWEN3_VL_VISION = dict(VISION, depth=3, deepstack_visual_indexes=[2, 0, 1])
+QWEN3_5_VISION_IDS = dict(image_token_id=248056, video_token_id=248057, vision_start_token_id=248053,
+                          vision_end_token_id=248054)  # the Qwen3.5 tokenizer's, which the tests use
+
+
+def build_qwen3_vl(path: Path, moe: bool = False, published: bool = False, seed: int = 11):
+    """A tiny Qwen3-VL (or Qwen3-VL-MoE) with the real vocabulary, tokenizer and small-image preprocessor configs,
+    as transformers 5.23 writes it; `published`: the MoE experts as the hub's files hold them ([E, D, 2I] /
+    [E, I, D], `num_experts`)."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from transformers import (Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig,
+                              Qwen3VLMoeForConditionalGeneration)
+
+    from tests.tokenizer_fixture import qwen35_tokenizer_dir
+
+    config_cls, model_cls = ((Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration) if moe
+                             else (Qwen3VLConfig, Qwen3VLForConditionalGeneration))
+    text = dict(QWEN3_VL_TEXT, **(QWEN3_VL_MOE if moe else {}))
+    config = config_cls(text_config=text, vision_config=QWEN3_VL_VISION, tie_word_embeddings=not moe,
+                        **QWEN3_5_VISION_IDS)
+    model = randomize(model_cls(config).eval(), seed)
+    model.save_pretrained(path)
+    if published:
+        tensors = load_file(path / "model.safetensors")
+        for name in tensors:
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                tensors[name] = tensors[name].transpose(1, 2).contiguous()
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["text_config"]["num_experts"] = cfg["text_config"].pop("num_local_experts")
+        (path / "config.json").write_text(json.dumps(cfg))
+    for file in qwen35_tokenizer_dir().iterdir():
+        shutil.copy(file, path / file.name)
+    (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
+    (path / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PREPROCESSOR))
+    return model

@@ -29,6 +29,18 @@ def vlm_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen3_vl_ckpt(tmp_path_factory):
+    """A tiny Qwen3-VL (DeepStack) with the real vocabulary, tokenizer and preprocessor configs."""
+    return _build(tmp_path_factory, "qwen3-vl", checkpoints.build_qwen3_vl)
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_moe_ckpt(tmp_path_factory):
+    """Its MoE sibling (no shared expert; layer 1 a dense MLP), as transformers 5.23 writes it."""
+    return _build(tmp_path_factory, "qwen3-vl-moe", lambda path: checkpoints.build_qwen3_vl(path, moe=True))
+
+
+@pytest.fixture(scope="session")
 def published_ckpt(tmp_path_factory):
     """The published layout: MoE VLM prefix, fused experts, MTP tensors, bf16, two shards."""
     return _build(tmp_path_factory, "published", checkpoints.build_published_moe)

@@ -339,11 +339,14 @@ def _norm(x, w, eps=1e-6):  # the decoder's zero-centred RMSNorm, as qwenrt.mode
 
 
 @needs_kernels
+@pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_native_attention_step_matches_torch_ops(dtype, bound):
-    """q/k norm, partial RoPE, cache write, attention over ragged rows and the output gate, vs torch ops."""
+def test_native_attention_step_matches_torch_ops(dtype, bound, gated):
+    """q/k norm, partial RoPE, cache write, attention over ragged rows and the output gate, vs torch ops; ungated
+    (Qwen3-VL): the query alone in qg, rotary over the whole head, no gate."""
     g = torch.Generator().manual_seed(3)
-    B, H, Hkv, D, R, cap = 2, 8, 2, 64, 16, 96
+    B, H, Hkv, D, cap = 2, 8, 2, 64, 96
+    R = 16 if gated else D
     qg = torch.randn(B, H, 2 * D, generator=g).to(dtype)
     k, v = (torch.randn(B, Hkv, D, generator=g).to(dtype) for _ in range(2))
     qw, kw = torch.randn(D, generator=g) * 0.1, torch.randn(D, generator=g) * 0.1
@@ -352,7 +355,8 @@ def test_native_attention_step_matches_torch_ops(dtype, bound):
     keys, values = (torch.randn(B, Hkv, cap, D, generator=g).to(dtype) for _ in range(2))
     lengths = torch.tensor([70, 33])  # the stores hold stale entries past each row's length
     ref_keys, ref_values = keys.clone(), values.clone()
-    out = cpu_kernels().attention_decode_step(qg, k, v, qw, kw, cos, sin, keys, values, lengths, 1e-6)
+    query = qg if gated else qg[..., :D].contiguous()
+    out = cpu_kernels().attention_decode_step(query, k, v, qw, kw, cos, sin, keys, values, lengths, 1e-6, gated)
     for b, n in enumerate(lengths.tolist()):
         c, s = cos[b:b + 1, None], sin[b:b + 1, None]  # [1, 1, R]
         q = apply_rope(_norm(qg[b:b + 1, :, None, :D], qw), c, s)  # [1, H, 1, D]
@@ -360,7 +364,7 @@ def test_native_attention_step_matches_torch_ops(dtype, bound):
         ref_keys[b, :, n], ref_values[b, :, n] = kb[0, :, 0], v[b]
         o = F.scaled_dot_product_attention(q.float(), ref_keys[b:b + 1, :, :n + 1].float(),
                                            ref_values[b:b + 1, :, :n + 1].float(), enable_gqa=True).to(dtype)
-        ref = o[0, :, 0] * torch.sigmoid(qg[b, :, D:])  # [H, D]
+        ref = o[0, :, 0] * torch.sigmoid(qg[b, :, D:]) if gated else o[0, :, 0]  # [H, D]
         assert (out[b].view(H, D).float() - ref.float()).abs().max().item() < bound
     assert torch.equal(values, ref_values)  # copied as they come
     assert (keys.float() - ref_keys.float()).abs().max().item() < bound  # normed (sum order) and rotated
@@ -559,7 +563,9 @@ def test_native_residual_norm_matches_torch_ops(dtype):
 @pytest.mark.parametrize("kind, dtype, quantize, bound", [
     ("dense_ckpt", "float32", None, 1e-5), ("dense_ckpt", "bfloat16", None, 1e-2), ("moe_ckpt", "bfloat16", None, 1e-2),
     ("dense_ckpt", "bfloat16", QuantSpec(8), 1e-2), ("moe_ckpt", "bfloat16", QuantSpec(8), 1e-2),
-    ("dense_ckpt", "bfloat16", QuantSpec(4, 32), 1e-2), ("dense_ckpt", "float32", QuantSpec(4, 32), 1e-5)])
+    ("dense_ckpt", "bfloat16", QuantSpec(4, 32), 1e-2), ("dense_ckpt", "float32", QuantSpec(4, 32), 1e-5),
+    ("qwen3_vl_ckpt", "bfloat16", None, 1e-2), ("qwen3_vl_ckpt", "float32", None, 1e-5),
+    ("qwen3_vl_moe_ckpt", "bfloat16", None, 1e-2)])
 def test_native_decode_matches_torch_paths(kind, dtype, quantize, bound, request, monkeypatch):
     """Decode through every native kernel (fused projections, DeltaNet step, attention step, quantized GEMVs) vs the
     torch ops they replace, same weights, same rounding points: a batch of 2, 20 prompt and 12 decoded tokens."""
@@ -575,7 +581,9 @@ def test_native_decode_matches_torch_paths(kind, dtype, quantize, bound, request
 
 @needs_kernels
 @pytest.mark.parametrize("kind, quantize", [("dense_ckpt", None), ("moe_ckpt", None), ("dense_ckpt", "int8"),
-                                           ("dense_ckpt", "int4"), ("moe_ckpt", "int8"), ("moe_ckpt", "int4")])
+                                           ("dense_ckpt", "int4"), ("moe_ckpt", "int8"), ("moe_ckpt", "int4"),
+                                           ("qwen3_vl_ckpt", None), ("qwen3_vl_ckpt", "int4"),
+                                           ("qwen3_vl_moe_ckpt", None), ("qwen3_vl_moe_ckpt", "int4")])
 def test_decode_plan_equals_the_modules_native_path(kind, quantize, request):
     """The bound plan runs the same kernels on the same inputs as the modules: identical logits. The layers run as
     one native call per step (LayerStack), an MoE block inside it as one native object (router, the used experts,

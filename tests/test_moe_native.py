@@ -25,7 +25,7 @@ FORMATS = {"bf16": None, "int8": QuantSpec(8), "int4": QuantSpec(4, 32)}
 def random_block(shape: dict, std: float, seed: int, ties: bool, spec: QuantSpec | None) -> SparseMoeBlock:
     """A bf16 MoE block of MOE's config with `shape` over it, weights N(0, std²), experts in `spec` (None: bf16).
     ties: router rows in equal pairs, so every token's expert logits tie."""
-    c = parse_config(dict(MOE, **shape, model_type="qwen3_5_moe_text"), where="test").text
+    c = parse_config(dict(MOE, model_type="qwen3_5_moe_text") | shape, where="test").text
     g = torch.Generator().manual_seed(seed)
     m = SparseMoeBlock(c)
     with torch.no_grad():
@@ -43,19 +43,24 @@ def quantized(w: torch.Tensor, spec: QuantSpec) -> QuantLinear:
     return QuantLinear.from_stored(quantize_weight(w, spec), spec, torch.bfloat16)
 
 
-def block(fmt: str, ties: bool = False, seed: int = 0) -> SparseMoeBlock:
-    """A bf16 MoE block of the test checkpoints' shape (8 experts, top 3), experts in `fmt`."""
-    return random_block({}, 0.2, seed, ties, FORMATS[fmt])
+# Qwen3-VL-MoE's block: no shared expert (its rotary covers the whole head: sections summing to head_dim / 2)
+UNSHARED = {"model_type": "qwen3_vl_moe_text", "rope_parameters": {"mrope_section": [6, 5, 5]}}
+
+
+def block(fmt: str, ties: bool = False, seed: int = 0, shared: bool = True) -> SparseMoeBlock:
+    """A bf16 MoE block of the test checkpoints' shape (8 experts, top 3), experts in `fmt`; shared: with a shared
+    expert (Qwen3.5's), else without (Qwen3-VL-MoE's)."""
+    return random_block({} if shared else UNSHARED, 0.2, seed, ties, FORMATS[fmt])
 
 
 @needs_kernels
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("ties", [False, True])
-def test_native_moe_equals_the_module(fmt, ties):
+@pytest.mark.parametrize("ties, shared", [(False, True), (True, True), (False, False)])
+def test_native_moe_equals_the_module(fmt, ties, shared):
     """1, 3 and 8 rows (rows sharing experts; with 3 of 8 experts per row some get none): the native block gives
-    the modules' output bit for bit, also where router logits tie (top-k's order decides between equal experts);
-    the block's forward is the native one."""
-    m = block(fmt, ties)
+    the modules' output bit for bit, also where router logits tie (top-k's order decides between equal experts)
+    and without a shared expert; the block's forward is the native one."""
+    m = block(fmt, ties, shared=shared)
     native = native_block(m)
     assert native is not None
     g = torch.Generator().manual_seed(1)
@@ -75,11 +80,12 @@ def test_router_zero_weights_tie_every_expert():
 
 
 @needs_kernels
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_native_moe_matches_the_torch_path(fmt, monkeypatch):
+@pytest.mark.parametrize("fmt, shared", [(fmt, True) for fmt in FORMATS] + [("int4", False)])
+def test_native_moe_matches_the_torch_path(fmt, shared, monkeypatch):
     """Against the block on torch's ops alone (no native kernel anywhere): 11 rows (more than one kernel call's)
-    and 300 (a prefill chunk's, experts taking many rows each), within bf16's rounding."""
-    m = block(fmt, seed=3)
+    and 300 (a prefill chunk's, experts taking many rows each: int4 goes through the grouped kernel), within
+    bf16's rounding; with and without a shared expert."""
+    m = block(fmt, seed=3, shared=shared)
     g = torch.Generator().manual_seed(3)
     hs = [torch.randn(rows, m.gate.in_features, generator=g).bfloat16() for rows in (11, 300)]
     ours = [m(h) for h in hs]
@@ -87,7 +93,7 @@ def test_native_moe_matches_the_torch_path(fmt, monkeypatch):
         for name in ("cpu_kernels", "inference_kernels"):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, lambda *tensors: None)
-    reference = block(fmt, seed=3)
+    reference = block(fmt, seed=3, shared=shared)
     assert native_block(reference) is None
     for h, out in zip(hs, ours):
         assert rel_err(out, reference(h)) < 1e-2

@@ -23,8 +23,8 @@ def ask(*parts, text="Describe this."):
 
 def ours(model, prepared):
     ids = torch.tensor([prepared.ids])
-    embeds = vision_embeddings(model, ids, prepared.vision)
-    return model(inputs_embeds=embeds, position_ids=prepared.vision.position_ids)
+    embeds, deepstack = vision_embeddings(model, ids, prepared.vision)
+    return model(inputs_embeds=embeds, position_ids=prepared.vision.position_ids, deepstack_embeds=deepstack or None)
 
 
 def reference_inputs(ref, prepared):

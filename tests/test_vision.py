@@ -289,7 +289,8 @@ def test_tower_matches_reference(grid, towers):
     pixels = torch.randn(int(grid_thw.prod(-1).sum()), 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = ref(pixels, grid_thw=grid_thw).pooler_output  # merger output; last_hidden_state is pre-merger
-        got = ours(pixels, grid_thw)
+        got, deepstack = ours(pixels, grid_thw)
+        assert deepstack == []  # Qwen3.5 has none
     assert got.shape == expected.shape == (grid_thw.prod(-1).sum() // 4, VISION["out_hidden_size"])
     assert rel_err(got, expected) <= 1e-5
 
@@ -312,7 +313,7 @@ def test_tower_bf16_matches_reference(towers):
         # share the patch embedding so the rest is compared cast for cast (a misplaced bf16 cast costs ~5e-3)
         ref.patch_embed.register_forward_hook(lambda module, args, out: ours.patch_embed(args[0]))
         expected = ref(pixels.bfloat16(), grid_thw=grid_thw).pooler_output
-        got = ours(pixels, grid_thw)
+        got = ours(pixels, grid_thw)[0]
     assert got.dtype == torch.bfloat16
     assert rel_err(got, expected) <= 1e-3
 
@@ -324,13 +325,15 @@ def test_tower_end_to_end_from_pixels(towers, pre_cfg, hf_image_processor):
     hf = hf_image_processor(images=images, return_tensors="pt")
     with torch.no_grad():
         expected = ref(hf["pixel_values"], grid_thw=hf["image_grid_thw"]).pooler_output
-        got = ours(batch.pixel_values, batch.grid_thw)
+        got = ours(batch.pixel_values, batch.grid_thw)[0]
     assert rel_err(got, expected) <= 1e-5
 
 
 def test_vision_config_refusals():
-    with pytest.raises(QwenrtError, match="deepstack"):
-        VisionConfig.from_dict({**VISION, "deepstack_visual_indexes": [1]})
+    with pytest.raises(QwenrtError, match="deepstack_visual_indexes"):
+        VisionConfig.from_dict({**VISION, "deepstack_visual_indexes": [2]})
+    with pytest.raises(QwenrtError, match="twice"):
+        VisionConfig.from_dict({**VISION, "deepstack_visual_indexes": [1, 1]})
     with pytest.raises(QwenrtError, match="hidden_act"):
         VisionConfig.from_dict({**VISION, "hidden_act": "silu"})
     with pytest.raises(QwenrtError, match="divisible"):

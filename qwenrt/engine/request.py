@@ -193,7 +193,7 @@ class Sequence:
         self.generator = torch.Generator(device=device).manual_seed(seed)  # one per request: draws independent of the batch
         self.history: TokenCounts | None = None  # penalties' token counts, made at the first sample
         self.mask: TokenMask | None = None  # the output constraint, set by the engine
-        self.vision_embeds: torch.Tensor | None = None  # [1, T, D] while an image/video prompt is being prefilled
+        self.vision_embeds = None  # the prompt's multimodal.VisionInputs while an image/video prompt is prefilled
         self.key: list[int] = prompt.ids  # the prompt as the prefix cache knows it (images by content, adapter)
         self.adapter = 0  # the slot of the served adapter it runs with (qwenrt.served_adapters; 0: none)
         self.snapshots: list[int] = [self.prompt_len]  # prompt lengths where a prefix snapshot is taken, ascending

@@ -98,9 +98,10 @@ class ModelRunner:
                 # the vision tower runs once, at the first chunk that needs it (a cached prefix may cover them all)
                 seq.vision_embeds = vision_embeddings(model, torch.tensor([prompt.ids], device=model.device),
                                                       prompt.vision)  # [1, T, D]
-            embeds = (seq.vision_embeds[:, start:end] if seq.vision_embeds is not None
-                      else model.model.embed_tokens(ids))
-            h = model.hidden_states(cache=cache, inputs_embeds=embeds, position_ids=positions, keep=keep)
+            embeds, deepstack = (seq.vision_embeds.chunk(slice(start, end)) if seq.vision_embeds is not None
+                                 else (model.model.embed_tokens(ids), None))
+            h = model.hidden_states(cache=cache, inputs_embeds=embeds, position_ids=positions, keep=keep,
+                                    deepstack=deepstack)
             if last:
                 seq.state.rope_delta = prompt.vision.rope_delta
         if seq.draft_state is not None:
@@ -130,7 +131,7 @@ class ModelRunner:
             seq.mtp_index = start
         if pairs > 0:
             nxt = slice(start + 1, start + 1 + pairs)
-            embeds = (seq.vision_embeds[:, nxt] if seq.vision_embeds is not None
+            embeds = (seq.vision_embeds.embeds[:, nxt] if seq.vision_embeds is not None
                       else model.model.embed_tokens(torch.tensor([prompt.ids[nxt]], device=model.device)))
             if positions is None:
                 positions = torch.arange(start, start + pairs, device=model.device)[None]

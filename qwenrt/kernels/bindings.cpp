@@ -51,7 +51,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "groups, dequantized into out [N, K] (bf16 or fp32): a token lookup in a GGUF-quantized table",
         arg("ids"), arg("q"), arg("scales"), arg("zeros"), arg("G"), arg("out"));
   m.def("attention_decode_step", &attention_decode_step,
-        "q/k norm, RoPE, KV write, attention and output gate for one new token per sequence");
+        "q/k norm, RoPE, KV write, attention and output gate (where gated) for one new token per sequence",
+        arg("qg"), arg("k"), arg("v"), arg("q_norm_w"), arg("k_norm_w"), arg("cos"), arg("sin"), arg("keys"),
+        arg("values"), arg("lengths"), arg("eps"), arg("gated") = true);
   m.def("rms_norm", &rms_norm, "zero-centred RMSNorm: (x [+ residual], normed)");
   m.def("causal_conv1d_silu", &causal_conv1d_silu,
         "DeltaNet short conv and its SiLU over a prefill chunk, token-major (state in place)");
@@ -84,7 +86,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            arg("format"), arg("weight"), arg("scales"), arg("zeros"), arg("group_size"));
   pybind11::class_<MoE>(m, "MoE", "a sparse MoE block bound once: router, experts and shared expert in one call")
-      .def(pybind11::init<Projection, const ExpertBank&, const ExpertBank&, Projection, Projection, int64_t, bool>(),
+      .def(pybind11::init<Projection, const ExpertBank&, const ExpertBank&, std::optional<Projection>,
+                          std::optional<Projection>, int64_t, bool>(),
            arg("router"), arg("gate_up"), arg("down"), arg("shared_gate_up"), arg("shared_down"), arg("top_k"),
            arg("grouped") = true)
       .def("__call__", &MoE::operator(), arg("h"), pybind11::call_guard<pybind11::gil_scoped_release>());

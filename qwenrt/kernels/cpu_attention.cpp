@@ -187,7 +187,8 @@ void norm_rope(const T* x, const float* w, const T* cos, const T* sin, int64_t D
 template <typename T>
 void attention_step(const T* QG, const T* Kn, const T* Vn, const float* QW, const float* KW, const T* COS,
                     const T* SIN, T* Kc, T* Vc, const int64_t* lengths, T* out, int64_t B, int64_t H, int64_t Hkv,
-                    int64_t cap, int64_t D, int64_t R, bool shared, float eps) {
+                    int64_t cap, int64_t D, int64_t R, bool shared, float eps, bool gated) {
+  const int64_t QS = gated ? 2 * D : D;  // a head's stride in QG: query | gate, or the query alone
   // new keys (normed, rotated) and values into the stores at each row's next position; all are written before any
   // row attends, so rows sharing one sequence's store see each other's keys up to their own position
   qwenrt::parallel_for_work(0, B * Hkv, 4 * D, [&](int64_t i0, int64_t i1) {
@@ -203,12 +204,16 @@ void attention_step(const T* QG, const T* Kn, const T* Vn, const float* QW, cons
   qwenrt::parallel_for_work(0, B * H, 4 * D, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / H;
-      norm_rope(QG + i * 2 * D, QW, COS + b * R, SIN + b * R, D, R, eps, q.data() + i * D);
+      norm_rope(QG + i * QS, QW, COS + b * R, SIN + b * R, D, R, eps, q.data() + i * D);
     }
   });
   std::vector<T> o(B * H * D);
   attend(q.data(), Kc, Vc, valid.data(), o.data(), B, H, Hkv, cap, D, shared,
          1.0f / std::sqrt(static_cast<float>(D)));
+  if (!gated) {
+    std::copy(o.begin(), o.end(), out);
+    return;
+  }
   for (int64_t i = 0; i < B * H; ++i)  // sigmoid output gate, rounded as torch.sigmoid and the product are
     for (int64_t d = 0; d < D; ++d) {
       const float g = static_cast<float>(QG[i * 2 * D + D + d]);
@@ -218,15 +223,16 @@ void attention_step(const T* QG, const T* Kn, const T* Vn, const float* QW, cons
 
 }  // namespace
 
-// One decode step of a gated full-attention layer after its projections. qg [B, H, 2·Dh] (query | gate per head),
+// One decode step of a full-attention layer after its projections. qg [B, H, 2·Dh] (query | gate per head; gated
+// false: [B, H, Dh], the query alone and no output gate, Qwen3-VL),
 // k, v [B, Hkv, Dh], q_norm_w, k_norm_w [Dh] fp32 (stored w; the norm scales by 1 + w), cos, sin [B, R],
 // keys, values [B, Hkv, cap, Dh] (the cache stores, written at position lengths[b]), lengths [B] int64. With stores
 // [1, Hkv, cap, Dh] and B > 1 the rows are successive tokens of one sequence (lengths[b] = lengths[0] + b): each
 // attends causally to the tokens before it, the earlier rows' included.
-// Returns the gated attention output [B, H·Dh], ready for o_proj.
+// Returns the (gated) attention output [B, H·Dh], ready for o_proj.
 at::Tensor attention_decode_step(at::Tensor qg, at::Tensor k, at::Tensor v, at::Tensor q_norm_w,
                                     at::Tensor k_norm_w, at::Tensor cos, at::Tensor sin, at::Tensor keys,
-                                    at::Tensor values, at::Tensor lengths, double eps) {
+                                    at::Tensor values, at::Tensor lengths, double eps, bool gated) {
   for (auto* t : {&qg, &k, &v, &q_norm_w, &k_norm_w, &cos, &sin, &keys, &values, &lengths})
     TORCH_CHECK(t->is_contiguous(), "attention_decode_step: contiguous inputs only");
   const auto T = qg.scalar_type();
@@ -235,7 +241,8 @@ at::Tensor attention_decode_step(at::Tensor qg, at::Tensor k, at::Tensor v, at::
               values.scalar_type() == T && q_norm_w.scalar_type() == at::kFloat &&
               k_norm_w.scalar_type() == at::kFloat && lengths.scalar_type() == at::kLong,
               "attention_decode_step: dtypes");
-  const int64_t B = qg.size(0), H = qg.size(1), D = qg.size(2) / 2, Hkv = keys.size(1), cap = keys.size(2);
+  const int64_t B = qg.size(0), H = qg.size(1), D = gated ? qg.size(2) / 2 : qg.size(2), Hkv = keys.size(1);
+  const int64_t cap = keys.size(2);
   const int64_t R = cos.size(-1);
   TORCH_CHECK(k.numel() == B * Hkv * D && v.numel() == B * Hkv * D && keys.size(3) == D && H % Hkv == 0 &&
               H / Hkv <= kMaxGroup && D % 16 == 0 && D <= 512 && R <= D && R % 2 == 0 && cos.numel() == B * R &&
@@ -252,12 +259,13 @@ at::Tensor attention_decode_step(at::Tensor qg, at::Tensor k, at::Tensor v, at::
     using E = at::BFloat16;
     attention_step(qg.data_ptr<E>(), k.data_ptr<E>(), v.data_ptr<E>(), q_norm_w.data_ptr<float>(),
                    k_norm_w.data_ptr<float>(), cos.data_ptr<E>(), sin.data_ptr<E>(), keys.data_ptr<E>(),
-                   values.data_ptr<E>(), len, out.data_ptr<E>(), B, H, Hkv, cap, D, R, shared, static_cast<float>(eps));
+                   values.data_ptr<E>(), len, out.data_ptr<E>(), B, H, Hkv, cap, D, R, shared, static_cast<float>(eps),
+                   gated);
   } else {
     attention_step(qg.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), q_norm_w.data_ptr<float>(),
                    k_norm_w.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), keys.data_ptr<float>(),
                    values.data_ptr<float>(), len, out.data_ptr<float>(), B, H, Hkv, cap, D, R, shared,
-                   static_cast<float>(eps));
+                   static_cast<float>(eps), gated);
   }
   return out;
 }

@@ -126,15 +126,15 @@ void LayerStack::add_deltanet(int64_t slot, at::Tensor input_norm, at::Tensor po
                               double mixer_eps) {
   TORCH_CHECK(project.outputs() == 4, "LayerStack: a DeltaNet layer projects to qkv, z, b, a");
   layers_.push_back({slot, true, input_norm, post_norm, std::move(project), std::move(out), {}, {}, nullptr, conv_w,
-                     A_log, dt_bias, norm_w, num_k_heads, num_v_heads, head_v_dim, {}, {}, 0, 0, mixer_eps});
+                     A_log, dt_bias, norm_w, num_k_heads, num_v_heads, head_v_dim, {}, {}, 0, 0, mixer_eps, false});
 }
 
 void LayerStack::add_attention(int64_t slot, at::Tensor input_norm, at::Tensor post_norm, Projection project,
                                Projection out, at::Tensor q_norm, at::Tensor k_norm, int64_t num_heads,
-                               int64_t head_dim, double mixer_eps) {
+                               int64_t head_dim, double mixer_eps, bool gated) {
   TORCH_CHECK(project.outputs() == 3, "LayerStack: an attention layer projects to q|gate, k, v");
   layers_.push_back({slot, false, input_norm, post_norm, std::move(project), std::move(out), {}, {}, nullptr, {}, {},
-                     {}, {}, 0, 0, 0, q_norm, k_norm, num_heads, head_dim, mixer_eps});
+                     {}, {}, 0, 0, 0, q_norm, k_norm, num_heads, head_dim, mixer_eps, gated});
 }
 
 void LayerStack::add_mlp(Projection gate_up, Projection down) {
@@ -218,11 +218,11 @@ std::pair<at::Tensor, std::vector<std::vector<at::Tensor>>> LayerStack::run(
           saved[s].push_back(saved_state);
         }
       } else {
-        const auto qg = p[0].narrow(0, start, n).view({n, layer.num_heads, 2 * layer.head_dim});
+        const auto qg = p[0].narrow(0, start, n).view({n, layer.num_heads, (1 + layer.gated) * layer.head_dim});
         parts.push_back(attention_decode_step(qg, p[1].narrow(0, start, n), p[2].narrow(0, start, n), layer.q_norm,
                                               layer.k_norm, cos.narrow(0, start, n), sin.narrow(0, start, n),
                                               store(keys, s, layer.slot, "key"), store(values, s, layer.slot, "value"),
-                                              lengths[s], layer.mixer_eps));
+                                              lengths[s], layer.mixer_eps, layer.gated));
       }
       start += n;
     }

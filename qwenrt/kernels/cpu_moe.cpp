@@ -47,12 +47,15 @@ bool int4_tensors(const std::vector<at::Tensor>& tensors) {
 
 }  // namespace
 
-MoE::MoE(Projection router, const ExpertBank& gate_up, const ExpertBank& down, Projection shared_gate_up,
-         Projection shared_down, int64_t top_k, bool grouped)
+MoE::MoE(Projection router, const ExpertBank& gate_up, const ExpertBank& down,
+         std::optional<Projection> shared_gate_up, std::optional<Projection> shared_down, int64_t top_k, bool grouped)
     : router_(std::move(router)), shared_gate_up_(std::move(shared_gate_up)), shared_down_(std::move(shared_down)),
       top_k_(top_k) {
-  TORCH_CHECK(router_.outputs() == 2, "MoE: the router projects to the expert logits and the shared-expert gate");
-  TORCH_CHECK(shared_gate_up_.outputs() == 2 && shared_gate_up_.runs.size() == 1 && shared_down_.outputs() == 1,
+  TORCH_CHECK(shared_gate_up_.has_value() == shared_down_.has_value(), "MoE: a shared expert has both projections");
+  TORCH_CHECK(router_.outputs() == (shared_gate_up_ ? 2 : 1),
+              "MoE: the router projects to the expert logits (and the shared-expert gate where there is one)");
+  TORCH_CHECK(!shared_gate_up_ || (shared_gate_up_->outputs() == 2 && shared_gate_up_->runs.size() == 1 &&
+                                   shared_down_->outputs() == 1),
               "MoE: the shared expert has a gate and an up projection of one format, and a down projection");
   const at::Tensor &wu = gate_up.weight, &wd = down.weight;
   TORCH_CHECK(wu.dim() == 3 && wd.dim() == 3 && wu.size(0) == wd.size(0) && wu.size(1) % 2 == 0,
@@ -74,8 +77,9 @@ MoE::MoE(Projection router, const ExpertBank& gate_up, const ExpertBank& down, P
     int4_.clear();
     return;
   }
-  const Projection::Run &su = shared_gate_up_.runs[0], &sd = shared_down_.runs[0];
-  if (su.format != "q4" || sd.format != "q4" || shared_down_.runs.size() != 1) return;
+  if (!shared_gate_up_) return;
+  const Projection::Run &su = shared_gate_up_->runs[0], &sd = shared_down_->runs[0];
+  if (su.format != "q4" || sd.format != "q4" || shared_down_->runs.size() != 1) return;
   const std::vector<at::Tensor> shared = {su.weights[0], su.scales[0], su.zeros[0], su.weights[1], su.scales[1],
                                           su.zeros[1], sd.weights[0], sd.scales[0], sd.zeros[0]};
   if (!int4_tensors(shared)) return;
@@ -99,7 +103,7 @@ Projection::Run MoE::merged_gate_up(const std::vector<int64_t>& experts) const {
 
 at::Tensor MoE::operator()(const at::Tensor& h) const {
   const int64_t N = h.size(0), E = static_cast<int64_t>(gate_up_.size());
-  const auto routed = router_(h, "bf16");  // [N, E] expert logits, [N, 1] shared-expert gate logits
+  const auto routed = router_(h, "bf16");  // [N, E] expert logits (then [N, 1] shared-expert gate logits)
   const auto probs = routed[0].softmax(-1, at::kFloat);
   const auto picked = probs.topk(top_k_, -1);  // weights, indices [N, A]
   const auto& top = std::get<0>(picked);
@@ -119,7 +123,7 @@ at::Tensor MoE::operator()(const at::Tensor& h) const {
   // grouped once the experts get a few rows each on average: with fewer, transposing every used expert's weights
   // costs more than the GEMV calls (35B-A3B block, CPU time: 512 rows 231 vs 413 ms, 64 rows 101 vs 68 ms)
   if (N > gemv::kMaxRows && N * top_k_ >= kGroupedRows * E && !int4_.empty())
-    return grouped(h, routed[1], weight.data_ptr<at::BFloat16>(), rows, slots);
+    return grouped(h, shared_gate_up_ ? routed[1] : at::Tensor(), weight.data_ptr<at::BFloat16>(), rows, slots);
   // one row (a decode step's token): every used expert's gate and up in one call, one pass over the threads
   std::vector<at::Tensor> acts;
   if (N == 1) acts = merged_gate_up(used)(h, "swiglu");
@@ -134,7 +138,8 @@ at::Tensor MoE::operator()(const at::Tensor& h) const {
     const auto act = N == 1 ? acts[j] : gate_up_[e](h.index_select(0, which), "swiglu")[0];
     out.index_add_(0, which, down_[e](act, "bf16")[0].mul(scale));
   }
-  const auto shared = shared_down_(shared_gate_up_(h, "swiglu")[0], "bf16")[0];
+  if (!shared_gate_up_) return out;
+  const auto shared = (*shared_down_)((*shared_gate_up_)(h, "swiglu")[0], "bf16")[0];
   return out.add(routed[1].sigmoid().mul(shared));
 }
 
@@ -153,6 +158,7 @@ at::Tensor MoE::grouped(const at::Tensor& h, const at::Tensor& shared_gate, cons
     for (size_t r = 0; r < rows[e].size(); ++r)
       weights.back().push_back(static_cast<float>(w[rows[e][r] * top_k_ + slots[e][r]]));
   }
+  if (!shared_gate_up_) return grouped_experts_q4(h, experts, tokens, weights);
   const auto gate = shared_gate.to(at::kFloat).sigmoid().contiguous();  // [N, 1]
   if (int4_shared_) {
     experts.push_back(int4_.back());
@@ -161,7 +167,7 @@ at::Tensor MoE::grouped(const at::Tensor& h, const at::Tensor& shared_gate, cons
     weights.emplace_back(gate.data_ptr<float>(), gate.data_ptr<float>() + N);
     return grouped_experts_q4(h, experts, tokens, weights);
   }
-  const auto shared = shared_down_(shared_gate_up_(h, "swiglu")[0], "bf16")[0];
+  const auto shared = (*shared_down_)((*shared_gate_up_)(h, "swiglu")[0], "bf16")[0];
   return grouped_experts_q4(h, experts, tokens, weights).add(shared_gate.sigmoid().mul(shared));
 }
 

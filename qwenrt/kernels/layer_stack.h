@@ -95,9 +95,9 @@ at::Tensor grouped_experts_q4(const at::Tensor& x, const std::vector<Int4Expert>
 // off (the per-expert calls, kept for benchmarks).
 class MoE {
  public:
-  // router: outputs [N, E] expert logits then [N, 1] shared-expert gate logits
-  MoE(Projection router, const ExpertBank& gate_up, const ExpertBank& down, Projection shared_gate_up,
-      Projection shared_down, int64_t top_k, bool grouped = true);
+  // router: outputs [N, E] expert logits then [N, 1] shared-expert gate logits (none without a shared expert)
+  MoE(Projection router, const ExpertBank& gate_up, const ExpertBank& down, std::optional<Projection> shared_gate_up,
+      std::optional<Projection> shared_down, int64_t top_k, bool grouped = true);
   // h [N, D] bf16 (post-attention-normed) -> the block's output [N, D] bf16
   at::Tensor operator()(const at::Tensor& h) const;
 
@@ -111,7 +111,8 @@ class MoE {
                      const std::vector<std::vector<int64_t>>& rows,
                      const std::vector<std::vector<int64_t>>& slots) const;
 
-  Projection router_, shared_gate_up_, shared_down_;
+  Projection router_;
+  std::optional<Projection> shared_gate_up_, shared_down_;  // none: no shared expert (Qwen3-VL-MoE)
   std::vector<Projection> gate_up_, down_;  // per expert, one run each
   // per expert, then the shared expert where it fits too; empty: no grouped path. It points into the tensors the
   // Projections above hold (views of the same storage).
@@ -136,10 +137,10 @@ class LayerStack {
   void add_deltanet(int64_t slot, at::Tensor input_norm, at::Tensor post_norm, Projection project, Projection out,
                     at::Tensor conv_w, at::Tensor A_log, at::Tensor dt_bias, at::Tensor norm_w, int64_t num_k_heads,
                     int64_t num_v_heads, int64_t head_v_dim, double mixer_eps);
-  // q_norm, k_norm [Dh] fp32 (stored w)
+  // q_norm, k_norm [Dh] fp32 (stored w); gated: q_proj emits query | gate per head (Qwen3-VL: the query alone)
   void add_attention(int64_t slot, at::Tensor input_norm, at::Tensor post_norm, Projection project,
                      Projection out, at::Tensor q_norm, at::Tensor k_norm, int64_t num_heads, int64_t head_dim,
-                     double mixer_eps);
+                     double mixer_eps, bool gated = true);
   // the MLP of the layer added last: a SwiGLU MLP (gate and up, down) or an MoE block
   void add_mlp(Projection gate_up, Projection down);
   void add_moe(MoE moe);
@@ -170,6 +171,7 @@ class LayerStack {
     at::Tensor q_norm, k_norm;  // attention
     int64_t num_heads, head_dim;
     double mixer_eps;
+    bool gated;
   };
   std::vector<Layer> layers_;
   double eps_;

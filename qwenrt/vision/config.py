@@ -33,6 +33,7 @@ class VisionConfig:
     out_hidden_size: int = 3584
     num_position_embeddings: int = 2304
     rope_theta: float = 10000.0
+    deepstack_visual_indexes: tuple[int, ...] = ()  # Qwen3-VL: blocks whose outputs feed the first decoder layers
 
     @property
     def head_dim(self) -> int:
@@ -51,9 +52,6 @@ class VisionConfig:
     def from_dict(cls, d: dict) -> VisionConfig:
         """Parse a checkpoint's `vision_config`; refuse what this tower does not implement."""
         f = Fields(d, "vision_config")
-        deepstack = f.list("deepstack_visual_indexes", [])
-        if deepstack:
-            raise QwenrtError(f"vision config deepstack_visual_indexes {deepstack} is not supported (Qwen3.5 has none)")
         rope = f.obj("rope_parameters", {})
         if rope.d.get("rope_type", "axial") != "axial":
             raise QwenrtError(f"vision config rope_type {rope.d.get('rope_type')!r} is not supported (expected 'axial')")
@@ -62,8 +60,12 @@ class VisionConfig:
         ints = ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size",
                 "spatial_merge_size", "temporal_patch_size", "out_hidden_size", "num_position_embeddings")
         values = {k: f.int(k, getattr(cls, k), hi=limits.get(k, 1 << 16)) for k in ints}
+        deepstack = f.ints("deepstack_visual_indexes", (), lo=0, hi=values["depth"] - 1, max_len=64)
+        if len(set(deepstack)) != len(deepstack):
+            raise QwenrtError(f"vision_config: deepstack_visual_indexes {list(deepstack)} name a block twice")
         cfg = cls(**values, hidden_act=f.str("hidden_act", cls.hidden_act),
-                  rope_theta=rope.float("rope_theta", cls.rope_theta, lo=0.0, open_low=True))
+                  rope_theta=rope.float("rope_theta", cls.rope_theta, lo=0.0, open_low=True),
+                  deepstack_visual_indexes=deepstack)
         cfg._validate()
         return cfg
 

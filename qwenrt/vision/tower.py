@@ -1,5 +1,7 @@
-"""The Qwen3.5 ViT (transformers' `Qwen3_5VisionModel`): patch embed, interpolated learned positions, 2-D axial
-rotary, pre-LN blocks with attention inside each frame, and the 2×2 patch merger.
+"""The Qwen3.5 / Qwen3-VL ViT (transformers' `Qwen3_5VisionModel`, `Qwen3VLVisionModel`): patch embed,
+interpolated learned positions, 2-D axial rotary, pre-LN blocks with attention inside each frame, the 2×2 patch
+merger, and (Qwen3-VL) DeepStack: the outputs of the `deepstack_visual_indexes` blocks, each through a merger of its
+own that normalises after the shuffle, for the decoder's first layers.
 
 Shapes: N patches (all images/frames packed, merge-block order), D = hidden_size, H heads, Dh = D / H,
 m merge size, O = out_hidden_size. Attribute names are the checkpoint's names under `model.visual.`.
@@ -126,22 +128,26 @@ class VisionBlock(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, cfg: VisionConfig, postshuffle: bool = False):
+        """postshuffle: the LayerNorm over the merged m²·D vector (DeepStack's mergers), not over each patch's D."""
         super().__init__()
         self.unit = cfg.spatial_merge_size ** 2
         merged = cfg.hidden_size * self.unit
-        self.norm = nn.LayerNorm(cfg.hidden_size, eps=LAYER_NORM_EPS)  # before the m×m shuffle
+        self.postshuffle = postshuffle
+        self.norm = nn.LayerNorm(merged if postshuffle else cfg.hidden_size, eps=LAYER_NORM_EPS)
         self.linear_fc1 = nn.Linear(merged, merged, bias=True)
         self.linear_fc2 = nn.Linear(merged, cfg.out_hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[N, D] -> [N / m², O]; consecutive m² patches are one merge block."""
-        x = self.norm(x).view(-1, self.unit * x.shape[-1])  # [N / m², m²·D]
+        merged = (-1, self.unit * x.shape[-1])
+        x = self.norm(x.view(merged)) if self.postshuffle else self.norm(x).view(merged)  # [N / m², m²·D]
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))  # exact-erf GELU here (gelu-tanh in the blocks)
 
 
 class VisionTower(nn.Module):
-    """pixel_values [N, C·Tp·P·P] + grid_thw [n, 3] -> merged embeddings [N / m², O], one row per pad token."""
+    """pixel_values [N, C·Tp·P·P] + grid_thw [n, 3] -> (merged embeddings [N / m², O], one row per pad token; the
+    DeepStack features, one [N / m², O] per deepstack_visual_indexes block, in that order; none for Qwen3.5)."""
 
     def __init__(self, cfg: VisionConfig):
         super().__init__()
@@ -151,6 +157,9 @@ class VisionTower(nn.Module):
         self.pos_embed = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg)
+        if cfg.deepstack_visual_indexes:
+            self.deepstack_merger_list = nn.ModuleList(PatchMerger(cfg, postshuffle=True)
+                                                       for _ in cfg.deepstack_visual_indexes)
 
     def _rotary(self, grids: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, Dh] fp32: row angles then column angles over Dh/2, duplicated for rotate_half."""
@@ -161,7 +170,7 @@ class VisionTower(nn.Module):
         angles = torch.cat([angles, angles], dim=-1).to(device)  # [N, Dh]
         return angles.cos(), angles.sin()
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         cfg, grids = self.cfg, grid_thw.tolist()
         m = cfg.spatial_merge_size
         if any(h % m or w % m for _, h, w in grids):
@@ -178,6 +187,10 @@ class VisionTower(nn.Module):
         x = x + pos.to(x.dtype)
         cos, sin = self._rotary(grids, device)
         frames = [(t, h * w) for t, h, w in grids]
-        for block in self.blocks:
+        deepstack = []
+        for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, frames)
-        return self.merger(x)
+            if i in cfg.deepstack_visual_indexes:
+                merger = self.deepstack_merger_list[cfg.deepstack_visual_indexes.index(i)]
+                deepstack.append(merger(x))
+        return self.merger(x), deepstack
