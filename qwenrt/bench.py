@@ -58,7 +58,7 @@ def shape_checkpoint(shape: str, seed: int = 0, quantize: QuantSpec | None = Non
         name += f"-int{quantize.bits}" + (f"g{quantize.group_size}" if quantize.group_size else "")
     path = cache_dir() / name
     if not path.exists():
-        print(f"building a random-weight Qwen3.5-{shape} checkpoint in {path}", file=sys.stderr)
+        print(f"building a random-weight {shape} checkpoint in {path}", file=sys.stderr)
         write_random_checkpoint(shape, path, seed=seed, progress=True, quantize=quantize)
     return path
 

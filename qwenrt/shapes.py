@@ -1,4 +1,5 @@
-"""Random-weight checkpoints at the published Qwen3.5 text shapes (reference.md §1.2): benchmarks without downloads.
+"""Random-weight checkpoints at the published Qwen3.5 text shapes (reference.md §1.2) and the related families'
+(Qwen3-VL's text decoders): benchmarks without downloads.
 
 The weights are random, so outputs are meaningless; sizes, layouts and therefore speed and memory are those of the
 real models. Written in the text-only layout (`model.*`, fused MoE experts as published), bf16, one tensor at a time,
@@ -15,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-from qwenrt.config import parse_config
+from qwenrt.config import QWEN3_VL, parse_config
 from qwenrt.errors import QwenrtError
+from qwenrt.families import qwen3_vl
 from qwenrt.model import Qwen35ForCausalLM
 from qwenrt.quant import QuantSpec, default_overrides, plan_units, quantize_weight, storage_entries
 from qwenrt.writer import Entry, aligned_order, write_safetensors
@@ -36,7 +38,17 @@ _TABLE = {
     "27b": (64, 5120, 17408, 24, 4, 48, False, None),
     "35b-a3b": (40, 2048, 0, 16, 2, 32, False, (256, 8, 512, 512)),
 }
-SHAPES = tuple(_TABLE)
+# Qwen3-VL's text decoders (Qwen3 layers): name: (layers, hidden, FFN, heads, KV heads, tied)
+_QWEN3_VL_TABLE = {
+    "qwen3-vl-2b": (28, 2048, 6144, 16, 8, True),
+    "qwen3-vl-4b": (36, 2560, 9728, 32, 8, True),
+    "qwen3-vl-8b": (36, 4096, 12288, 32, 8, False),
+}
+_QWEN3_VL = dict(vocab_size=151936, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=262144,
+                 hidden_act="silu", attention_bias=False, eos_token_id=151645, pad_token_id=151643,
+                 rope_parameters=dict(rope_type="default", rope_theta=5_000_000, mrope_section=[24, 20, 20],
+                                      mrope_interleaved=True))
+SHAPES = tuple(_TABLE) + tuple(_QWEN3_VL_TABLE)
 INIT_STD = 0.02
 ROWS_PER_CHUNK = 1 << 14  # big tensors are generated in row chunks: bounded memory whatever the model size
 GIB = 1 << 30
@@ -44,7 +56,12 @@ DISK_MARGIN = 256 << 20  # headers, config.json, and room left for the rest of t
 
 
 def text_config(name: str) -> dict:
-    """The config.json of the text decoder of Qwen3.5-`name` (one of SHAPES)."""
+    """The config.json of the text decoder of Qwen3.5-`name` (one of SHAPES), or of a related family's."""
+    if name in _QWEN3_VL_TABLE:
+        layers, hidden, ffn, heads, kv_heads, tied = _QWEN3_VL_TABLE[name]
+        return dict(_QWEN3_VL, model_type="qwen3_vl_text", architectures=["Qwen3VLTextModel"],
+                    num_hidden_layers=layers, hidden_size=hidden, intermediate_size=ffn, num_attention_heads=heads,
+                    num_key_value_heads=kv_heads, tie_word_embeddings=tied)
     if name not in _TABLE:
         raise QwenrtError(f"unknown shape {name!r} (known: {', '.join(SHAPES)})")
     layers, hidden, ffn, heads, kv_heads, v_heads, tied, moe = _TABLE[name]
@@ -77,8 +94,9 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
 
 
-def _random_rows(name: str, shape: tuple[int, ...], seed: int):
-    """Yield the tensor `name` as bf16 row chunks. Matrices N(0, 0.02); norms, A_log, dt_bias near their inits."""
+def _random_rows(name: str, shape: tuple[int, ...], seed: int, plain_norms: tuple[str, ...] = ()):
+    """Yield the tensor `name` as bf16 row chunks. Matrices N(0, 0.02); norms, A_log, dt_bias near their inits
+    (`plain_norms`: the names ending so are w·x norms, w ≈ 1: Qwen3-VL's)."""
     g = _generator(seed, name)
     rows = shape[0]
     per_row = math.prod(shape[1:])
@@ -86,7 +104,7 @@ def _random_rows(name: str, shape: tuple[int, ...], seed: int):
     for start in range(0, rows, step):
         n = min(step, rows - start)
         x = torch.randn((n, *shape[1:]), generator=g)
-        if name.endswith("linear_attn.norm.weight"):  # plain-w gated norm: w ≈ 1
+        if name.endswith(("linear_attn.norm.weight", *plain_norms)):  # plain-w norms: w ≈ 1
             x = 1.0 + INIT_STD * x
         elif name.endswith(".A_log"):  # A = exp(A_log) in [1, 16], as transformers initialises it
             x = torch.empty(x.shape).uniform_(1.0, 16.0, generator=g).log()
@@ -110,7 +128,7 @@ def _with_mtp(model: Qwen35ForCausalLM) -> Qwen35ForCausalLM:
     return model
 
 
-def _producer(weights: dict, seed: int):
+def _producer(weights: dict, seed: int, plain_norms: tuple[str, ...] = ()):
     """produce(entry) for a random checkpoint: tensors in bf16, and the stored pieces of `weights` (see
     `_quantized_weights`; none for bf16) quantized row chunk by row chunk as they are generated. A pass over a weight
     streams one piece and holds its other small ones (scales, zeros) until written; a qweight written after them costs
@@ -121,7 +139,7 @@ def _producer(weights: dict, seed: int):
     def produce(entry: Entry):
         path, _, key = entry.name.rpartition(".")
         if path not in weights:  # a tensor kept in bf16
-            return _random_rows(entry.name, entry.shape, seed)
+            return _random_rows(entry.name, entry.shape, seed, plain_norms)
         todo[path].discard(key)
         if key in held.get(path, {}):
             chunks = held[path].pop(key)
@@ -154,7 +172,9 @@ def planned_entries(name: str, quantize: QuantSpec | None = None) -> tuple[list[
     """The tensors of the random checkpoint of Qwen3.5-`name` in file order as `write_random_checkpoint` writes
     them, quantized as `qwenrt quantize` writes the bf16 one: (entries, the quantized weights as
     `_quantized_weights` gives them, the quantization_config or None)."""
-    model = _with_mtp(meta_model(name))
+    model = meta_model(name)
+    if model.config.text.family != QWEN3_VL:  # Qwen3-VL has no MTP head
+        model = _with_mtp(model)
     entries = aligned_order([Entry(n, tuple(p.shape), torch.bfloat16) for n, p in model.named_parameters()])
     if quantize is None:
         return entries, {}, None
@@ -175,7 +195,7 @@ def _check_disk(path: Path, needed: int, what: str) -> None:
 
 def write_random_checkpoint(name: str, path: str | Path, seed: int = 0, progress: bool = False,
                             shard_bytes: int | None = None, quantize: QuantSpec | None = None) -> Path:
-    """Write a random checkpoint of Qwen3.5-`name` (with an MTP head) to `path` (created; must not exist): bf16, or
+    """Write a random checkpoint of `name` (Qwen3.5's with an MTP head) to `path` (created; must not exist): bf16, or
     written directly quantized to `quantize`, tensor for tensor what `qwenrt quantize` makes of the bf16 one of the
     same seed, without writing that. Holds about one row chunk (ROWS_PER_CHUNK × 1024 values) at a time, plus the
     scales and zeros of one weight. Returns the path."""
@@ -183,7 +203,8 @@ def write_random_checkpoint(name: str, path: str | Path, seed: int = 0, progress
     if path.exists():
         raise QwenrtError(f"{path}: already exists")
     entries, weights, quantization = planned_entries(name, quantize)
-    what = f"random Qwen3.5-{name}" + ("" if quantize is None else f" in {quantize}")
+    what = f"random {name}" if name in _QWEN3_VL_TABLE else f"random Qwen3.5-{name}"
+    what += "" if quantize is None else f" in {quantize}"
     path.parent.mkdir(parents=True, exist_ok=True)
     _check_disk(path, sum(e.nbytes for e in entries), what)
     config = dict(text_config(name), dtype="bfloat16")
@@ -194,7 +215,8 @@ def write_random_checkpoint(name: str, path: str | Path, seed: int = 0, progress
     tmp.mkdir()
     try:
         kwargs = {} if shard_bytes is None else {"shard_bytes": shard_bytes}
-        write_safetensors(tmp, entries, _producer(weights, seed), progress=progress, desc=what, **kwargs)
+        plain = qwen3_vl.NORMS + (qwen3_vl.FINAL_NORM,) if name in _QWEN3_VL_TABLE else ()
+        write_safetensors(tmp, entries, _producer(weights, seed, plain), progress=progress, desc=what, **kwargs)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         tmp.rename(path)  # complete or absent, never half-written
     except BaseException:

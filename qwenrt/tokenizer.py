@@ -44,6 +44,7 @@ CHATML_TEMPLATE = (
 )
 
 TEMPLATE_FILE = "chat_template.jinja"
+PROCESSOR_TEMPLATE_FILE = "chat_template.json"  # where tokenizer_config.json has none (vision-language repos)
 _ADDED_TOKEN_FLAGS = ("normalized", "lstrip", "rstrip", "single_word")
 
 # encode_within hands the library this many characters at a time (about 8k tokens of English, ~30 ms)
@@ -85,8 +86,14 @@ def _directory_parts(path: str | Path) -> TokenizerParts:
                                                                    TEMPLATE_FILE))
     template = (read_text(files.file(TEMPLATE_FILE), 4 * SOURCE_LIMIT, TEMPLATE_FILE)
                 if files.exists(TEMPLATE_FILE) else None)
-    return TokenizerParts(read_text(tok_file, TOKENIZER_LIMIT, "tokenizer.json"), tok_file,
-                          files.optional_json(cfg_file.name) or {}, cfg_file,
+    config = files.optional_json(cfg_file.name) or {}
+    if template is None and "chat_template" not in config and files.exists(PROCESSOR_TEMPLATE_FILE):
+        # a vision-language repo's processor template (Qwen3-VL's), {"chat_template": source}
+        template_file = files.path / PROCESSOR_TEMPLATE_FILE
+        template = files.read_json(PROCESSOR_TEMPLATE_FILE).get("chat_template")
+        if not isinstance(template, str):
+            raise QwenrtError(f"{template_file}: chat_template must be a string")
+    return TokenizerParts(read_text(tok_file, TOKENIZER_LIMIT, "tokenizer.json"), tok_file, config, cfg_file,
                           files.optional_json(gen_file.name) or {}, gen_file, template, template_file)
 
 

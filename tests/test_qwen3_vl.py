@@ -53,7 +53,8 @@ THREE_IMAGES = ask({"type": "image", "image": picture(64, 96, 20)}, {"type": "im
 def test_three_images_of_different_sizes(qwen3_vl):
     model, tok, ref, _ = qwen3_vl
     prepared = prepare_prompt(model, tok, THREE_IMAGES)
-    assert prepared.vision.image_grid_thw.shape[0] == 3 and len(set(map(tuple, prepared.vision.image_grid_thw.tolist()))) == 3
+    grids = prepared.vision.image_grid_thw.tolist()
+    assert len(grids) == len(set(map(tuple, grids))) == 3
     assert rel_err(ours(model, prepared), reference(ref, prepared)) <= 1e-4
 
 
@@ -98,3 +99,24 @@ def test_run_answers_through_the_cli(qwen3_vl_ckpt, capsys):
 
     assert main(["run", str(qwen3_vl_ckpt[0]), "Hello", "--max-tokens", "4", "--temperature", "0"]) == 0
     assert "generated 4 tokens" in capsys.readouterr().err  # a random model's 4 tokens (maybe all thinking)
+
+
+def test_processor_chat_template_file(qwen3_vl_ckpt, tmp_path):
+    """Qwen3-VL repos may keep the template in chat_template.json (the processor's) only: it is read from there."""
+    import json
+    import shutil
+
+    from qwenrt.errors import QwenrtError
+    from qwenrt.tokenizer import load_tokenizer
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(qwen3_vl_ckpt[0], path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": "<<{{ messages[0]['content'] }}>>"}))
+    assert load_tokenizer(path).apply_chat_template([{"role": "user", "content": "hi"}]) == "<<hi>>"
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": 3}))
+    with pytest.raises(QwenrtError, match="chat_template.json: chat_template must be a string"):
+        load_tokenizer(path)

@@ -26,6 +26,19 @@ def test_parameter_counts_match_the_published_sizes():
     assert cfg["num_experts"] == 256 and cfg["layer_types"][3] == "full_attention" and not cfg["tie_word_embeddings"]
     with pytest.raises(QwenrtError, match="unknown shape '1b'"):
         shapes.text_config("1b")
+    # Qwen3-VL's decoders are Qwen3's: 1.7B, 4.0B and 8.2B (Qwen3's model cards, embeddings included)
+    assert [round(shapes.parameter_count(f"qwen3-vl-{n}") / 1e9, 1) for n in ("2b", "4b", "8b")] == [1.7, 4.0, 8.2]
+
+
+def test_random_qwen3_vl_checkpoint_loads_and_runs(tmp_path, monkeypatch):
+    """A shrunken Qwen3-VL decoder: no MTP head, its w·x norms written near 1 (loaded as (1 + w) norms near 0)."""
+    monkeypatch.setitem(shapes._QWEN3_VL_TABLE, "tiny-vl", (2, 64, 96, 4, 2, True))
+    path = shapes.write_random_checkpoint("tiny-vl", tmp_path / "ckpt")
+    model, _ = qwenrt.load(path)
+    assert getattr(model, "mtp", None) is None and model.config.text.family == "qwen3_vl"
+    assert model.model.norm.weight.abs().max() < 0.2
+    logits = model(torch.tensor([[1, 2, 3]]))
+    assert logits.shape == (1, 3, 151936) and torch.isfinite(logits).all()
 
 
 def test_writer_shards_and_index(tmp_path):
