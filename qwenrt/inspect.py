@@ -65,6 +65,7 @@ def inspect_checkpoint(path: str | Path, check_finite: bool = True, mmproj: str 
         "architecture": FAMILY_NAMES[c.family],
         "family": ("MoE" if c.is_moe else "dense") + (" VLM" if config.is_vlm else " text"),
         "deepstack_layers": len((config.vision or {}).get("deepstack_visual_indexes") or ()),
+        "attention_gate": c.attention_gate,
         "mtp": has_mtp,
         "vision_tensors": sum(n.startswith("model.visual.") for n in aside),
         "layers": c.num_hidden_layers,
@@ -124,7 +125,8 @@ def format_report(r: dict) -> str:
         + (f", DeepStack into {r['deepstack_layers']} layers" if r["deepstack_layers"] else "")
         + f", MTP head: {'yes' if r['mtp'] else 'no'}, "
         f"vision tensors: {r['vision_tensors']})",
-        f"layers          {r['layers']} = {r['deltanet_layers']} Gated DeltaNet + {r['attention_layers']} gated attention"
+        f"layers          {r['layers']} = {r['deltanet_layers']} Gated DeltaNet + {r['attention_layers']} "
+        f"{'gated ' if r['attention_gate'] else ''}attention"
         f"  [{_pattern(r['layer_pattern'])}; L = DeltaNet, F = full attention]",
         f"hidden / vocab  {r['hidden_size']} / {r['vocab_size']}" + (f"; experts {r['experts']}" if r["experts"] else ""),
         f"parameters      decoder {_human(r['params_decoder'])} (embeddings {_human(r['params_embeddings'])}"

@@ -198,6 +198,18 @@ LOOK = "Look carefully at every part of this picture, its colours and shapes, th
 
 def test_images_are_part_of_the_key(vlm_chat, monkeypatch):
     model, tok, _, _ = vlm_chat
+    images_are_part_of_the_key(model, tok, monkeypatch)
+
+
+def test_images_are_part_of_the_key_with_deepstack(qwen3_vl_ckpt, monkeypatch):
+    """Qwen3-VL: a restored prefix ends inside or after the image; the rest of its DeepStack features still join."""
+    import qwenrt
+
+    model, tok = qwenrt.load(qwen3_vl_ckpt[0], dtype="float32")
+    images_are_part_of_the_key(model, tok, monkeypatch)
+
+
+def images_are_part_of_the_key(model, tok, monkeypatch):
     engine = Engine(model, tok)
     rec = Recorder(engine, monkeypatch)
 
