@@ -191,6 +191,7 @@ class Source:
     names: tuple[str, ...] | tuple[tuple[str, ...], ...]
     shape: tuple[int, ...]
     stacked: bool = False  # names[e] = (gate, up) or (down,) for expert e
+    rows: tuple[tuple[int, int], ...] | None = None  # (first, count) runs of the stored tensor's rows: a fused part
 
 
 def plan_text_tensors(ckpt: Checkpoint) -> tuple[dict[str, Source], list[str]]:
@@ -226,7 +227,10 @@ def plan_text_tensors(ckpt: Checkpoint) -> tuple[dict[str, Source], list[str]]:
 
 
 def materialize(ckpt: Checkpoint, source: Source, dtype: torch.dtype) -> torch.Tensor:
-    """Read one planned tensor in `dtype` (zero-copy when stored in that dtype and not stacked)."""
+    """Read one planned tensor in `dtype` (zero-copy when stored in that dtype, not stacked and not a fused part)."""
     if source.stacked:
         return torch.stack([torch.cat([ckpt.get(n).to(dtype) for n in parts]) for parts in source.names])
-    return ckpt.get(source.names[0]).to(dtype)
+    tensor = ckpt.get(source.names[0])
+    if source.rows is not None:
+        tensor = torch.cat([tensor[first:first + n] for first, n in source.rows])
+    return tensor.to(dtype)

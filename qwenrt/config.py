@@ -6,10 +6,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qwenrt.errors import QwenrtError
+from qwenrt.families import qwen3_next
 from qwenrt.fields import Fields
 from qwenrt.files import CheckpointDir
 
-TEXT_MODEL_TYPES = {"qwen3_5_text": False, "qwen3_5_moe_text": True}  # model_type -> is MoE
+TEXT_MODEL_TYPES = {"qwen3_5_text": False, "qwen3_5_moe_text": True, qwen3_next.MODEL_TYPE: True}  # -> is MoE
+FAMILIES = {"qwen3_5_text": "Qwen3.5", "qwen3_5_moe_text": "Qwen3.5", qwen3_next.MODEL_TYPE: "Qwen3-Next"}
 VLM_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}  # outer -> text sub-config type
 LAYER_TYPES = ("linear_attention", "full_attention")
 DEFAULT_MROPE_SECTION = (11, 11, 10)  # transformers' default when config.json gives none
@@ -38,16 +40,28 @@ class TextConfig:
     linear_value_head_dim: int = 128
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
-    intermediate_size: int = 0  # dense MLP (0 for MoE)
+    intermediate_size: int = 0  # dense MLP (0 for a MoE model without dense layers)
     num_experts: int = 0  # 0 for dense
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     tie_word_embeddings: bool = False
+    norm_topk_prob: bool = True  # the top-A router weights renormalised to sum to 1
+    decoder_sparse_step: int = 1  # MoE models: layer i is MoE iff (i + 1) % step == 0 and i is not in mlp_only_layers
+    mlp_only_layers: tuple[int, ...] = ()
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def family(self) -> str:
+        """The model family, by name: "Qwen3.5", "Qwen3-Next"."""
+        return FAMILIES[self.model_type]
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether decoder layer i has the sparse MoE block (else a dense MLP of intermediate_size)."""
+        return self.is_moe and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     @property
     def rotary_dim(self) -> int:
@@ -113,10 +127,12 @@ def _rope_fields(f: Fields) -> dict:
 
 def parse_text_config(d: dict, tie_word_embeddings: bool | None = None, where: str = "config.json") -> TextConfig:
     """Build and validate a TextConfig from a text config dict (flat or a VLM's text_config)."""
-    f = Fields(d, where)
     model_type = d.get("model_type")
     if model_type not in TEXT_MODEL_TYPES:
         raise QwenrtError(f"{where}: unsupported text model_type {model_type!r} (supported: {', '.join(TEXT_MODEL_TYPES)})")
+    if model_type == qwen3_next.MODEL_TYPE:
+        d = qwen3_next.with_defaults(d)
+    f = Fields(d, where)
     is_moe = TEXT_MODEL_TYPES[model_type]
     if d.get("hidden_act", "silu") != "silu":
         raise QwenrtError(f"{where}: hidden_act must be 'silu', got {d['hidden_act']!r}")
@@ -144,8 +160,10 @@ def parse_text_config(d: dict, tie_word_embeddings: bool | None = None, where: s
         fields["num_experts_per_tok"] = f.int("num_experts_per_tok", hi=MAX_EXPERTS)
         for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
             fields[key] = f.int(key, hi=MAX_DIM)
-    else:
+    if not is_moe or model_type == qwen3_next.MODEL_TYPE:  # Qwen3-Next may have dense layers
         fields["intermediate_size"] = f.int("intermediate_size", hi=MAX_DIM)
+    if model_type == qwen3_next.MODEL_TYPE:
+        fields.update(qwen3_next.config_fields(f, n_layers))
 
     layer_types = f.list("layer_types", None, max_len=MAX_LAYERS)
     if layer_types is None:

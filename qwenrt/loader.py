@@ -16,6 +16,7 @@ from qwenrt.classifier import attach_head, classifier_spec
 from qwenrt.config import load_config
 from qwenrt.default_model import resolve_model
 from qwenrt.errors import QwenrtError
+from qwenrt.families import qwen3_next
 from qwenrt.gguf.reader import GGUFCheckpoint, is_gguf, open_gguf
 from qwenrt.hub import resolve_model_path
 from qwenrt.kernels import cpu_kernels
@@ -137,6 +138,8 @@ def verify_checkpoint(path: str | Path, mmproj: str | Path | None = None, blocks
         config = load_config(path)
         ckpt = open_checkpoint(path)
     plan, aside = plan_text_tensors(ckpt)
+    if config.text.model_type == qwen3_next.MODEL_TYPE:
+        plan = qwen3_next.split_fused(plan, config.text, path)
     with torch.device("meta"):
         model = Qwen35ForCausalLM(config)
         if any(name.startswith(MTP_PREFIX) for name in plan):  # loaded, quantized and checked with the rest
