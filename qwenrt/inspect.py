@@ -46,9 +46,10 @@ def inspect_checkpoint(path: str | Path, check_finite: bool = True, mmproj: str 
     decoder = _count(p.shape for p in params.values())
     embeddings = _count(params[n].shape for n in ("model.embed_tokens.weight", "lm_head.weight") if n in params)
     active = decoder
+    moe_layers = sum(map(c.is_moe_layer, range(c.num_hidden_layers)))
     if c.is_moe:  # per token only A of E routed experts run
         per_expert = 3 * c.hidden_size * c.moe_intermediate_size
-        active -= c.num_hidden_layers * (c.num_experts - c.num_experts_per_tok) * per_expert
+        active -= moe_layers * (c.num_experts - c.num_experts_per_tok) * per_expert
     stored = ckpt.type_summary() if isinstance(ckpt, GGUFCheckpoint) else sorted({ckpt.dtypes[n] for n in ckpt.location})
     compute_bytes = DTYPE_BYTES[stored_float_dtype(ckpt, plan)]
     n_full, n_linear = len(c.full_attention_layers), len(c.linear_attention_layers)
@@ -60,7 +61,9 @@ def inspect_checkpoint(path: str | Path, check_finite: bool = True, mmproj: str 
         "path": str(path),
         "mmproj": str(mmproj) if mmproj is not None else None,
         "model_type": config.model_type,
-        "family": ("MoE" if c.is_moe else "dense") + (" VLM" if config.is_vlm else " text"),
+        # Qwen3.5's unnamed (as the README shows it); another family's by name
+        "family": ("" if c.family == "Qwen3.5" else f"{c.family} ") + ("MoE" if c.is_moe else "dense")
+                  + (" VLM" if config.is_vlm else " text"),
         "mtp": has_mtp,
         "vision_tensors": sum(n.startswith("model.visual.") for n in aside),
         "layers": c.num_hidden_layers,
@@ -69,7 +72,9 @@ def inspect_checkpoint(path: str | Path, check_finite: bool = True, mmproj: str 
         "layer_pattern": pattern,
         "hidden_size": c.hidden_size,
         "vocab_size": c.vocab_size,
-        "experts": f"{c.num_experts} (top-{c.num_experts_per_tok}) + shared" if c.is_moe else None,
+        "experts": f"{c.num_experts} (top-{c.num_experts_per_tok}{'' if c.norm_topk_prob else ', not renormalised'})"
+                   f" + shared" + (f" in {moe_layers} of {c.num_hidden_layers} layers (the others dense)"
+                                   if moe_layers < c.num_hidden_layers else "") if c.is_moe else None,
         "tied_embeddings": c.tie_word_embeddings,
         "params_decoder": decoder,
         "params_embeddings": embeddings,
