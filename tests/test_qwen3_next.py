@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import qwenrt
+from qwenrt import shapes
 from qwenrt.config import parse_config
 from qwenrt.convert import quantize_checkpoint
 from qwenrt.decode_plan import CyclePlan, DecodePlan, MTPPlan
@@ -288,3 +289,26 @@ def test_checkpoint_contracts(next_path, tmp_path):
 ])
 def test_config_contracts(change, fragment):
     one_line_error(lambda: parse_config(dict(NEXT, model_type="qwen3_next", **change)), fragment)
+
+
+def test_published_shape_and_a_random_slice_of_it(tmp_path, monkeypatch):
+    """next-80b-a3b is Qwen3-Next-80B-A3B's decoder (79.67B parameters without the MTP head, 3.25B active per token
+    besides the embeddings); a shrunken slice of it is written in its layout under its config, loads as Qwen3-Next
+    and decodes on the native plan."""
+    assert shapes.parameter_count("next-80b-a3b") == 79_674_391_296
+    c = shapes.meta_model("next-80b-a3b").config.text
+    routed = 48 * (512 - 10) * 3 * 2048 * 512
+    assert round((79_674_391_296 - routed - 2 * 151936 * 2048) / 1e9, 2) == 3.25
+    assert (c.family, c.num_hidden_layers, c.full_attention_layers[:2], c.rope_theta) == ("Qwen3-Next", 48, (3, 7),
+                                                                                          1e7)
+    monkeypatch.setitem(shapes._NEXT, "next-tiny", 4)
+    monkeypatch.setattr(shapes, "_NEXT_COMMON", dict(shapes._NEXT_COMMON, vocab_size=512, hidden_size=64,
+                                                     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                     shared_expert_intermediate_size=48, head_dim=32,
+                                                     linear_key_head_dim=16, linear_value_head_dim=16,
+                                                     linear_num_key_heads=2, linear_num_value_heads=4))
+    path = shapes.write_random_checkpoint("next-tiny", tmp_path / "slice", quantize=qwenrt.quant.QuantSpec(4, 32))
+    model, _ = qwenrt.load(path)
+    assert model.config.text.family == "Qwen3-Next" and model.mtp is not None
+    assert cpu_kernels() is None or DecodePlan.for_model(model) is not None
+    assert torch.isfinite(model(PROMPTS[:1, :8])).all()
