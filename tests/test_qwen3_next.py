@@ -281,6 +281,14 @@ def test_checkpoint_contracts(next_path, tmp_path):
                    f"missing 1 tensor(s): {dense}")
 
 
+def test_gguf_export_is_refused(next_path, tmp_path):
+    from qwenrt.gguf.export import export_gguf
+
+    one_line_error(lambda: export_gguf(next_path, tmp_path / "x.gguf"),
+                   "a Qwen3-Next model is not written as GGUF (qwenrt writes the Qwen3.5 architectures")
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("change,fragment", [
     ({"decoder_sparse_step": 0}, "'decoder_sparse_step' must be an integer in [1, "),
     ({"mlp_only_layers": [6]}, "'mlp_only_layers' must be an integer or a list of integers in [0, 5]"),
