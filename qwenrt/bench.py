@@ -51,14 +51,14 @@ def cache_dir() -> Path:
 def shape_checkpoint(shape: str, seed: int = 0, quantize: QuantSpec | None = None) -> Path:
     """The random checkpoint at a published shape, built once into the cache (with a progress bar): bf16, or written
     directly quantized (a QuantSpec), never through the bf16 one (the 35B-A3B's is 70 GB)."""
-    from qwenrt.shapes import write_random_checkpoint
+    from qwenrt.shapes import title, write_random_checkpoint
 
     name = f"random-{shape}-mtp-seed{seed}"
     if quantize is not None:
         name += f"-int{quantize.bits}" + (f"g{quantize.group_size}" if quantize.group_size else "")
     path = cache_dir() / name
     if not path.exists():
-        print(f"building a random-weight {shape} checkpoint in {path}", file=sys.stderr)
+        print(f"building a random-weight {title(shape)} checkpoint in {path}", file=sys.stderr)
         write_random_checkpoint(shape, path, seed=seed, progress=True, quantize=quantize)
     return path
 

@@ -193,6 +193,7 @@ class Source:
     stacked: bool = False  # names[e] = (gate, up) or (down,) for expert e
     offset: float = 0.0  # added to the stored values in fp32 (a family's w·x norm read as qwenrt's (1 + w) one)
     transposed: bool = False  # an expert bank stored [E, K, N]: read as [E, N, K]
+    rows: tuple[tuple[int, int], ...] | None = None  # (first, count) runs of the stored tensor's rows: a fused part
 
 
 def plan_text_tensors(ckpt: Checkpoint) -> tuple[dict[str, Source], list[str]]:
@@ -228,11 +229,14 @@ def plan_text_tensors(ckpt: Checkpoint) -> tuple[dict[str, Source], list[str]]:
 
 
 def materialize(ckpt: Checkpoint, source: Source, dtype: torch.dtype) -> torch.Tensor:
-    """Read one planned tensor in `dtype` (zero-copy when stored in that dtype and not stacked)."""
+    """Read one planned tensor in `dtype` (zero-copy when stored in that dtype, not stacked and not a fused part)."""
     if source.stacked:
         return torch.stack([torch.cat([ckpt.get(n).to(dtype) for n in parts]) for parts in source.names])
+    tensor = ckpt.get(source.names[0])
+    if source.rows is not None:
+        tensor = torch.cat([tensor[first:first + n] for first, n in source.rows])
     if source.offset:
-        return (ckpt.get(source.names[0]).float() + source.offset).to(dtype)
+        return (tensor.float() + source.offset).to(dtype)
     if source.transposed:
-        return ckpt.get(source.names[0]).to(dtype).transpose(1, 2).contiguous()
-    return ckpt.get(source.names[0]).to(dtype)
+        return tensor.to(dtype).transpose(1, 2).contiguous()
+    return tensor.to(dtype)

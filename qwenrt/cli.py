@@ -382,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("bench", help="prefill / decode speed, time to first token, peak RSS, GB/s")
     p.add_argument("model", nargs="?", help=f"{MODEL_HELP} (default, without --shape: the built-in model "
                    f"{DEFAULT_MODEL})")
-    p.add_argument("--shape", help="random weights at a published shape: 0.8b, 2b, 4b, 9b, 27b, 35b-a3b")
+    p.add_argument("--shape", help="random weights at a published shape: 0.8b, 2b, 4b, 9b, 27b, 35b-a3b (Qwen3.5), "
+                   "next-80b-a3b (Qwen3-Next), next-80b-a3b-4l (its first 4 layers)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=128, help="greedy decode steps (no stop at EOS)")
     p.add_argument("--threads", type=int, help="default: torch's default (the physical cores)")

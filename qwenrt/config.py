@@ -6,15 +6,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qwenrt.errors import QwenrtError
+from qwenrt.families import qwen3_next
 from qwenrt.fields import Fields
 from qwenrt.files import CheckpointDir
 
-TEXT_MODEL_TYPES = {"qwen3_5_text": False, "qwen3_5_moe_text": True,  # model_type -> is MoE
+TEXT_MODEL_TYPES = {"qwen3_5_text": False, "qwen3_5_moe_text": True, qwen3_next.MODEL_TYPE: True,  # -> is MoE
                     "qwen3_vl_text": False, "qwen3_vl_moe_text": True}
+QWEN3_VL = "Qwen3-VL"  # Qwen3 layers: all full attention, no output gate, w·x norms (qwenrt.families.qwen3_vl)
+FAMILIES = {"qwen3_5_text": "Qwen3.5", "qwen3_5_moe_text": "Qwen3.5", qwen3_next.MODEL_TYPE: "Qwen3-Next",
+            "qwen3_vl_text": QWEN3_VL, "qwen3_vl_moe_text": QWEN3_VL}
 VLM_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",  # outer -> text sub-config type
                    "qwen3_vl": "qwen3_vl_text", "qwen3_vl_moe": "qwen3_vl_moe_text"}
-QWEN3_VL = "qwen3_vl"  # the family of the Qwen3-VL text types: Qwen3 layers (all full attention, no output gate)
-FAMILY_NAMES = {"qwen3_5": "Qwen3.5", QWEN3_VL: "Qwen3-VL"}
 LAYER_TYPES = ("linear_attention", "full_attention")
 DEFAULT_MROPE_SECTION = (11, 11, 10)  # transformers' default when config.json gives none
 
@@ -42,31 +44,32 @@ class TextConfig:
     linear_value_head_dim: int = 128
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
-    intermediate_size: int = 0  # dense MLP (0 for MoE)
+    intermediate_size: int = 0  # dense MLP (0 for a MoE model without dense layers)
     num_experts: int = 0  # 0 for dense
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     tie_word_embeddings: bool = False
-    mlp_only_layers: tuple[int, ...] = ()  # MoE models: layers with a dense MLP of intermediate_size instead
-    decoder_sparse_step: int = 1  # MoE models: every n-th layer is sparse
-
-    @property
-    def family(self) -> str:
-        """"qwen3_5" or "qwen3_vl" (Qwen3-VL's decoder: plain w·x norms, no attention output gate)."""
-        return QWEN3_VL if self.model_type.startswith(QWEN3_VL) else "qwen3_5"
+    norm_topk_prob: bool = True  # the top-A router weights renormalised to sum to 1
+    decoder_sparse_step: int = 1  # MoE models: layer i is MoE iff (i + 1) % step == 0 and i is not in mlp_only_layers
+    mlp_only_layers: tuple[int, ...] = ()
 
     @property
     def attention_gate(self) -> bool:
+        """Whether q_proj emits a sigmoid output gate beside each head's query (Qwen3-VL's does not)."""
         return self.family != QWEN3_VL
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
-    def layer_is_moe(self, i: int) -> bool:
-        """Layer i has the sparse MoE block (transformers' rule: not listed in mlp_only_layers, every
-        decoder_sparse_step-th layer)."""
+    @property
+    def family(self) -> str:
+        """The model family, by name: "Qwen3.5", "Qwen3-Next", "Qwen3-VL"."""
+        return FAMILIES[self.model_type]
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether decoder layer i has the sparse MoE block (else a dense MLP of intermediate_size)."""
         return self.is_moe and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     @property
@@ -138,11 +141,13 @@ def _rope_fields(f: Fields, vl: bool = False) -> dict:
 
 def parse_text_config(d: dict, tie_word_embeddings: bool | None = None, where: str = "config.json") -> TextConfig:
     """Build and validate a TextConfig from a text config dict (flat or a VLM's text_config)."""
-    f = Fields(d, where)
     model_type = d.get("model_type")
     if model_type not in TEXT_MODEL_TYPES:
         raise QwenrtError(f"{where}: unsupported text model_type {model_type!r} (supported: {', '.join(TEXT_MODEL_TYPES)})")
-    is_moe, vl = TEXT_MODEL_TYPES[model_type], model_type.startswith(QWEN3_VL)
+    is_moe, vl = TEXT_MODEL_TYPES[model_type], FAMILIES[model_type] == QWEN3_VL
+    if model_type == qwen3_next.MODEL_TYPE:
+        d = qwen3_next.with_defaults(d)
+    f = Fields(d, where)
     if d.get("hidden_act", "silu") != "silu":
         raise QwenrtError(f"{where}: hidden_act must be 'silu', got {d['hidden_act']!r}")
     if vl and f.bool("attention_bias", False):
@@ -173,10 +178,14 @@ def parse_text_config(d: dict, tie_word_embeddings: bool | None = None, where: s
         fields["num_experts_per_tok"] = f.int("num_experts_per_tok", hi=MAX_EXPERTS)
         for key in ("moe_intermediate_size",) if vl else ("moe_intermediate_size", "shared_expert_intermediate_size"):
             fields[key] = f.int(key, hi=MAX_DIM)
-        fields["mlp_only_layers"] = tuple(f.ints("mlp_only_layers", (), lo=0, hi=n_layers - 1, max_len=MAX_LAYERS))
+    if is_moe and vl:  # transformers' layer rule (Qwen3-Next's below); Qwen3.5 MoE has no dense layers
+        fields["mlp_only_layers"] = f.ints("mlp_only_layers", (), lo=0, hi=n_layers - 1, max_len=MAX_LAYERS)
         fields["decoder_sparse_step"] = f.int("decoder_sparse_step", 1, hi=MAX_LAYERS)
-    if not is_moe or fields["mlp_only_layers"] or fields["decoder_sparse_step"] > 1:
+    dense_layers = fields.get("mlp_only_layers") or fields.get("decoder_sparse_step", 1) > 1
+    if not is_moe or model_type == qwen3_next.MODEL_TYPE or dense_layers:
         fields["intermediate_size"] = f.int("intermediate_size", hi=MAX_DIM)
+    if model_type == qwen3_next.MODEL_TYPE:
+        fields.update(qwen3_next.config_fields(f, n_layers))
 
     layer_types = f.list("layer_types", None, max_len=MAX_LAYERS)
     if vl:  # Qwen3 layers are all softmax attention (a layer_types key, where written, says so too)

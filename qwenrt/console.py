@@ -61,7 +61,8 @@ def load_for_cli(source: str | None, path, dtype: str, device: str, check_finite
     if model.device.type == "cpu":
         threads = torch.get_num_threads()
         kernels = f", CPU kernels: {kernel_path()}, {threads} thread{'s' * (threads != 1)}"
-    log.info(f"loaded {c.num_hidden_layers}-layer {'MoE ' if c.is_moe else ''}model ({model.dtype}, weights "
+    family = "" if c.family == "Qwen3.5" else f"{c.family} "  # Qwen3.5's unnamed, as in `inspect`
+    log.info(f"loaded {c.num_hidden_layers}-layer {family}{'MoE ' if c.is_moe else ''}model ({model.dtype}, weights "
              f"{weight_format(model)}) in {time.perf_counter() - start:.1f} s{kernels}")
     log.detail(f"device: {model.device}")
     return model, tokenizer

@@ -10,7 +10,6 @@ import torch
 
 from qwenrt.hub import resolve_model_path
 from qwenrt.checkpoint import DTYPE_BYTES
-from qwenrt.config import FAMILY_NAMES
 from qwenrt.gguf.reader import GGUFCheckpoint
 from qwenrt.loader import VISUAL_PREFIX, check_checkpoint, scan_weights, stored_float_dtype
 from qwenrt.mtp import MTPHead
@@ -47,10 +46,10 @@ def inspect_checkpoint(path: str | Path, check_finite: bool = True, mmproj: str 
     decoder = _count(p.shape for p in params.values())
     embeddings = _count(params[n].shape for n in ("model.embed_tokens.weight", "lm_head.weight") if n in params)
     active = decoder
+    moe_layers = sum(map(c.is_moe_layer, range(c.num_hidden_layers)))
     if c.is_moe:  # per token only A of E routed experts run
         per_expert = 3 * c.hidden_size * c.moe_intermediate_size
-        sparse = sum(map(c.layer_is_moe, range(c.num_hidden_layers)))
-        active -= sparse * (c.num_experts - c.num_experts_per_tok) * per_expert
+        active -= moe_layers * (c.num_experts - c.num_experts_per_tok) * per_expert
     stored = ckpt.type_summary() if isinstance(ckpt, GGUFCheckpoint) else sorted({ckpt.dtypes[n] for n in ckpt.location})
     compute_bytes = DTYPE_BYTES[stored_float_dtype(ckpt, plan)]
     n_full, n_linear = len(c.full_attention_layers), len(c.linear_attention_layers)
@@ -62,8 +61,9 @@ def inspect_checkpoint(path: str | Path, check_finite: bool = True, mmproj: str 
         "path": str(path),
         "mmproj": str(mmproj) if mmproj is not None else None,
         "model_type": config.model_type,
-        "architecture": FAMILY_NAMES[c.family],
-        "family": ("MoE" if c.is_moe else "dense") + (" VLM" if config.is_vlm else " text"),
+        # Qwen3.5's unnamed (as the README shows it); another family's by name
+        "family": ("" if c.family == "Qwen3.5" else f"{c.family} ") + ("MoE" if c.is_moe else "dense")
+                  + (" VLM" if config.is_vlm else " text"),
         "deepstack_layers": len((config.vision or {}).get("deepstack_visual_indexes") or ()),
         "attention_gate": c.attention_gate,
         "mtp": has_mtp,
@@ -74,8 +74,10 @@ def inspect_checkpoint(path: str | Path, check_finite: bool = True, mmproj: str 
         "layer_pattern": pattern,
         "hidden_size": c.hidden_size,
         "vocab_size": c.vocab_size,
-        "experts": (f"{c.num_experts} (top-{c.num_experts_per_tok})"
-                    + (" + shared" if c.shared_expert_intermediate_size else "")) if c.is_moe else None,
+        "experts": f"{c.num_experts} (top-{c.num_experts_per_tok}{'' if c.norm_topk_prob else ', not renormalised'})"
+                   + (" + shared" if c.shared_expert_intermediate_size else "")
+                   + (f" in {moe_layers} of {c.num_hidden_layers} layers (the others dense)"
+                      if moe_layers < c.num_hidden_layers else "") if c.is_moe else None,
         "tied_embeddings": c.tie_word_embeddings,
         "params_decoder": decoder,
         "params_embeddings": embeddings,
@@ -121,7 +123,7 @@ def _pattern(p: str) -> str:
 def format_report(r: dict) -> str:
     lines = [
         f"checkpoint      {r['path']}" + (f" + vision projector {r['mmproj']}" if r["mmproj"] else ""),
-        f"model_type      {r['model_type']}  ({r['architecture']} {r['family']}"
+        f"model_type      {r['model_type']}  ({r['family']}"
         + (f", DeepStack into {r['deepstack_layers']} layers" if r["deepstack_layers"] else "")
         + f", MTP head: {'yes' if r['mtp'] else 'no'}, "
         f"vision tensors: {r['vision_tensors']})",

@@ -16,7 +16,7 @@ from qwenrt.classifier import attach_head, classifier_spec
 from qwenrt.config import QWEN3_VL, load_config
 from qwenrt.default_model import resolve_model
 from qwenrt.errors import QwenrtError
-from qwenrt.families import qwen3_vl
+from qwenrt.families import qwen3_next, qwen3_vl
 from qwenrt.gguf.reader import GGUFCheckpoint, is_gguf, open_gguf
 from qwenrt.hub import resolve_model_path
 from qwenrt.kernels import cpu_kernels
@@ -138,6 +138,8 @@ def verify_checkpoint(path: str | Path, mmproj: str | Path | None = None, blocks
         config = load_config(path)
         ckpt = open_checkpoint(path)
     plan, aside = plan_text_tensors(ckpt)
+    if config.text.model_type == qwen3_next.MODEL_TYPE:
+        plan = qwen3_next.split_fused(plan, config.text, path)
     if config.text.family == QWEN3_VL:
         plan = qwen3_vl.map_tensors(plan, config.text)
     with torch.device("meta"):

@@ -185,7 +185,7 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(c, layer_idx)
         else:
             self.self_attn = GatedAttention(c, layer_idx)
-        self.mlp = SparseMoeBlock(c) if c.layer_is_moe(layer_idx) else MLP(c.hidden_size, c.intermediate_size)
+        self.mlp = SparseMoeBlock(c) if c.is_moe_layer(layer_idx) else MLP(c.hidden_size, c.intermediate_size)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 

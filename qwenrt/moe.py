@@ -1,5 +1,5 @@
-"""The sparse MoE block: a softmax router (fp32), top-A experts renormalised, plus a shared expert scaled by
-sigmoid(shared_expert_gate(x)) (Qwen3-VL-MoE has none).
+"""The sparse MoE block: a softmax router (fp32), top-A experts (their weights renormalised unless the config's
+norm_topk_prob is false), plus a shared expert scaled by sigmoid(shared_expert_gate(x)) (Qwen3-VL-MoE has none).
 
 Without autograd, in bf16 on the CPU it runs as one native call (`kernels.MoE`: the router, each used expert's SwiGLU
 and down projections in its weight format, the gated shared expert), at decode inside the decode plan's layer loop
@@ -24,6 +24,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, c: TextConfig):
         super().__init__()
         self.top_k = c.num_experts_per_tok
+        self.norm_topk_prob = c.norm_topk_prob
         self.gate = Linear(c.hidden_size, c.num_experts)
         self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
         self.shared_expert = self.shared_expert_gate = None
@@ -45,7 +46,9 @@ class SparseMoeBlock(nn.Module):
         logits = self.gate(x)  # [N, E]
         probs = logits.softmax(-1, dtype=torch.float32)
         weight, index = probs.topk(self.top_k, dim=-1)  # [N, A]
-        weight = (weight / weight.sum(-1, keepdim=True)).to(logits.dtype)
+        if self.norm_topk_prob:
+            weight = weight / weight.sum(-1, keepdim=True)
+        weight = weight.to(logits.dtype)
         out = self.experts(x, index, weight)
         if self.shared_expert is None:
             return out
@@ -65,10 +68,11 @@ def _bind_moe(kernels, block: SparseMoeBlock):
     banks = [expert_bank(kernels, w) for w in (experts.gate_up_proj, experts.down_proj)]
     if shared is None:  # Qwen3-VL-MoE
         router = bind(kernels, [block.gate])
-        return None if None in (*banks, router) else kernels.MoE(router, *banks, None, None, block.top_k)
+        return None if None in (*banks, router) else kernels.MoE(router, *banks, None, None, block.top_k,
+                                                                  renormalize=block.norm_topk_prob)
     router = bind(kernels, [block.gate, block.shared_expert_gate])
     gate_up = bind(kernels, [shared.gate_proj, shared.up_proj], one_format=True)
     down = bind(kernels, [shared.down_proj])
     if None in (*banks, router, gate_up, down):
         return None
-    return kernels.MoE(router, *banks, gate_up, down, block.top_k)
+    return kernels.MoE(router, *banks, gate_up, down, block.top_k, renormalize=block.norm_topk_prob)

@@ -1,5 +1,5 @@
-"""Random-weight checkpoints at the published Qwen3.5 text shapes (reference.md §1.2) and the related families'
-(Qwen3-VL's text decoders): benchmarks without downloads.
+"""Random-weight checkpoints at the published Qwen3.5 text shapes (reference.md §1.2), Qwen3-Next-80B-A3B's and
+Qwen3-VL's text decoders: benchmarks without downloads.
 
 The weights are random, so outputs are meaningless; sizes, layouts and therefore speed and memory are those of the
 real models. Written in the text-only layout (`model.*`, fused MoE experts as published), bf16, one tensor at a time,
@@ -38,6 +38,19 @@ _TABLE = {
     "27b": (64, 5120, 17408, 24, 4, 48, False, None),
     "35b-a3b": (40, 2048, 0, 16, 2, 32, False, (256, 8, 512, 512)),
 }
+# Qwen3-Next-80B-A3B as its config.json has it (the hub's keys: full_attention_interval, flat rope_theta); name ->
+# layers: the whole model, and a slice of its first 4 layers (one LLLF period) with its embeddings and head, whose
+# decode step is the whole model's per layer (int4: 3.6 GB to write, where the whole model is 40 GB)
+_NEXT_COMMON = dict(
+    model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], vocab_size=151936, hidden_size=2048,
+    head_dim=256, num_attention_heads=16, num_key_value_heads=2, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32, intermediate_size=5120,
+    num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6, max_position_embeddings=262144,
+    hidden_act="silu", attention_bias=False, full_attention_interval=4, tie_word_embeddings=False,
+    rope_theta=10_000_000, partial_rotary_factor=0.25, bos_token_id=151643, eos_token_id=151645,
+    router_aux_loss_coef=0.001)
+_NEXT = {"next-80b-a3b": 48, "next-80b-a3b-4l": 4}
 # Qwen3-VL's text decoders (Qwen3 layers): name: (layers, hidden, FFN, heads, KV heads, tied)
 _QWEN3_VL_TABLE = {
     "qwen3-vl-2b": (28, 2048, 6144, 16, 8, True),
@@ -48,7 +61,7 @@ _QWEN3_VL = dict(vocab_size=151936, head_dim=128, rms_norm_eps=1e-6, max_positio
                  hidden_act="silu", attention_bias=False, eos_token_id=151645, pad_token_id=151643,
                  rope_parameters=dict(rope_type="default", rope_theta=5_000_000, mrope_section=[24, 20, 20],
                                       mrope_interleaved=True))
-SHAPES = tuple(_TABLE) + tuple(_QWEN3_VL_TABLE)
+SHAPES = (*_TABLE, *_NEXT, *_QWEN3_VL_TABLE)
 INIT_STD = 0.02
 ROWS_PER_CHUNK = 1 << 14  # big tensors are generated in row chunks: bounded memory whatever the model size
 GIB = 1 << 30
@@ -56,12 +69,15 @@ DISK_MARGIN = 256 << 20  # headers, config.json, and room left for the rest of t
 
 
 def text_config(name: str) -> dict:
-    """The config.json of the text decoder of Qwen3.5-`name` (one of SHAPES), or of a related family's."""
+    """The config.json of the text decoder of Qwen3.5-`name` (one of SHAPES), of Qwen3-Next-80B-A3B (next-*) or of a
+    Qwen3-VL (qwen3-vl-*)."""
     if name in _QWEN3_VL_TABLE:
         layers, hidden, ffn, heads, kv_heads, tied = _QWEN3_VL_TABLE[name]
         return dict(_QWEN3_VL, model_type="qwen3_vl_text", architectures=["Qwen3VLTextModel"],
                     num_hidden_layers=layers, hidden_size=hidden, intermediate_size=ffn, num_attention_heads=heads,
                     num_key_value_heads=kv_heads, tie_word_embeddings=tied)
+    if name in _NEXT:
+        return dict(_NEXT_COMMON, num_hidden_layers=_NEXT[name])
     if name not in _TABLE:
         raise QwenrtError(f"unknown shape {name!r} (known: {', '.join(SHAPES)})")
     layers, hidden, ffn, heads, kv_heads, v_heads, tied, moe = _TABLE[name]
@@ -74,6 +90,15 @@ def text_config(name: str) -> dict:
     return dict(cfg, model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"], num_experts=experts,
                 num_experts_per_tok=top_k, moe_intermediate_size=moe_ffn, shared_expert_intermediate_size=shared_ffn,
                 router_aux_loss_coef=0.001)
+
+
+def title(name: str) -> str:
+    """What the random checkpoint `name` (one of SHAPES) has the shape of, in words."""
+    if name in _NEXT:
+        return "Qwen3-Next-80B-A3B" + (f" (its first {_NEXT[name]} of 48 layers)" if _NEXT[name] < 48 else "")
+    if name in _QWEN3_VL_TABLE:
+        return f"Qwen3-VL-{name.rpartition('-')[2].upper()}'s text decoder"
+    return f"Qwen3.5-{name}"
 
 
 def meta_model(name: str) -> Qwen35ForCausalLM:
@@ -203,8 +228,7 @@ def write_random_checkpoint(name: str, path: str | Path, seed: int = 0, progress
     if path.exists():
         raise QwenrtError(f"{path}: already exists")
     entries, weights, quantization = planned_entries(name, quantize)
-    what = f"random {name}" if name in _QWEN3_VL_TABLE else f"random Qwen3.5-{name}"
-    what += "" if quantize is None else f" in {quantize}"
+    what = f"random {title(name)}" + ("" if quantize is None else f" in {quantize}")
     path.parent.mkdir(parents=True, exist_ok=True)
     _check_disk(path, sum(e.nbytes for e in entries), what)
     config = dict(text_config(name), dtype="bfloat16")

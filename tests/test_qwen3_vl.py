@@ -91,7 +91,7 @@ def test_inspect_names_the_family(qwen3_vl_moe_ckpt, capsys):
     assert main(["inspect", str(qwen3_vl_moe_ckpt[0])]) == 0
     out = capsys.readouterr().out
     assert "qwen3_vl_moe  (Qwen3-VL MoE VLM, DeepStack into 3 layers" in out
-    assert "experts 8 (top-3);" in out or "experts 8 (top-3)\n" in out  # no shared expert
+    assert "experts 8 (top-3) in 3 of 4 layers (the others dense)" in out  # no shared expert; layer 1 dense
 
 
 def test_run_answers_through_the_cli(qwen3_vl_ckpt, capsys):

@@ -35,7 +35,7 @@ def test_random_qwen3_vl_checkpoint_loads_and_runs(tmp_path, monkeypatch):
     monkeypatch.setitem(shapes._QWEN3_VL_TABLE, "tiny-vl", (2, 64, 96, 4, 2, True))
     path = shapes.write_random_checkpoint("tiny-vl", tmp_path / "ckpt")
     model, _ = qwenrt.load(path)
-    assert getattr(model, "mtp", None) is None and model.config.text.family == "qwen3_vl"
+    assert getattr(model, "mtp", None) is None and model.config.text.family == "Qwen3-VL"
     assert model.model.norm.weight.abs().max() < 0.2
     logits = model(torch.tensor([[1, 2, 3]]))
     assert logits.shape == (1, 3, 151936) and torch.isfinite(logits).all()

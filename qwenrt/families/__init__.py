@@ -1,3 +1,3 @@
-"""The related families' differences from Qwen3.5, one module each (as mlx-lm's model files): what their configs
-and checkpoints hold that qwenrt's own parameters express differently, mapped at load, and the few layers of their
-own. The ops, layers and engine they share live where Qwen3.5's do."""
+"""The related model families qwenrt runs as Qwen3.5: each module holds what one family does differently (the config
+keys it maps, the tensors it splits or renames at load), so the model code, the native kernels and decode plans,
+quantization, the engine and the server apply to it unchanged."""

@@ -190,6 +190,9 @@ def export_gguf(source: str | Path, out: str | Path, kind: str = "bf16", progres
     path = resolve_model_path(source)
     verified, tokenizer = check_checkpoint(path, blocks=False)  # a GGUF source's blocks as floats
     config, ckpt, plan, _, model = verified
+    if config.text.family != "Qwen3.5":  # qwen35 / qwen35moe files: llama.cpp reads them as Qwen3.5
+        raise QwenrtError(f"{path}: a {config.text.family} model is not written as GGUF (qwenrt writes the "
+                          "Qwen3.5 architectures qwen35 and qwen35moe)")
     tensors = _float_tensors(ckpt, plan, model)
     if vision_out is not None:
         _check_vision_export(path, config, ckpt, vision_out)

@@ -87,9 +87,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            arg("format"), arg("weight"), arg("scales"), arg("zeros"), arg("group_size"));
   pybind11::class_<MoE>(m, "MoE", "a sparse MoE block bound once: router, experts and shared expert in one call")
       .def(pybind11::init<Projection, const ExpertBank&, const ExpertBank&, std::optional<Projection>,
-                          std::optional<Projection>, int64_t, bool>(),
+                          std::optional<Projection>, int64_t, bool, bool>(),
            arg("router"), arg("gate_up"), arg("down"), arg("shared_gate_up"), arg("shared_down"), arg("top_k"),
-           arg("grouped") = true)
+           arg("grouped") = true, arg("renormalize") = true)
       .def("__call__", &MoE::operator(), arg("h"), pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<LayerStack>(m, "LayerStack", "decoder layers bound once; run() is a decode step's layers")
       .def(pybind11::init<double>(), arg("eps"))

@@ -48,9 +48,10 @@ bool int4_tensors(const std::vector<at::Tensor>& tensors) {
 }  // namespace
 
 MoE::MoE(Projection router, const ExpertBank& gate_up, const ExpertBank& down,
-         std::optional<Projection> shared_gate_up, std::optional<Projection> shared_down, int64_t top_k, bool grouped)
+         std::optional<Projection> shared_gate_up, std::optional<Projection> shared_down, int64_t top_k, bool grouped,
+         bool renormalize)
     : router_(std::move(router)), shared_gate_up_(std::move(shared_gate_up)), shared_down_(std::move(shared_down)),
-      top_k_(top_k) {
+      top_k_(top_k), renormalize_(renormalize) {
   TORCH_CHECK(shared_gate_up_.has_value() == shared_down_.has_value(), "MoE: a shared expert has both projections");
   TORCH_CHECK(router_.outputs() == (shared_gate_up_ ? 2 : 1),
               "MoE: the router projects to the expert logits (and the shared-expert gate where there is one)");
@@ -107,7 +108,7 @@ at::Tensor MoE::operator()(const at::Tensor& h) const {
   const auto probs = routed[0].softmax(-1, at::kFloat);
   const auto picked = probs.topk(top_k_, -1);  // weights, indices [N, A]
   const auto& top = std::get<0>(picked);
-  const auto weight = top.div(top.sum(-1, true)).to(at::kBFloat16).contiguous();
+  const auto weight = (renormalize_ ? top.div(top.sum(-1, true)) : top).to(at::kBFloat16).contiguous();
   const auto index = std::get<1>(picked).contiguous();
   // each expert's rows and the slot of its weight there, experts in ascending order
   std::vector<std::vector<int64_t>> rows(E), slots(E);

@@ -88,7 +88,7 @@ at::Tensor grouped_experts_q4(const at::Tensor& x, const std::vector<Int4Expert>
 // A sparse MoE block (qwenrt/moe.py SparseMoeBlock) bound once: the router and the shared expert's gate as one
 // projection, the experts' fused gate/up and down banks (each expert's slices are views, no copy) and the shared
 // expert's SwiGLU MLP. At decode sizes its call computes what the block's modules compute (`dispatched`), op for op
-// and rounding for rounding: fp32 softmax, top-k, renormalised weights in bf16, each used expert run once on its
+// and rounding for rounding: fp32 softmax, top-k, weights renormalised (unless `renormalize` is off) in bf16, each used expert run once on its
 // rows (ascending expert order, index_add into a bf16 sum), plus sigmoid(gate)·shared(x). At prefill sizes (more
 // than gemv::kMaxRows rows, 4 or more per expert on average) int4 experts go through grouped_experts_q4 (the shared
 // expert too where it is int4 of the same shapes: last, with weight sigmoid(gate) in fp32), unless `grouped` is
@@ -97,7 +97,7 @@ class MoE {
  public:
   // router: outputs [N, E] expert logits then [N, 1] shared-expert gate logits (none without a shared expert)
   MoE(Projection router, const ExpertBank& gate_up, const ExpertBank& down, std::optional<Projection> shared_gate_up,
-      std::optional<Projection> shared_down, int64_t top_k, bool grouped = true);
+      std::optional<Projection> shared_down, int64_t top_k, bool grouped = true, bool renormalize = true);
   // h [N, D] bf16 (post-attention-normed) -> the block's output [N, D] bf16
   at::Tensor operator()(const at::Tensor& h) const;
 
@@ -119,6 +119,7 @@ class MoE {
   std::vector<Int4Expert> int4_;
   bool int4_shared_ = false;
   int64_t top_k_;
+  bool renormalize_;
 };
 
 // values as an int64 tensor [n] (token ids, row indices), copied at once

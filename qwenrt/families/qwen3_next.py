@@ -1,0 +1,82 @@
+"""Qwen3-Next (model_type "qwen3_next", Qwen3NextForCausalLM): the hybrid Gated DeltaNet MoE model Qwen3.5 was built
+on, run as Qwen3.5 MoE. What differs is mapped at load into Qwen3.5's own parameters:
+- config.json: transformers' Qwen3NextConfig defaults where they differ from Qwen3.5's (a key the file omits), and
+  the keys Qwen3.5 MoE does not have: `norm_topk_prob` (False: the top-A router weights are not renormalised),
+  `decoder_sparse_step` / `mlp_only_layers` (which layers have a dense MLP of `intermediate_size`).
+- tensors: each DeltaNet layer's fused `in_proj_qkvz` and `in_proj_ba`, grouped per key head g as
+  [q_g | k_g | v_g (r·Dv) | z_g (r·Dv)] and [b_g (r) | a_g (r)] with r = Hv/Hk, are split into Qwen3.5's
+  in_proj_qkv [q | k | v] (the conv1d's channel order, unchanged), in_proj_z, in_proj_b and in_proj_a: row runs of
+  the stored tensors, read once at load. A copy `qwenrt quantize` wrote holds them split already.
+- RoPE: 1-D partial rotary, which is Qwen3.5's interleaved M-RoPE with every axis at the text position.
+The per-expert tensors (mlp.experts.{e}.*), shared expert and gate, attention, (1 + w) norms and the MTP head's names
+are Qwen3.5 MoE's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from qwenrt.errors import QwenrtError
+from qwenrt.fields import Fields
+
+MODEL_TYPE = "qwen3_next"
+# Qwen3NextConfig's defaults for keys whose Qwen3.5 default differs, or that Qwen3.5 MoE does not read
+DEFAULTS = {"rope_theta": 10_000.0, "max_position_embeddings": 32768, "intermediate_size": 5632}
+FUSED = ("in_proj_qkvz", "in_proj_ba")
+
+
+def with_defaults(d: dict) -> dict:
+    """config.json's dict with transformers' Qwen3-Next defaults where a key is absent or null."""
+    return {**DEFAULTS, **{k: v for k, v in d.items() if v is not None}}
+
+
+def config_fields(f: Fields, n_layers: int) -> dict:
+    """The TextConfig fields only Qwen3-Next sets. Refuses what the Qwen3.5 decoder does not compute."""
+    if f.bool("attention_bias", False):
+        raise QwenrtError(f"{f.where}: attention_bias true is not supported (Qwen3-Next checkpoints have no "
+                          "attention biases)")
+    return {
+        "norm_topk_prob": f.bool("norm_topk_prob", True),
+        "decoder_sparse_step": f.int("decoder_sparse_step", 1),
+        "mlp_only_layers": f.ints("mlp_only_layers", (), hi=n_layers - 1, max_len=n_layers),
+    }
+
+
+def _fused_runs(c) -> dict[str, dict[str, tuple[tuple[int, int], ...]]]:
+    """fused tensor -> {Qwen3.5 projection: its (first row, rows) runs of the fused tensor, in Qwen3.5's order}."""
+    hk, dk, dv, r = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim, \
+        c.linear_num_value_heads // c.linear_num_key_heads
+    qkvz = [g * (2 * dk + 2 * r * dv) for g in range(hk)]  # each key-head group's first row
+    ba = [g * 2 * r for g in range(hk)]
+    return {
+        "in_proj_qkvz": {
+            "in_proj_qkv": tuple((s, dk) for s in qkvz) + tuple((s + dk, dk) for s in qkvz)
+            + tuple((s + 2 * dk, r * dv) for s in qkvz),
+            "in_proj_z": tuple((s + 2 * dk + r * dv, r * dv) for s in qkvz),
+        },
+        "in_proj_ba": {"in_proj_b": tuple((s, r) for s in ba), "in_proj_a": tuple((s + r, r) for s in ba)},
+    }
+
+
+def split_fused(plan: dict, c, where) -> dict:
+    """`plan` ({name: qwenrt.checkpoint.Source}, as plan_text_tensors makes it) with every fused in_proj_qkvz / in_proj_ba replaced by the Qwen3.5
+    projections it holds. c: the TextConfig. One QwenrtError for a fused tensor of the wrong shape."""
+    runs = _fused_runs(c)
+    out = {}
+    for name, source in plan.items():
+        prefix, _, leaf = name.rpartition(".")
+        owner, _, fused = prefix.rpartition(".")
+        if leaf != "weight" or fused not in FUSED or not owner.endswith(".linear_attn"):
+            out[name] = source
+            continue
+        parts = runs[fused]
+        rows = sum(n for part in parts.values() for _, n in part)
+        if source.stacked or source.rows is not None or source.shape != (rows, c.hidden_size):
+            raise QwenrtError(f"{where}: tensor '{source.names[0]}' has shape {list(source.shape)}; Qwen3-Next's "
+                              f"fused {fused} needs [{rows}, {c.hidden_size}] ({c.linear_num_key_heads} key-head groups)")
+        for part, part_runs in parts.items():
+            ours = f"{owner}.{part}.weight"
+            if ours in plan:
+                raise QwenrtError(f"{where}: tensor '{ours}' is stored both split and fused in '{source.names[0]}'")
+            out[ours] = dataclasses.replace(source, shape=(sum(n for _, n in part_runs), c.hidden_size), rows=part_runs)
+    return out
