@@ -160,10 +160,11 @@ def _two_dimensional(m: nn.Module) -> bool:
 
 
 def expert_banks(model: nn.Module) -> dict[str, tuple[int, int, int]]:
-    """The routed experts' banks an adapter may adapt, by path ("...mlp.experts.gate_up_proj") -> (E, N, K)."""
+    """The routed experts' banks of the decoder layers an adapter may adapt, by path ("...mlp.experts.gate_up_proj")
+    -> (E, N, K)."""
     banks = {}
     for path, m in model.named_modules():
-        if type(m) in (Experts, QuantExperts):
+        if path.startswith(LAYERS) and type(m) in (Experts, QuantExperts):
             for bank in BANK_NAMES:
                 w = getattr(m, bank)
                 E, N = (w.qweight.shape[0], w.out_features) if isinstance(w, QuantLinear) else w.shape[:2]
