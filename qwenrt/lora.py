@@ -236,15 +236,13 @@ def add_adapters(model: nn.Module, spec: LoraSpec, seed: int = 0) -> list[str]:
     found, banks = projections(model), expert_banks(model)
     if spec.dropout and any(path in banks for path in paths):
         raise QwenrtError(f"LoRA dropout {spec.dropout:g} on the routed MoE experts (mlp.experts.*) is not "
-                          "supported (PEFT's target_parameters refuse it): train them with dropout 0, or name "
-                          "--lora-targets without them")
+                          "supported (PEFT's target_parameters refuse it): train them with dropout 0, or leave them "
+                          "out of the targets")
     adapters = {}
     for path in paths:
-        if path in banks:
-            (E, N, K), device = banks[path], device_of(model.get_submodule(path.rpartition(".")[0]))
-        else:
-            (E, N, K), device = (None, found[path].out_features, found[path].in_features), device_of(found[path])
-        experts = () if E is None else (E,)
+        experts, N, K = ((banks[path][0],), *banks[path][1:]) if path in banks else \
+            ((), found[path].out_features, found[path].in_features)
+        device = device_of(model.get_submodule(path.rpartition(".")[0]) if path in banks else found[path])
         bound = 1 / math.sqrt(K)  # kaiming_uniform(a=sqrt(5)), PEFT's and nn.Linear's default
         A = torch.empty(*experts, spec.rank, K, device=device)
         if device.type != "meta":  # a plan's model (on meta) needs the shapes only
