@@ -26,9 +26,7 @@ from torch import nn
 from qwenrt.checkpoint import canonical_name
 from qwenrt.errors import QwenrtError
 from qwenrt.files import CheckpointDir, output_dir
-from qwenrt.lora import LoraSpec, kind, lora_modules, projections
-from qwenrt.mlp import Experts
-from qwenrt.quant import QuantExperts, QuantLinear
+from qwenrt.lora import BANK_NAMES, LoraBank, LoraSpec, expert_banks, kind, lora_modules, projections
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -55,26 +53,49 @@ def save_adapter(directory: str | Path, model: nn.Module, spec: LoraSpec, base: 
     directory = output_dir(directory, "adapter directory")
     adapters = lora_modules(model)
     vlm = model.config.is_vlm
+    banks = {path: m for path, m in adapters.items() if isinstance(m, LoraBank)}
     tensors = {}
     for path, m in adapters.items():
-        name = PREFIX + _transformers_path(path, vlm)
-        tensors[name + PIECES[0]] = m.lora_A.detach().float().contiguous()
-        tensors[name + PIECES[1]] = m.lora_B.detach().float().contiguous()
+        name = PREFIX + _transformers_path(_peft_path(path, banks), vlm)
+        tensors[name + PIECES[0]], tensors[name + PIECES[1]] = _peft_pair(m)
     head = getattr(model, "score", None)
     if head is not None:
         tensors[HEAD] = head.weight.detach().float().contiguous()
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM" if head is None else "SEQ_CLS",
               "base_model_name_or_path": base, "revision": None,
               "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "use_rslora": spec.rslora,
-              "target_modules": sorted({kind(path) for path in adapters}), "bias": "none",
+              "target_modules": sorted({kind(path) for path in adapters if path not in banks}), "bias": "none",
               "fan_in_fan_out": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
               "modules_to_save": None if head is None else ["score"], "layers_to_transform": None,
               "rank_pattern": {}, "alpha_pattern": {}}
+    if banks:  # in the order PEFT wraps them, as _bank_path reads them back
+        config["target_parameters"] = sorted({kind(path) for path in banks},
+                                             key=lambda p: BANK_NAMES.index(p.rpartition(".")[2]))
     try:
         save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
         (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     except OSError as e:
         raise QwenrtError(f"cannot write the adapter into {directory}: {e.strerror or e}") from None
+
+
+def _peft_path(path: str, banks: dict[str, LoraBank]) -> str:
+    """The module PEFT keeps a pair under: a projection's path; an expert bank's experts module, inside one
+    `.base_layer` per bank of that module PEFT wraps after it ("...experts.base_layer" for gate_up_proj beside
+    down_proj)."""
+    if path not in banks:
+        return path
+    module, _, bank = path.rpartition(".")
+    later = [b for b in BANK_NAMES[BANK_NAMES.index(bank) + 1:] if f"{module}.{b}" in banks]
+    return module + NESTED * len(later)
+
+
+def _peft_pair(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """An adapter's (lora_A, lora_B) as PEFT stores them, fp32: a bank's [E, r, K], [E, N, r] as [r·E, K] and
+    [N, r·E] (expert e's A rows e·r.., its B columns e, e+E, ...)."""
+    A, B = m.lora_A.detach().float(), m.lora_B.detach().float()
+    if isinstance(m, LoraBank):
+        A, B = A.flatten(0, 1), B.permute(1, 2, 0).flatten(1)
+    return A.contiguous(), B.contiguous()
 
 
 def read_config(directory: str | Path) -> tuple[LoraSpec, Path, tuple[str, ...]]:
@@ -145,19 +166,6 @@ def read_adapter(directory: str | Path, model: nn.Module) -> tuple[LoraSpec, dic
         raise QwenrtError(f"{file}: holds no LoRA weights")
     return spec, {path: _checked_pair(file, path, pieces, found.get(path) or banks[path], spec.rank)
                   for path, pieces in pairs.items()}
-
-
-def expert_banks(model: nn.Module) -> dict[str, tuple[int, int, int]]:
-    """The routed experts' banks an adapter may adapt, by path ("...mlp.experts.gate_up_proj") -> (E, N, K)."""
-    banks = {}
-    for path, m in model.named_modules():
-        if type(m) in (Experts, QuantExperts):
-            for bank in ("gate_up_proj", "down_proj"):
-                w = getattr(m, bank)
-                E, N = (w.qweight.shape[0], w.out_features) if isinstance(w, QuantLinear) else w.shape[:2]
-                K = w.in_features if isinstance(w, QuantLinear) else w.shape[2]
-                banks[f"{path}.{bank}"] = (E, N, K)
-    return banks
 
 
 def _bank_path(file: Path, name: str, module: str, parameters: tuple[str, ...]) -> str:

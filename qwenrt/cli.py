@@ -190,7 +190,8 @@ def _training_options(p: argparse.ArgumentParser, finetune: bool) -> None:
     lora.add_argument("--lora-alpha", dest="lora_alpha", type=float, help="LoRA alpha (scaling alpha / rank; "
                       "default 2 x rank)")
     lora.add_argument("--lora-targets", dest="lora_targets", metavar="A,B,...", help="projections to adapt, as "
-                      "PEFT names them (default: every projection of every layer, DeltaNet's included)")
+                      "PEFT names them (default: every projection of every layer, DeltaNet's included, and the routed "
+                      "MoE experts' banks mlp.experts.gate_up_proj, mlp.experts.down_proj)")
     lora.add_argument("--lora-dropout", dest="lora_dropout", type=float, help="dropout on the adapters' input")
     lora.add_argument("--lora-base", dest="lora_base", choices=["float32", "bfloat16", "int8", "int4"],
                       help="the frozen base's weights (default float32; int8 / int4: QLoRA, computed in fp32)")

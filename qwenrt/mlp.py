@@ -40,6 +40,8 @@ class Experts(nn.Module):
 def dispatch_experts(expert, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [N, D]; index, weight [N, A] -> Σ_a weight·expert(index, x) [N, D], each expert run once on its tokens:
     expert(e, x[rows], rows)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _dispatch_grouped(expert, x, index, weight)
     out = torch.zeros_like(x)
     flat = index.reshape(-1)  # [N·A]
     order = flat.argsort()
@@ -53,3 +55,17 @@ def dispatch_experts(expert, x: torch.Tensor, index: torch.Tensor, weight: torch
         y = expert(e, x[rows], rows) * weight[rows, cols, None]
         out.index_add_(0, rows, y.to(out.dtype))
     return out
+
+
+def _dispatch_grouped(expert, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """dispatch_experts under autograd: the rows gathered once in expert order and the outputs added back once, so
+    the backward writes [N·A, D] gradients, not a zero [N, D] one per used expert."""
+    flat = index.reshape(-1)  # [N·A]
+    order = flat.argsort(stable=True)
+    experts, counts = flat[order].unique_consecutive(return_counts=True)
+    token, slot = order // index.shape[1], order % index.shape[1]
+    counts = counts.tolist()
+    parts = zip(experts.tolist(), x[token].split(counts), token.split(counts))
+    y = torch.cat([expert(e, rows_x, rows) for e, rows_x, rows in parts])  # [N·A, D], expert by expert
+    y = y * weight[token, slot, None]
+    return torch.zeros_like(x).index_add(0, token, y.to(x.dtype))

@@ -8,7 +8,7 @@ from collections import Counter
 
 import torch
 
-from qwenrt.lora import add_adapters, kind, lora_modules, projections, trainable_count
+from qwenrt.lora import add_adapters, expert_banks, kind, lora_modules, projections, trainable_count
 from qwenrt.train.trainer import LOSS_SLICE, base_dtype, base_quantization
 
 ADAMW_BYTES = 16  # an fp32 trainable parameter: itself, its gradient, AdamW's two moments
@@ -39,8 +39,9 @@ def lora_plan(cfg) -> str:
     total = sum(p.numel() for p in model.parameters()) + sum(  # and the weights stored quantized
         math.prod(m.qweight.shape[:-1]) * m.in_features for m in model.modules() if isinstance(m, QuantLinear))
     c = config.text
-    # a layer's projection widths (inputs + outputs), on average over the layers
-    width = sum(m.in_features + m.out_features for m in projections(model).values()) / c.num_hidden_layers
+    # a layer's projection widths (inputs + outputs), on average over the layers; a routed expert's per token routed
+    width = (sum(m.in_features + m.out_features for m in projections(model).values()) + c.num_experts_per_tok *
+             sum(N + K for _, N, K in expert_banks(model).values())) / c.num_hidden_layers
     add_adapters(model, spec)
     adapters = lora_modules(model)
     trainable = trainable_count(model)

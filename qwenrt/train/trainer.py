@@ -86,7 +86,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False  # recompute each layer (and the loss in slices) in the backward: less memory
     lora_rank: int | None = None  # train LoRA adapters of this rank on the frozen `init` model instead of the model
     lora_alpha: float | None = None  # default 2·rank
-    lora_targets: tuple[str, ...] | None = None  # default: every projection (qwenrt.lora.DEFAULT_TARGETS)
+    lora_targets: tuple[str, ...] | None = None  # default: every projection and expert bank (lora.DEFAULT_TARGETS)
     lora_dropout: float = 0.0
     lora_base: str = "float32"  # the frozen base: float32, bfloat16, int8 or int4 (QLoRA; computed in fp32)
     task: str = "sft"  # "sft": chat conversations; "classify": labelled texts, LoRA plus a classification head
