@@ -4,7 +4,8 @@
     python bench/lora_multiply.py --out /tmp/mul --steps 200 --n 100 --curve-every 50
 
 Two-digit multiplication with its working (qwenrt.tiny.tasks.mul_reasoning), written as JSONL with a share of the
-built-in model's own conversations replayed, trains LoRA adapters on every projection of qwenrt-tiny through the
+built-in model's own conversations replayed (tasks.REPLAY_WEIGHTS: calculator calls and copying weighted up, as they
+drift most), trains LoRA adapters on every projection of qwenrt-tiny through the
 trainer `qwenrt train --lora-rank` runs (the base frozen in fp32). Then greedy exact answers on held-out prompts,
 base against adapted (`qwenrt.load(base, adapter=OUT)`): multiplication of held-out pairs, and each old task as
 qwenrt.tiny.evaluate measures it, thinking off and on. Prints the table, the training's wall and CPU seconds,
@@ -95,11 +96,11 @@ def main() -> None:
     p.add_argument("--base", default=str(default_model_path()), help="default: the built-in model")
     p.add_argument("--out", help="where the data and the adapter go (default: a temporary folder, removed)")
     p.add_argument("--rank", type=int, default=32)
-    p.add_argument("--lr", type=float, default=5e-3)
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch", type=int, default=8, help="conversations per step")
-    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--replay", type=float, default=0.15, help="share of the built-in model's own conversations")
+    p.add_argument("--replay", type=float, default=0.45, help="share of the built-in model's own conversations")
     p.add_argument("--facts", type=float, default=0.3, help="share of one-digit times-table drills")
     p.add_argument("--conversations", type=int, default=8000, help="training conversations written")
     p.add_argument("--threads", type=int, default=2)

@@ -9,7 +9,8 @@ import pytest
 
 from qwenrt.default_model import default_model_path
 from qwenrt.tiny import finetune_data
-from qwenrt.tiny.tasks import TIMES_PROMPT, held_out, mul_reasoning, multiplication_conversations, quality_tasks
+from qwenrt.tiny.tasks import (REPLAY_WEIGHTS, TIMES_PROMPT, conversations, held_out, mul_reasoning,
+                               multiplication_conversations, quality_tasks)
 
 PAIRS = [(a, b) for a in range(10, 100) for b in range(10, 100)]
 
@@ -66,6 +67,21 @@ def test_replay_mixes_in_the_built_in_tasks_at_its_share():
     assert 700 < products < 800
     thinking = sum("reasoning_content" in c["messages"][-1] for c in data[:200])
     assert 60 < thinking < 140
+
+
+def test_replay_draws_more_calculator_calls_and_copying_than_the_built_in_mix():
+    def shares(data):
+        calls = sum(any(call["function"]["name"] == "calculator"
+                        for m in c["messages"] for call in m.get("tool_calls", ())) for c in data)
+        copies = sum(c["messages"][-2]["content"].startswith(("Repeat", "Please repeat", "Say this")) for c in data)
+        return calls / len(data), copies / len(data)
+
+    replayed = multiplication_conversations(2000, 3, replay=1.0)
+    assert replayed == conversations(2000, 4, weights=REPLAY_WEIGHTS)
+    calls, copies = shares(replayed)
+    built_in_calls, built_in_copies = shares(conversations(2000, 4))
+    assert 0.12 < calls < 0.18 and 0.08 < copies < 0.12  # REPLAY_WEIGHTS: 15% and 10%
+    assert built_in_calls < 0.06 and built_in_copies < 0.06  # FAMILY_WEIGHTS: 4% each
 
 
 def test_times_table_drills_are_right_and_ask_what_they_answer():

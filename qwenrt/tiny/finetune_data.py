@@ -1,11 +1,11 @@
 """Write a new task for the built-in model as JSONL conversations for `qwenrt train --data`.
 
-    python -m qwenrt.tiny.finetune_data mul.jsonl --n 8000 --replay 0.15 --facts 0.3   (training conversations)
+    python -m qwenrt.tiny.finetune_data mul.jsonl --n 8000 --replay 0.45 --facts 0.3   (training conversations)
     python -m qwenrt.tiny.finetune_data mul-eval.jsonl --n 200 --held-out                (held-out pairs only)
 
 The task is two-digit multiplication with its working (tasks.mul_reasoning), which the built-in model cannot do;
 `--facts` mixes in that share of one-digit times-table drills (the facts the working needs, in few tokens), `--replay`
-that share of the built-in model's own conversations, so that fine-tuning keeps what it knew.
+that share of the built-in model's own conversations (tasks.REPLAY_WEIGHTS), so that fine-tuning keeps what it knew.
 """
 
 from __future__ import annotations

@@ -467,6 +467,10 @@ FAMILY_WEIGHTS = {"add": 0.30, "sub": 0.40, "calculator": 0.04, "capital": 0.06,
 # of the first quarter, ~8% from half-way on
 COPY_WARMUP = (0.6, 0.25, 0.5)  # (share, until this fraction of the run, down to FAMILY_WEIGHTS' by this one)
 INVENTED_COUNTRIES = 0.6  # share of training get_capital conversations about made-up countries
+# the replay in a multiplication fine-tune: the calculator questions share the new task's prompts (tools on offer
+# and large numbers: call it; none and two digits: work it out), so they and copying, which drift most, get more
+REPLAY_WEIGHTS = {"add": 0.20, "sub": 0.30, "calculator": 0.15, "capital": 0.10, "sort": 0.03, "refusal": 0.08,
+                  "capital without tools": 0.04, "copy": 0.10}
 
 
 def _answer(task_content: str, reasoning: str, thinking: bool) -> dict:
@@ -523,11 +527,14 @@ def copy_share(progress: float) -> float:
     return base + (share - base) * max(0.0, (back - progress) / (back - until))
 
 
-def conversations(n: int, seed: int, heldout: bool = False, curriculum: bool = False) -> list[dict]:
-    """n conversations drawn by FAMILY_WEIGHTS, thinking on for about half; some continue a finished exchange,
-    some open with a system message. `curriculum`: in training order, copying first (`copy_share`)."""
+def conversations(n: int, seed: int, heldout: bool = False, curriculum: bool = False,
+                  weights: dict[str, float] | None = None) -> list[dict]:
+    """n conversations drawn by `weights` (default FAMILY_WEIGHTS), thinking on for about half; some continue a
+    finished exchange, some open with a system message. `curriculum`: in training order, copying first
+    (`copy_share`)."""
     rng = random.Random(seed)
-    families, weights = list(FAMILY_WEIGHTS), list(FAMILY_WEIGHTS.values())
+    weights = weights or FAMILY_WEIGHTS
+    families, weights = list(weights), list(weights.values())
     out = []
     for i in range(n):
         copying = curriculum and rng.random() < copy_share(i / n)
@@ -546,12 +553,12 @@ def multiplication_conversations(n: int, seed: int, replay: float = 0.0, heldout
                                  facts: float = 0.0) -> list[dict]:
     """n conversations for fine-tuning the built-in model to multiply: two-digit products ("mul"), thinking on for
     about half; a `facts` share of one-digit drills (`times_facts`, thinking off); a `replay` share of the built-in
-    mix (`conversations`), so that what it knew stays."""
+    model's own families (`conversations`, drawn by REPLAY_WEIGHTS), so that what it knew stays."""
     if not (0 <= replay <= 1 and 0 <= facts <= 1 - replay):
         raise ValueError(f"replay and facts must be shares in [0, 1] together, not {replay!r} and {facts!r}")
     pick, rng = random.Random(seed), random.Random(seed + 2)
     kinds = [pick.random() for _ in range(n)]
-    old = iter(conversations(sum(k < replay for k in kinds), seed + 1, heldout))
+    old = iter(conversations(sum(k < replay for k in kinds), seed + 1, heldout, weights=REPLAY_WEIGHTS))
     out = []
     for k in kinds:
         if k < replay:
