@@ -228,14 +228,16 @@ def plan_text_tensors(ckpt: Checkpoint) -> tuple[dict[str, Source], list[str]]:
     return plan, aside
 
 
-def materialize(ckpt: Checkpoint, source: Source, dtype: torch.dtype) -> torch.Tensor:
-    """Read one planned tensor in `dtype` (zero-copy when stored in that dtype, not stacked and not a fused part)."""
+def materialize(ckpt: Checkpoint, source: Source, dtype: torch.dtype, offset: bool = True) -> torch.Tensor:
+    """Read one planned tensor in `dtype` (zero-copy when stored in that dtype, not stacked and not a fused part).
+    offset False: without the source's offset, a norm as its checkpoint means it (what a writer keeps under the
+    checkpoint's config)."""
     if source.stacked:
         return torch.stack([torch.cat([ckpt.get(n).to(dtype) for n in parts]) for parts in source.names])
     tensor = ckpt.get(source.names[0])
     if source.rows is not None:
         tensor = torch.cat([tensor[first:first + n] for first, n in source.rows])
-    if source.offset:
+    if source.offset and offset:
         return (tensor.float() + source.offset).to(dtype)
     if source.transposed:
         return tensor.to(dtype).transpose(1, 2).contiguous()

@@ -384,7 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help=f"{MODEL_HELP} (default, without --shape: the built-in model "
                    f"{DEFAULT_MODEL})")
     p.add_argument("--shape", help="random weights at a published shape: 0.8b, 2b, 4b, 9b, 27b, 35b-a3b (Qwen3.5), "
-                   "next-80b-a3b (Qwen3-Next), next-80b-a3b-4l (its first 4 layers)")
+                   "next-80b-a3b (Qwen3-Next), next-80b-a3b-4l (its first 4 layers), qwen3-vl-2b, qwen3-vl-4b, "
+                   "qwen3-vl-8b (Qwen3-VL's text decoders)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=128, help="greedy decode steps (no stop at EOS)")
     p.add_argument("--threads", type=int, help="default: torch's default (the physical cores)")

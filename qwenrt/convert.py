@@ -103,7 +103,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int, group_size:
     def produce(entry: Entry) -> torch.Tensor:
         ckpt.release()  # the tensors written so far leave RSS: the peak is a few tensors, not the checkpoint
         if entry.name in plan:
-            return materialize(ckpt, plan[entry.name], entry.dtype)
+            return materialize(ckpt, plan[entry.name], entry.dtype, offset=False)  # the config is copied as it is
         if entry.name in ckpt.location:
             return ckpt.get(entry.name)
         path, _, key = entry.name.rpartition(".")

@@ -73,7 +73,7 @@ def write_merged(folder: Path, ckpt, plan: dict, aside: list[str], adapters: dic
         if entry.name not in plan:
             return ckpt.get(entry.name)
         if entry.name not in merged:
-            return materialize(ckpt, plan[entry.name], entry.dtype)
+            return materialize(ckpt, plan[entry.name], entry.dtype, offset=False)  # under the base's own config
         A, B = merged[entry.name]
         w = materialize(ckpt, plan[entry.name], torch.float32)
         w = w.baddbmm(B, A, alpha=scaling) if A.dim() == 3 else w.addmm(B, A, alpha=scaling)

@@ -248,3 +248,29 @@ def build_qwen3_vl(path: Path, moe: bool = False, published: bool = False, seed:
     (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
     (path / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PREPROCESSOR))
     return model
+
+
+# Qwen3-Next: Hv/Hk = 3 and Dk != Dv (the per-key-head split of the fused projections), layers 1 and 3 dense
+QWEN3_NEXT = dict(
+    hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16, linear_value_head_dim=8,
+    linear_conv_kernel_dim=4, rms_norm_eps=1e-6, max_position_embeddings=4096, full_attention_interval=3,
+    intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+    num_experts_per_tok=3, mlp_only_layers=[1, 3], decoder_sparse_step=1,
+    rope_parameters=dict(rope_type="default", rope_theta=1e6, partial_rotary_factor=0.25),
+)
+
+
+def build_qwen3_next_chat(path: Path, seed: int = 5):
+    """A tiny Qwen3-Next over the 151,936-token vocabulary with a Qwen3 tokenizer and chat template; gain 1 (broad
+    next-token distributions: its checks compare tokens)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from tests.tokenizer_fixture import build_qwen3_tokenizer
+
+    config = Qwen3NextConfig(**dict(QWEN3_NEXT, vocab_size=151936, num_hidden_layers=3, mlp_only_layers=[1],
+                                    eos_token_id=151645, pad_token_id=151643))
+    model = randomize(Qwen3NextForCausalLM(config).eval(), seed, gain=1.0)
+    model.save_pretrained(path)
+    build_qwen3_tokenizer(Path(path))
+    return model

