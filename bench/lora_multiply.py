@@ -98,7 +98,7 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch", type=int, default=8, help="conversations per step")
-    p.add_argument("--steps", type=int, default=1400)
+    p.add_argument("--steps", type=int, default=1600)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--replay", type=float, default=0.45, help="share of the built-in model's own conversations")
     p.add_argument("--facts", type=float, default=0.3, help="share of one-digit times-table drills")
