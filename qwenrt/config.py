@@ -12,8 +12,9 @@ from qwenrt.files import CheckpointDir
 
 TEXT_MODEL_TYPES = {"qwen3_5_text": False, "qwen3_5_moe_text": True, qwen3_next.MODEL_TYPE: True,  # -> is MoE
                     "qwen3_vl_text": False, "qwen3_vl_moe_text": True}
+QWEN3_5 = "Qwen3.5"
 QWEN3_VL = "Qwen3-VL"  # Qwen3 layers: all full attention, no output gate, w·x norms (qwenrt.families.qwen3_vl)
-FAMILIES = {"qwen3_5_text": "Qwen3.5", "qwen3_5_moe_text": "Qwen3.5", qwen3_next.MODEL_TYPE: "Qwen3-Next",
+FAMILIES = {"qwen3_5_text": QWEN3_5, "qwen3_5_moe_text": QWEN3_5, qwen3_next.MODEL_TYPE: "Qwen3-Next",
             "qwen3_vl_text": QWEN3_VL, "qwen3_vl_moe_text": QWEN3_VL}
 VLM_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",  # outer -> text sub-config type
                    "qwen3_vl": "qwen3_vl_text", "qwen3_vl_moe": "qwen3_vl_moe_text"}
@@ -150,8 +151,9 @@ def parse_text_config(d: dict, tie_word_embeddings: bool | None = None, where: s
     f = Fields(d, where)
     if d.get("hidden_act", "silu") != "silu":
         raise QwenrtError(f"{where}: hidden_act must be 'silu', got {d['hidden_act']!r}")
-    if vl and f.bool("attention_bias", False):
-        raise QwenrtError(f"{where}: attention_bias true is not supported (Qwen3-VL's projections have no bias)")
+    family = FAMILIES[model_type]
+    if family != QWEN3_5 and f.bool("attention_bias", False):
+        raise QwenrtError(f"{where}: attention_bias true is not supported ({family}'s projections have no bias)")
     n_layers = f.int("num_hidden_layers", hi=MAX_LAYERS)
     fields = {
         "model_type": model_type,
@@ -178,14 +180,14 @@ def parse_text_config(d: dict, tie_word_embeddings: bool | None = None, where: s
         fields["num_experts_per_tok"] = f.int("num_experts_per_tok", hi=MAX_EXPERTS)
         for key in ("moe_intermediate_size",) if vl else ("moe_intermediate_size", "shared_expert_intermediate_size"):
             fields[key] = f.int(key, hi=MAX_DIM)
-    if is_moe and vl:  # transformers' layer rule (Qwen3-Next's below); Qwen3.5 MoE has no dense layers
+    if is_moe and family != QWEN3_5:  # transformers' layer rule; Qwen3.5 MoE has no dense layers
         fields["mlp_only_layers"] = f.ints("mlp_only_layers", (), lo=0, hi=n_layers - 1, max_len=MAX_LAYERS)
         fields["decoder_sparse_step"] = f.int("decoder_sparse_step", 1, hi=MAX_LAYERS)
     dense_layers = fields.get("mlp_only_layers") or fields.get("decoder_sparse_step", 1) > 1
     if not is_moe or model_type == qwen3_next.MODEL_TYPE or dense_layers:
         fields["intermediate_size"] = f.int("intermediate_size", hi=MAX_DIM)
     if model_type == qwen3_next.MODEL_TYPE:
-        fields.update(qwen3_next.config_fields(f, n_layers))
+        fields.update(qwen3_next.config_fields(f))
 
     layer_types = f.list("layer_types", None, max_len=MAX_LAYERS)
     if vl:  # Qwen3 layers are all softmax attention (a layer_types key, where written, says so too)

@@ -17,7 +17,7 @@ from qwenrt.default_model import resolve_model
 from qwenrt.errors import QwenrtError
 from qwenrt.files import CheckpointDir, read_json, read_text
 from qwenrt.generate import GenerationResponse, stream_generate
-from qwenrt.config import load_config
+from qwenrt.config import QWEN3_5, load_config
 from qwenrt.hub import resolve_model_path
 from qwenrt.gguf.reader import is_gguf, open_gguf
 from qwenrt.kernels import kernel_path
@@ -61,7 +61,7 @@ def load_for_cli(source: str | None, path, dtype: str, device: str, check_finite
     if model.device.type == "cpu":
         threads = torch.get_num_threads()
         kernels = f", CPU kernels: {kernel_path()}, {threads} thread{'s' * (threads != 1)}"
-    family = "" if c.family == "Qwen3.5" else f"{c.family} "  # Qwen3.5's unnamed, as in `inspect`
+    family = "" if c.family == QWEN3_5 else f"{c.family} "  # Qwen3.5's unnamed, as in `inspect`
     log.info(f"loaded {c.num_hidden_layers}-layer {family}{'MoE ' if c.is_moe else ''}model ({model.dtype}, weights "
              f"{weight_format(model)}) in {time.perf_counter() - start:.1f} s{kernels}")
     log.detail(f"device: {model.device}")

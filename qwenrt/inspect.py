@@ -10,6 +10,7 @@ import torch
 
 from qwenrt.hub import resolve_model_path
 from qwenrt.checkpoint import DTYPE_BYTES
+from qwenrt.config import QWEN3_5
 from qwenrt.gguf.reader import GGUFCheckpoint
 from qwenrt.loader import VISUAL_PREFIX, check_checkpoint, scan_weights, stored_float_dtype
 from qwenrt.mtp import MTPHead
@@ -62,7 +63,7 @@ def inspect_checkpoint(path: str | Path, check_finite: bool = True, mmproj: str 
         "mmproj": str(mmproj) if mmproj is not None else None,
         "model_type": config.model_type,
         # Qwen3.5's unnamed (as the README shows it); another family's by name
-        "family": ("" if c.family == "Qwen3.5" else f"{c.family} ") + ("MoE" if c.is_moe else "dense")
+        "family": ("" if c.family == QWEN3_5 else f"{c.family} ") + ("MoE" if c.is_moe else "dense")
                   + (" VLM" if config.is_vlm else " text"),
         "deepstack_layers": len((config.vision or {}).get("deepstack_visual_indexes") or ()),
         "attention_gate": c.attention_gate,

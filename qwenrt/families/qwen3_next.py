@@ -30,16 +30,9 @@ def with_defaults(d: dict) -> dict:
     return {**DEFAULTS, **{k: v for k, v in d.items() if v is not None}}
 
 
-def config_fields(f: Fields, n_layers: int) -> dict:
-    """The TextConfig fields only Qwen3-Next sets. Refuses what the Qwen3.5 decoder does not compute."""
-    if f.bool("attention_bias", False):
-        raise QwenrtError(f"{f.where}: attention_bias true is not supported (Qwen3-Next checkpoints have no "
-                          "attention biases)")
-    return {
-        "norm_topk_prob": f.bool("norm_topk_prob", True),
-        "decoder_sparse_step": f.int("decoder_sparse_step", 1),
-        "mlp_only_layers": f.ints("mlp_only_layers", (), hi=n_layers - 1, max_len=n_layers),
-    }
+def config_fields(f: Fields) -> dict:
+    """The TextConfig fields only Qwen3-Next sets (its dense-layer keys are read with Qwen3-VL-MoE's)."""
+    return {"norm_topk_prob": f.bool("norm_topk_prob", True)}
 
 
 def _fused_runs(c) -> dict[str, dict[str, tuple[tuple[int, int], ...]]]:

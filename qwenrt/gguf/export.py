@@ -25,6 +25,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFValueType, GGU
 from tqdm import tqdm
 
 from qwenrt.checkpoint import materialize
+from qwenrt.config import QWEN3_5
 from qwenrt.errors import QwenrtError
 from qwenrt.gguf import kquants, mmproj as clip
 from qwenrt.gguf.layout import F32_SUFFIXES, gguf_names, to_gguf
@@ -190,7 +191,7 @@ def export_gguf(source: str | Path, out: str | Path, kind: str = "bf16", progres
     path = resolve_model_path(source)
     verified, tokenizer = check_checkpoint(path, blocks=False)  # a GGUF source's blocks as floats
     config, ckpt, plan, _, model = verified
-    if config.text.family != "Qwen3.5":  # qwen35 / qwen35moe files: llama.cpp reads them as Qwen3.5
+    if config.text.family != QWEN3_5:  # qwen35 / qwen35moe files: llama.cpp reads them as Qwen3.5
         raise QwenrtError(f"{path}: a {config.text.family} model is not written as GGUF (qwenrt writes the "
                           "Qwen3.5 architectures qwen35 and qwen35moe)")
     tensors = _float_tensors(ckpt, plan, model)
