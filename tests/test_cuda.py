@@ -8,6 +8,8 @@ import qwenrt
 from qwenrt.gguf.export import export_gguf
 from qwenrt.sampling import SamplingParams
 from tests.checkpoints import VOCAB
+from tests.test_multimodal import CASES
+from tests.test_qwen3_next import PROMPTS as NEXT_PROMPTS, build as build_next
 from tests.numerics import rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -20,7 +22,8 @@ def logits_on(model, ids: torch.Tensor) -> torch.Tensor:
         return model(ids.to(model.device)).float().cpu()
 
 
-@pytest.mark.parametrize("kind", ["dense_ckpt", "moe_ckpt", "vlm_ckpt", "published_ckpt"])
+@pytest.mark.parametrize("kind", ["dense_ckpt", "moe_ckpt", "vlm_ckpt", "published_ckpt", "qwen3_vl_ckpt",
+                                  "qwen3_vl_moe_ckpt"])
 def test_logits_match_reference_on_cuda(kind, request):
     path, ref = request.getfixturevalue(kind)
     model, _ = qwenrt.load(path, dtype="float32", device=CUDA)
@@ -52,3 +55,25 @@ def test_gguf_blocks_on_cuda_are_the_cpus(chat_ckpt, tmp_path, file_type):
     bf16, _ = qwenrt.load(path, device=CUDA)  # "auto": bf16 for a quantized file
     assert bf16.dtype == torch.bfloat16
     assert rel_err(logits_on(bf16, ids[:, :1]), logits_on(on["cpu"], ids[:, :1])) < 0.05  # one bf16 position
+
+
+def test_qwen3_next_logits_match_reference_on_cuda(tmp_path):
+    """Qwen3-Next (fused projections split at load, dense and MoE layers, raw top-k) against transformers in fp64."""
+    path, ref = build_next(tmp_path, norm_topk_prob=False, seed=11)
+    model, _ = qwenrt.load(path, dtype="float32", device=CUDA)
+    with torch.no_grad():
+        expected = ref(input_ids=NEXT_PROMPTS).logits
+    assert rel_err(logits_on(model, NEXT_PROMPTS), expected) <= 1e-4
+
+
+@pytest.mark.parametrize("kind", ["qwen3_vl_ckpt", "qwen3_vl_moe_ckpt"])
+def test_qwen3_vl_images_on_cuda_equal_the_cpu(kind, request):
+    """Two images and a video beside a text prompt, with DeepStack, batched on the GPU: the CPU's greedy tokens."""
+    path = request.getfixturevalue(kind)[0]
+    prompts = [CASES["two images"], CASES["video"], [{"role": "user", "content": "Say something."}]]
+
+    def tokens(device):
+        model, tok = qwenrt.load(path, dtype="float32", device=device)
+        return [c.tokens for c in qwenrt.batch_generate(model, tok, prompts, max_tokens=10)]
+
+    assert tokens(CUDA) == tokens("cpu")
