@@ -13,8 +13,9 @@ from qwenrt.files import CheckpointDir
 TEXT_MODEL_TYPES = {"qwen3_5_text": False, "qwen3_5_moe_text": True, qwen3_next.MODEL_TYPE: True,  # -> is MoE
                     "qwen3_vl_text": False, "qwen3_vl_moe_text": True}
 QWEN3_5 = "Qwen3.5"
+QWEN3_NEXT = "Qwen3-Next"
 QWEN3_VL = "Qwen3-VL"  # Qwen3 layers: all full attention, no output gate, w·x norms (qwenrt.families.qwen3_vl)
-FAMILIES = {"qwen3_5_text": QWEN3_5, "qwen3_5_moe_text": QWEN3_5, qwen3_next.MODEL_TYPE: "Qwen3-Next",
+FAMILIES = {"qwen3_5_text": QWEN3_5, "qwen3_5_moe_text": QWEN3_5, qwen3_next.MODEL_TYPE: QWEN3_NEXT,
             "qwen3_vl_text": QWEN3_VL, "qwen3_vl_moe_text": QWEN3_VL}
 VLM_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",  # outer -> text sub-config type
                    "qwen3_vl": "qwen3_vl_text", "qwen3_vl_moe": "qwen3_vl_moe_text"}

@@ -1,6 +1,7 @@
 """llama.cpp's own Hugging Face -> GGUF converter (convert_hf_to_gguf.py), for checking qwenrt's GGUF support
-against the files llama.cpp users make, and llama.cpp's tokenizer test data for Qwen3.5 (models/ggml-vocab-qwen35.gguf:
-a vocabulary-only file, with the test's texts in .inp and llama.cpp's token ids for them in .out).
+against the files llama.cpp users make, and llama.cpp's tokenizer test data for Qwen3.5 and for Qwen2's tokenizer,
+which Qwen3-VL and Qwen3-Next keep (models/ggml-vocab-qwen35.gguf, ggml-vocab-qwen2.gguf: vocabulary-only files, with
+the test's texts in .inp and llama.cpp's token ids for them in .out).
 
 The converter is pure Python. Its source comes from $QWENRT_LLAMA_CPP_SRC (a llama.cpp source tree) or from the
 llama-cpp-python sdist on PyPI (which vendors llama.cpp with Qwen3.5 support), downloaded once into
@@ -21,16 +22,20 @@ from pathlib import Path
 SDIST = "llama-cpp-python==0.3.36"
 CACHE = Path.home() / ".cache" / "qwenrt-tests" / "llama.cpp-0.3.36"
 VOCAB = "models/ggml-vocab-qwen35.gguf"  # and its .inp and .out beside it
-KEEP = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", VOCAB)
+VOCAB_QWEN2 = "models/ggml-vocab-qwen2.gguf"
+KEEP = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", VOCAB, VOCAB_QWEN2)
 VENDORED = "vendor/llama.cpp/"
 
 # run the converter; where `pre` is given, answer its pre-tokenizer check with it (the converter recognises a
-# tokenizer by hashing its output on a test text: a small tokenizer with Qwen3.5's rules is not the one it knows)
+# tokenizer by hashing its output on a test text: a small tokenizer with Qwen3.5's rules is not the one it knows).
+# Qwen2's vocabulary (Qwen3-VL's, Qwen3-Next's) is read as with sentencepiece installed and no tokenizer.model: the
+# converter tries sentencepiece first and takes the BPE on its FileNotFoundError, where a missing module raises another
 RUNNER = """
 import sys
 src, pre = sys.argv[1], sys.argv[2]
 sys.path[:0] = [src, src + "/gguf-py"]
-import conversion.base
+import conversion.base, conversion.qwen
+conversion.qwen.Qwen2Model.set_vocab = lambda self: self._set_vocab_gpt2()
 if pre:
     conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
 import convert_hf_to_gguf
@@ -40,11 +45,11 @@ convert_hf_to_gguf.main()
 
 
 def converter_source() -> Path:
-    """A directory holding convert_hf_to_gguf.py, conversion/, gguf-py/ and models/ggml-vocab-qwen35.gguf*."""
+    """A directory holding convert_hf_to_gguf.py, conversion/, gguf-py/ and models/ggml-vocab-qwen{35,2}.gguf*."""
     given = os.environ.get("QWENRT_LLAMA_CPP_SRC")
     if given:
         return Path(given)
-    if not all((CACHE / name).is_file() for name in ("convert_hf_to_gguf.py", VOCAB + ".out")):
+    if not all((CACHE / name).is_file() for name in ("convert_hf_to_gguf.py", VOCAB + ".out", VOCAB_QWEN2 + ".out")):
         _fetch()
     return CACHE
 

@@ -193,7 +193,7 @@ def test_misused_projector_files(vlm, theirs, tmp_path):
     ({"fields": {"clip.vision.image_mean": ([0.5] * 1000, V.ARRAY, V.FLOAT32)}},
      ["'clip.vision.image_mean' must hold 3 values, got 1000"]),
     ({"fields": {"clip.vision.is_deepstack_layers": ([True, False], V.ARRAY, V.BOOL)}},
-     ["deepstack layers (Qwen3-VL's) are not supported"]),
+     ["a projector with DeepStack layers (Qwen3-VL's) for a Qwen3.5 model, which has none"]),
     ({"fields": {"clip.vision.attention.layer_norm_epsilon": (1e-5, V.FLOAT32, None)}},
      ["layer_norm_epsilon 1e-05 is not Qwen3.5's vision LayerNorm's 1e-06"]),
     ({"fields": {"clip.vision.image_size": (770, V.UINT32, None)}},

@@ -23,6 +23,10 @@ MODEL_TYPE = "qwen3_next"
 # Qwen3NextConfig's defaults for keys whose Qwen3.5 default differs, or that Qwen3.5 MoE does not read
 DEFAULTS = {"rope_theta": 10_000.0, "max_position_embeddings": 32768, "intermediate_size": 5632}
 FUSED = ("in_proj_qkvz", "in_proj_ba")
+# llama.cpp's GGUF files (conversion/qwen.py Qwen3NextModel): in_proj_qkvz written split as Qwen3.5's in_proj_qkv and
+# in_proj_z (value heads in grouped order, unlike Qwen3.5's files), in_proj_ba kept fused as ssm_ba
+GGUF_ARCHITECTURE = "qwen3next"
+GGUF_LAYER_NAMES = {"linear_attn.in_proj_b.weight": "ssm_ba.weight", "linear_attn.in_proj_a.weight": "ssm_ba.weight"}
 
 
 def with_defaults(d: dict) -> dict:
@@ -49,6 +53,11 @@ def _fused_runs(c) -> dict[str, dict[str, tuple[tuple[int, int], ...]]]:
         },
         "in_proj_ba": {"in_proj_b": tuple((s, r) for s in ba), "in_proj_a": tuple((s + r, r) for s in ba)},
     }
+
+
+def ba_rows(projection: str, c) -> list[int]:
+    """The rows of a fused in_proj_ba [2·Hv, D] holding `projection` ("in_proj_b" or "in_proj_a"), in its order."""
+    return [start + i for start, n in _fused_runs(c)["in_proj_ba"][projection] for i in range(n)]
 
 
 def split_fused(plan: dict, c, where) -> dict:

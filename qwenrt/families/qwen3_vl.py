@@ -17,6 +17,10 @@ NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn
          "self_attn.k_norm.weight")
 FINAL_NORM = "model.norm.weight"
 GATE_UP, DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+# llama.cpp's GGUF files (conversion/qwen3vl.py): general.architecture -> model_type, and the one layer tensor named
+# apart from Qwen3.5's (qwenrt.gguf.layout); their norms hold w as the checkpoints do
+GGUF_ARCHITECTURES = {"qwen3vl": "qwen3_vl_text", "qwen3vlmoe": "qwen3_vl_moe_text"}
+GGUF_LAYER_NAMES = {"post_attention_layernorm.weight": "ffn_norm.weight"}
 
 
 def map_tensors(plan: dict, text) -> dict:

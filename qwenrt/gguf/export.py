@@ -202,7 +202,7 @@ def export_gguf(source: str | Path, out: str | Path, kind: str = "bf16", progres
     tied = c.tie_word_embeddings
     entries = []  # (gguf name, qwenrt name, part index, shape, type)
     for name, (shape, _) in tensors.items():
-        names = gguf_names(name, c.num_hidden_layers)
+        names = gguf_names(name, c)
         shapes = _gguf_shapes(name, shape)
         for i, (gname, shape) in enumerate(zip(names, shapes)):
             entries.append((gname, name, i, shape, tensor_type(gname, shape, kind, c.num_hidden_layers, tied)))

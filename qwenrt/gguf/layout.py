@@ -1,5 +1,6 @@
 """Where each of qwenrt's tensors lives in a `qwen35` / `qwen35moe` GGUF file, and the value transforms llama.cpp's
-converter applies on the way (convert_hf_to_gguf.py, conversion/qwen.py), both ways.
+converter applies on the way (convert_hf_to_gguf.py, conversion/qwen.py), both ways; the related families' files
+(`qwen3vl`, `qwen3vlmoe`, `qwen3next`) differ in the few names and transforms their family modules list.
 
 Names: qwenrt's are the Hugging Face names of the text decoder (`model.layers.{i}.…`, `mtp.…`); a GGUF's are
 `blk.{i}.…`, the MTP block being block L = num_hidden_layers. Shapes are PyTorch's order on both sides (the gguf
@@ -13,13 +14,20 @@ Transforms (to GGUF; the inverse on import):
   in_proj_b, A_log and dt_bias, the V channels of conv1d, the columns of out_proj;
 - the fused experts gate_up_proj [E, 2I, D] are two tensors, gate [E, I, D] then up;
 - the shared-expert gate [1, D] is read as [1, D] from files that store it as [D].
+Qwen3-VL's files name the post-attention norm `ffn_norm` and hold its w·x norms' w as the checkpoint does (the
+loader reads both as qwenrt's 1 + w);
+Qwen3-Next's keep the value heads in grouped order (no reorder) and in_proj_b / in_proj_a fused as `ssm_ba`
+[per key head: b (r rows) | a (r rows)], read back by rows.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from qwenrt.config import TextConfig
+from qwenrt.config import QWEN3_5, QWEN3_NEXT, QWEN3_VL, TextConfig
+from qwenrt.families import qwen3_next, qwen3_vl
 
 # qwenrt name after "model.layers.{i}." (or "mtp.layers.0.") -> GGUF name after "blk.{i}."
 LAYER_NAMES = {
@@ -53,6 +61,9 @@ LAYER_NAMES = {
 GATE_UP = "mlp.experts.gate_up_proj"
 GATE_UP_PARTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight")
 GATE_UP_FUSED = "ffn_gate_up_exps.weight"  # newer converters' one-tensor form ([E, 2I, D], gate rows first)
+FAMILY_LAYER_NAMES = {QWEN3_5: LAYER_NAMES, QWEN3_VL: {**LAYER_NAMES, **qwen3_vl.GGUF_LAYER_NAMES},
+                      QWEN3_NEXT: {**LAYER_NAMES, **qwen3_next.GGUF_LAYER_NAMES}}
+BA = ("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight")  # Qwen3-Next's: rows of one ssm_ba
 # the MTP head's own tensors (qwenrt name after "mtp.") -> GGUF name after "blk.{L}."
 MTP_NAMES = {
     "fc.weight": "nextn.eh_proj.weight",
@@ -70,8 +81,9 @@ F32_SUFFIXES = ("norm.weight", "ssm_a", "ssm_dt.bias", "ssm_conv1d.weight", "ffn
                 "ffn_gate_inp_shexp.weight")
 
 
-def gguf_names(name: str, n_layers: int) -> tuple[str, ...]:
+def gguf_names(name: str, config: TextConfig) -> tuple[str, ...]:
     """The GGUF tensor(s) holding qwenrt tensor `name` (two for the fused experts); () for a name it has none for."""
+    n_layers = config.num_hidden_layers
     if name in GLOBAL_NAMES:
         return (GLOBAL_NAMES[name],)
     if name.startswith("mtp."):
@@ -90,12 +102,13 @@ def gguf_names(name: str, n_layers: int) -> tuple[str, ...]:
         return ()
     if rest == GATE_UP:
         return tuple(f"blk.{block}.{part}" for part in GATE_UP_PARTS)
-    return (f"blk.{block}.{LAYER_NAMES[rest]}",) if rest in LAYER_NAMES else ()
+    names = FAMILY_LAYER_NAMES[config.family]
+    return (f"blk.{block}.{names[rest]}",) if rest in names else ()
 
 
-def is_one_plus_norm(name: str) -> bool:
-    """A (1+w) RMSNorm weight, stored in GGUF with the 1 added."""
-    return name.endswith(("norm.weight", "norm_embedding.weight", "norm_hidden.weight")) \
+def is_one_plus_norm(name: str, config: TextConfig) -> bool:
+    """A (1+w) RMSNorm weight, stored in GGUF with the 1 added (Qwen3-VL's norms are w·x: stored as they are)."""
+    return config.family != QWEN3_VL and name.endswith(("norm.weight", "norm_embedding.weight", "norm_hidden.weight")) \
         and not name.endswith("linear_attn.norm.weight")
 
 
@@ -120,7 +133,9 @@ def _reorder_qkv_rows(t: torch.Tensor, config: TextConfig, inverse: bool) -> tor
 
 
 def _reorder(rest: str, t: torch.Tensor, config: TextConfig, inverse: bool) -> torch.Tensor:
-    """The V-head reorder of a DeltaNet tensor (rest: its name within the layer)."""
+    """The V-head reorder of a DeltaNet tensor (rest: its name within the layer): Qwen3.5's files only."""
+    if config.family != QWEN3_5:
+        return t
     dv = config.linear_value_head_dim
     if rest in ("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight"):
         return _reorder_qkv_rows(t, config, inverse)
@@ -132,6 +147,21 @@ def _reorder(rest: str, t: torch.Tensor, config: TextConfig, inverse: bool) -> t
     if rest == "linear_attn.out_proj.weight":  # columns [Hv·dv], or a quantized piece's [Hv·dv/G] (its groups)
         return reorder_v_heads(t, 1, config, t.shape[1] // config.linear_num_value_heads, inverse)
     return t
+
+
+def gguf_shape(name: str, shapes: list[tuple[int, ...]], config: TextConfig) -> tuple[int, ...]:
+    """The qwenrt shape of tensor `name` from its GGUF parts' (PyTorch-order) shapes, the transforms' reshapes
+    applied."""
+    rest = layer_part(name)
+    if rest == GATE_UP and len(shapes) == 2:
+        return (*shapes[0][:-2], shapes[0][-2] + shapes[1][-2], shapes[0][-1])
+    if rest == "linear_attn.conv1d.weight":
+        return (shapes[0][0], 1, math.prod(shapes[0][1:]))
+    if rest == "mlp.shared_expert_gate.weight":
+        return (1, math.prod(shapes[0]))
+    if rest in BA and config.family == QWEN3_NEXT:
+        return (shapes[0][0] // 2, *shapes[0][1:])
+    return shapes[0]
 
 
 def layer_part(name: str) -> str:
@@ -154,7 +184,7 @@ def to_gguf(name: str, t: torch.Tensor, config: TextConfig) -> tuple[torch.Tenso
         t = _reorder(rest, t, config, inverse=False)
         if rest == "linear_attn.A_log":
             t = -torch.exp(t.float())
-    if is_one_plus_norm(name):
+    if is_one_plus_norm(name, config):
         t = t.float() + 1
     return (t,)
 
@@ -165,6 +195,8 @@ def from_gguf(name: str, parts: list[torch.Tensor], config: TextConfig) -> torch
     if rest == GATE_UP:
         return torch.cat(parts, dim=-2)
     t = parts[0]
+    if rest in BA and config.family == QWEN3_NEXT:
+        t = t[qwen3_next.ba_rows(rest.split(".")[1], config)]
     if rest.startswith("linear_attn."):
         if rest == "linear_attn.A_log":
             t = torch.log(-t)
@@ -173,6 +205,6 @@ def from_gguf(name: str, parts: list[torch.Tensor], config: TextConfig) -> torch
             t = t.reshape(t.shape[0], 1, -1)  # [C, K] -> [C, 1, K]
     if rest == "mlp.shared_expert_gate.weight":
         t = t.reshape(1, -1)
-    if is_one_plus_norm(name):
+    if is_one_plus_norm(name, config):
         t = t - 1
     return t

@@ -1,4 +1,5 @@
-"""A `qwen35` / `qwen35moe` GGUF file's metadata as qwenrt reads it: the model's config (as a Hugging Face config
+"""A `qwen35` / `qwen35moe` GGUF file's metadata (or a related family's: `qwen3vl`, `qwen3vlmoe`, `qwen3next`) as
+qwenrt reads it: the model's config (as a Hugging Face config
 dict, checked by qwenrt.config) and its tokenizer (tokens, merges, token types, special ids, chat template, sampling
 defaults), each key checked for its type. The keys are those llama.cpp's converter writes (shared/peers.md §1.3).
 """
@@ -11,10 +12,16 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFValueType, ReaderField
 
+from qwenrt.config import FAMILIES, QWEN3_NEXT, QWEN3_VL
 from qwenrt.errors import QwenrtError
-from qwenrt.tokenizer import QWEN35_SPLIT, TokenizerParts
+from qwenrt.families import qwen3_next, qwen3_vl
+from qwenrt.tokenizer import QWEN2_SPLIT, QWEN35_SPLIT, TokenizerParts
 
-ARCHITECTURES = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}  # general.architecture -> model_type
+# general.architecture -> model_type
+ARCHITECTURES = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", **qwen3_vl.GGUF_ARCHITECTURES,
+                 qwen3_next.GGUF_ARCHITECTURE: qwen3_next.MODEL_TYPE}
+# tokenizer.ggml.pre -> (the split regex, whether a word in the vocabulary is taken whole before any merge)
+PRE_TOKENIZERS = {"qwen35": (QWEN35_SPLIT, True), "qwen2": (QWEN2_SPLIT, False)}
 INTEGER_TYPES = {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
                  GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64}
 FLOAT_TYPES = {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}
@@ -92,7 +99,7 @@ def architecture(meta: Metadata) -> str:
                           "file (--mmproj FILE, mmproj=FILE)")
     if arch not in ARCHITECTURES:
         raise QwenrtError(f"{meta.where}: GGUF architecture {arch!r} is not supported (supported: "
-                          f"{', '.join(ARCHITECTURES)}: Qwen3.5 dense and MoE)")
+                          f"{', '.join(ARCHITECTURES)}: Qwen3.5, Qwen3-VL and Qwen3-Next, dense and MoE)")
     return arch
 
 
@@ -110,17 +117,15 @@ def config_dict(meta: Metadata, vocab_rows: int, tied: bool) -> dict:
         raise QwenrtError(f"{meta.where}: {key('block_count')} {blocks} leaves no layers beside "
                           f"{key('nextn_predict_layers')} {mtp}")
     head_dim = meta.int(key("attention.key_length"))
-    hv = meta.int(key("ssm.time_step_rank"))
-    if meta.has(key("attention.recurrent_layers")):
-        recurrent = meta.ints(key("attention.recurrent_layers"))[:n_layers]
-        layer_types = ["linear_attention" if r else "full_attention" for r in recurrent]
-    else:
-        interval = meta.int(key("full_attention_interval"), 4)
-        layer_types = ["linear_attention" if (i + 1) % max(interval, 1) else "full_attention" for i in range(n_layers)]
-    sections = meta.ints(key("rope.dimension_sections")) if meta.has(key("rope.dimension_sections")) else [11, 11, 10]
-    rotary = meta.int(key("rope.dimension_count"), head_dim // 4)
+    model_type = ARCHITECTURES[arch]
+    family = FAMILIES[model_type]
+    rotary = meta.int(key("rope.dimension_count"), head_dim if family == QWEN3_VL else head_dim // 4)
+    rope = {"rope_type": "default", "rope_theta": meta.float(key("rope.freq_base")),
+            "partial_rotary_factor": rotary / head_dim if head_dim else 0.0}
+    if meta.has(key("rope.dimension_sections")):  # Qwen3.5's and Qwen3-VL's M-RoPE (Qwen3-Next's rotary is 1-D)
+        rope.update(mrope_section=meta.ints(key("rope.dimension_sections"))[:3], mrope_interleaved=True)
     config = {
-        "model_type": ARCHITECTURES[arch],
+        "model_type": model_type,
         "vocab_size": vocab_rows,
         "hidden_size": meta.int(key("embedding_length")),
         "num_hidden_layers": n_layers,
@@ -129,40 +134,58 @@ def config_dict(meta: Metadata, vocab_rows: int, tied: bool) -> dict:
         "head_dim": head_dim,
         "rms_norm_eps": meta.float(key("attention.layer_norm_rms_epsilon")),
         "max_position_embeddings": meta.int(key("context_length")),
+        "rope_parameters": rope,
+        "tie_word_embeddings": tied,
+    }
+    if family != QWEN3_VL:  # the DeltaNet layers
+        config.update(_deltanet_keys(meta, key, n_layers))
+    if mtp:
+        config["mtp_num_hidden_layers"] = mtp
+    if model_type in ("qwen3_5_text", "qwen3_vl_text"):
+        config["intermediate_size"] = meta.int(key("feed_forward_length"))
+    else:
+        config.update(num_experts=meta.int(key("expert_count")), num_experts_per_tok=meta.int(key("expert_used_count")),
+                      moe_intermediate_size=meta.int(key("expert_feed_forward_length")))
+        if family != QWEN3_VL:  # Qwen3-VL-MoE has no shared expert
+            config["shared_expert_intermediate_size"] = meta.int(key("expert_shared_feed_forward_length"))
+    if family == QWEN3_NEXT:
+        config.update(intermediate_size=meta.int(key("feed_forward_length")),
+                      norm_topk_prob=meta.flag(key("expert_weights_norm"), True))
+    if meta.has("tokenizer.ggml.eos_token_id"):
+        config["eos_token_id"] = meta.int("tokenizer.ggml.eos_token_id")
+    return config
+
+
+def _deltanet_keys(meta: Metadata, key, n_layers: int) -> dict:
+    """The config keys of the DeltaNet layers and which layers they are."""
+    hv = meta.int(key("ssm.time_step_rank"))
+    if meta.has(key("attention.recurrent_layers")):
+        recurrent = meta.ints(key("attention.recurrent_layers"))[:n_layers]
+        layer_types = ["linear_attention" if r else "full_attention" for r in recurrent]
+    else:
+        interval = meta.int(key("full_attention_interval"), 4)
+        layer_types = ["linear_attention" if (i + 1) % max(interval, 1) else "full_attention" for i in range(n_layers)]
+    return {
         "layer_types": layer_types,
         "linear_conv_kernel_dim": meta.int(key("ssm.conv_kernel")),
         "linear_key_head_dim": meta.int(key("ssm.state_size")),
         "linear_num_key_heads": meta.int(key("ssm.group_count")),
         "linear_num_value_heads": hv,
         "linear_value_head_dim": meta.int(key("ssm.inner_size")) // max(hv, 1),
-        "rope_parameters": {"rope_type": "default", "rope_theta": meta.float(key("rope.freq_base")),
-                            "partial_rotary_factor": rotary / head_dim if head_dim else 0.0,
-                            "mrope_section": [s for s in sections[:3]], "mrope_interleaved": True},
-        "tie_word_embeddings": tied,
     }
-    if mtp:
-        config["mtp_num_hidden_layers"] = mtp
-    if arch == "qwen35moe":
-        config.update(num_experts=meta.int(key("expert_count")), num_experts_per_tok=meta.int(key("expert_used_count")),
-                      moe_intermediate_size=meta.int(key("expert_feed_forward_length")),
-                      shared_expert_intermediate_size=meta.int(key("expert_shared_feed_forward_length")))
-    else:
-        config["intermediate_size"] = meta.int(key("feed_forward_length"))
-    if meta.has("tokenizer.ggml.eos_token_id"):
-        config["eos_token_id"] = meta.int("tokenizer.ggml.eos_token_id")
-    return config
 
 
 def tokenizer_parts(meta: Metadata) -> TokenizerParts | None:
-    """The tokenizer a GGUF file describes (a byte-level BPE with Qwen3.5's pre-tokenizer), or None when it has
-    none. Token types: control tokens are special added tokens, user-defined ones added but not special, unused
+    """The tokenizer a GGUF file describes (a byte-level BPE with Qwen3.5's pre-tokenizer, or Qwen2's for Qwen3-VL
+    and Qwen3-Next), or None when it has none. Token types: control tokens are special added tokens, user-defined ones added but not special, unused
     ones (the `[PAD{i}]` rows padding the list to the embedding) left out."""
     if not meta.has("tokenizer.ggml.tokens"):
         return None
     model, pre = meta.str("tokenizer.ggml.model"), meta.str("tokenizer.ggml.pre", "default")
-    if model != "gpt2" or pre != "qwen35":
+    if model != "gpt2" or pre not in PRE_TOKENIZERS:
         raise QwenrtError(f"{meta.where}: tokenizer {model!r} with pre-tokenizer {pre!r} is not supported (Qwen3.5 "
-                          "files have gpt2 / qwen35)")
+                          "files have gpt2 / qwen35, Qwen3-VL and Qwen3-Next gpt2 / qwen2)")
+    split, whole_words = PRE_TOKENIZERS[pre]
     tokens, types = meta.strings("tokenizer.ggml.tokens"), meta.ints("tokenizer.ggml.token_type")
     if len(types) != len(tokens):
         raise QwenrtError(f"{meta.where}: {len(tokens)} tokens but {len(types)} token types")
@@ -178,12 +201,12 @@ def tokenizer_parts(meta: Metadata) -> TokenizerParts | None:
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
         "normalizer": {"type": "NFC"},
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": QWEN35_SPLIT}, "behavior": "Isolated", "invert": False},
+            {"type": "Split", "pattern": {"Regex": split}, "behavior": "Isolated", "invert": False},
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
         "post_processor": None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": whole_words,
                   "vocab": vocab, "merges": merges},
     }
     generation = {name: meta.float(key) for key, name in SAMPLING.items() if meta.has(key)}

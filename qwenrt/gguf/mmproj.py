@@ -1,9 +1,11 @@
 """The Qwen3.5 vision tower in a llama.cpp vision projector file (an "mmproj": architecture `clip`, projector
 `qwen3vl_merger`) as llama.cpp's converter writes it (`convert_hf_to_gguf.py --mmproj`, conversion/qwen3vl.py), both
 ways: the tensor names, the one value transform, and the metadata <-> the tower's vision_config and preprocessing.
+Qwen3-VL's tower is read from the same files, with its DeepStack mergers.
 
 Names: qwenrt's are the checkpoint's under `model.visual.`; the file's are `v.*` (the ViT) and `mm.0` / `mm.2` (the
-merger's two linears). The transform: the Conv3d patch embedding [D, C, 2, P, P] is stored as two Conv2d kernels
+merger's two linears); Qwen3-VL's DeepStack merger n (for block deepstack_visual_indexes[n]) is
+`v.deepstack.{that block}.norm|fc1|fc2`, the blocks flagged in `clip.vision.is_deepstack_layers`. The transform: the Conv3d patch embedding [D, C, 2, P, P] is stored as two Conv2d kernels
 [D, C, P, P], one per frame of the temporal patch (`v.patch_embd.weight`, `v.patch_embd.weight.1`).
 
 What the file leaves out is what llama.cpp's clip graph fixes for this projector: 3 input channels, 2 frames per
@@ -17,7 +19,7 @@ import json
 import torch
 from gguf import GGMLQuantizationType as Q, GGUFWriter, size_label
 
-from qwenrt.config import ModelConfig, parse_config
+from qwenrt.config import QWEN3_5, QWEN3_VL, ModelConfig, parse_config
 from qwenrt.errors import QwenrtError
 from qwenrt.gguf.metadata import Metadata
 from qwenrt.tokenizer import TokenizerParts
@@ -31,6 +33,7 @@ BLOCK_NAMES = {"norm1": "ln1", "norm2": "ln2", "attn.qkv": "attn_qkv", "attn.pro
                "mlp.linear_fc1": "ffn_up", "mlp.linear_fc2": "ffn_down"}
 GLOBAL_NAMES = {"patch_embed.proj": "v.patch_embd", "pos_embed": "v.position_embd", "merger.norm": "v.post_ln",
                 "merger.linear_fc1": "mm.0", "merger.linear_fc2": "mm.2"}
+DEEPSTACK_NAMES = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}  # after deepstack_merger_list.{n}.
 PATCH = VISUAL + "patch_embed.proj.weight"
 PATCH_PARTS = ("v.patch_embd.weight", "v.patch_embd.weight.1")
 # the prompt's vision tokens, found by their text in the model's tokenizer
@@ -43,8 +46,9 @@ FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 1, "q4_k_m": 1}
 MATRIX_TYPES = {0: Q.F32, 1: Q.F16, 32: Q.BF16, 7: Q.Q8_0}
 
 
-def mmproj_names(name: str) -> tuple[str, ...]:
-    """The projector-file tensor(s) holding qwenrt vision tensor `name` (two for the patch embedding); () for none."""
+def mmproj_names(name: str, deepstack: tuple[int, ...] = ()) -> tuple[str, ...]:
+    """The projector-file tensor(s) holding qwenrt vision tensor `name` (two for the patch embedding); () for none.
+    deepstack: the tower's deepstack_visual_indexes."""
     if name == PATCH:
         return PATCH_PARTS
     module, _, leaf = name.removeprefix(VISUAL).rpartition(".")
@@ -54,6 +58,9 @@ def mmproj_names(name: str) -> tuple[str, ...]:
     index, _, inner = inner.partition(".")
     if head == "blocks" and index.isdecimal() and inner in BLOCK_NAMES:
         return (f"v.blk.{index}.{BLOCK_NAMES[inner]}.{leaf}",)
+    if head == "deepstack_merger_list" and index.isdecimal() and int(index) < len(deepstack) \
+            and inner in DEEPSTACK_NAMES:
+        return (f"v.deepstack.{deepstack[int(index)]}.{DEEPSTACK_NAMES[inner]}.{leaf}",)
     return ()
 
 
@@ -83,14 +90,15 @@ def mmproj_shape(name: str, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     return shapes[0]
 
 
-def vision_config(meta: Metadata, hidden_size: int) -> dict:
-    """The Hugging Face vision_config of the tower a projector file describes, for a model of `hidden_size`."""
+def vision_config(meta: Metadata, hidden_size: int, family: str = QWEN3_5) -> dict:
+    """The Hugging Face vision_config of the tower a projector file describes, for a model of `hidden_size` of
+    `family` (Qwen3.5's or Qwen3-VL's: DeepStack for the latter only)."""
     arch = meta.str("general.architecture")
     if arch != "clip":
         raise QwenrtError(f"{meta.where}: not a vision projector file (general.architecture {arch!r}, expected 'clip')")
     projector = meta.str("clip.vision.projector_type", None) or meta.str("clip.projector_type")
     if projector != PROJECTOR or not meta.flag("clip.has_vision_encoder", False):
-        raise QwenrtError(f"{meta.where}: projector {projector!r} is not Qwen3.5's vision tower ('{PROJECTOR}')")
+        raise QwenrtError(f"{meta.where}: projector {projector!r} is not {family}'s vision tower ('{PROJECTOR}')")
     depth, patch = meta.int("clip.vision.block_count"), meta.int("clip.vision.patch_size")
     image_size, projection = meta.int("clip.vision.image_size"), meta.int("clip.vision.projection_dim")
     if projection != hidden_size:
@@ -105,8 +113,10 @@ def vision_config(meta: Metadata, hidden_size: int) -> dict:
         raise QwenrtError(f"{meta.where}: layer_norm_epsilon {eps} is not Qwen3.5's vision LayerNorm's "
                           f"{LAYER_NORM_EPS}")
     key = "clip.vision.is_deepstack_layers"
-    if meta.has(key) and any(meta.ints(key, depth)):
-        raise QwenrtError(f"{meta.where}: deepstack layers (Qwen3-VL's) are not supported (Qwen3.5 has none)")
+    deepstack = [i for i, flag in enumerate(meta.ints(key, depth)) if flag] if meta.has(key) else []
+    if deepstack and family != QWEN3_VL:
+        raise QwenrtError(f"{meta.where}: a projector with DeepStack layers (Qwen3-VL's) for a {family} model, "
+                          "which has none")
     return {
         "depth": depth, "hidden_size": meta.int("clip.vision.embedding_length"),
         "intermediate_size": meta.int("clip.vision.feed_forward_length"),
@@ -114,6 +124,7 @@ def vision_config(meta: Metadata, hidden_size: int) -> dict:
         "spatial_merge_size": meta.int("clip.vision.spatial_merge_size", 2), "temporal_patch_size": FRAMES,
         "out_hidden_size": projection, "num_position_embeddings": (image_size // patch) ** 2,
         "hidden_act": "gelu_pytorch_tanh", "rope_parameters": {"rope_type": "axial", "rope_theta": ROPE_THETA},
+        "deepstack_visual_indexes": deepstack,
     }
 
 
@@ -154,7 +165,8 @@ def _added_tokens(backend_json: str) -> list[dict]:
 
 def vlm_config(text: ModelConfig, vision: dict, token_ids: dict[str, int], where) -> ModelConfig:
     """The VLM config of a GGUF text model with a projector file's tower."""
-    d = {"model_type": "qwen3_5_moe" if text.text.is_moe else "qwen3_5", "text_config": text.raw,
+    family = "qwen3_vl" if text.text.family == QWEN3_VL else "qwen3_5"
+    d = {"model_type": f"{family}_moe" if text.text.is_moe else family, "text_config": text.raw,
          "vision_config": vision, "tie_word_embeddings": text.text.tie_word_embeddings, **token_ids}
     try:
         return parse_config(d, where=f"{where} metadata")

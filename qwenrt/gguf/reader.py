@@ -22,11 +22,11 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFReader, GGUFValueType
 from gguf import quants
 
-from qwenrt.config import ModelConfig, parse_config
+from qwenrt.config import QWEN3_NEXT, ModelConfig, parse_config
 from qwenrt.errors import QwenrtError
 from qwenrt.gguf import mmproj as clip
 from qwenrt.gguf.blocks import INT4_G32, SPECS, stored_blocks
-from qwenrt.gguf.layout import from_gguf, gguf_names, layer_part
+from qwenrt.gguf.layout import from_gguf, gguf_names, gguf_shape, layer_part
 from qwenrt.gguf.metadata import Metadata, architecture, config_dict, tokenizer_parts
 from qwenrt.gguf.names import SPLIT
 from qwenrt.quant import EMBEDDING, QuantSpec, quantizable_weights, storage_entries
@@ -250,7 +250,7 @@ def open_gguf(path: str | Path, mmproj: str | Path | None = None, blocks: bool =
     unknown = sorted(set(tensors) - used)
     if unknown:
         raise QwenrtError(f"{path}: {len(unknown)} tensor(s) qwenrt does not know: {', '.join(unknown[:6])}")
-    shapes = {name: _shape(name, parts) for name, parts in sources.items()}
+    shapes = {name: _shape(name, parts, config) for name, parts in sources.items()}
     dtypes = {name: AUTO_DTYPE.get(Q(parts[0].tensor_type), "BF16") for name, parts in sources.items()}
     file_types = {name: Q(parts[0].tensor_type).name for name, parts in sources.items()}
     quantized = any(Q(t.tensor_type) not in AUTO_DTYPE for parts in sources.values() for t in parts)
@@ -288,7 +288,8 @@ def _offer_blocks(ckpt: GGUFCheckpoint) -> None:
         if spec is None:
             continue
         del ckpt.shapes[parameter], ckpt.dtypes[parameter]
-        for key, (shape, dtype) in storage_entries(_shape(parameter, ckpt.sources[parameter]), spec).items():
+        stored = storage_entries(_shape(parameter, ckpt.sources[parameter], ckpt.config), spec)
+        for key, (shape, dtype) in stored.items():
             ckpt.pieces[f"{weight}.{key}"] = (parameter, spec, key)
             ckpt.shapes[f"{weight}.{key}"] = shape
             ckpt.dtypes[f"{weight}.{key}"] = DTYPE_NAMES[dtype]
@@ -311,9 +312,12 @@ def add_mmproj(ckpt: GGUFCheckpoint, path: Path) -> None:
     the config by the loader, as a checkpoint's are."""
     if not path.is_file():
         raise QwenrtError(f"vision projector file not found: {path}")
+    family = ckpt.config.text.family
+    if family == QWEN3_NEXT:
+        raise QwenrtError(f"{path}: a vision projector for a Qwen3-Next model, which takes no images")
     reader = _open(path)
     meta = Metadata(reader.fields, path)
-    vision = clip.vision_config(meta, ckpt.config.text.hidden_size)
+    vision = clip.vision_config(meta, ckpt.config.text.hidden_size, family)
     ids = clip.vision_token_ids(ckpt.tokenizer, ckpt.config.text.vocab_size, ckpt.path)
     config = clip.vlm_config(ckpt.config, vision, ids, path)
     tensors = {}
@@ -338,11 +342,12 @@ def _map_vision_tensors(path: Path, config: ModelConfig, tensors: dict) -> dict[
     """{qwenrt vision name: its reader tensors}: every tensor of the tower the config describes, of a readable type."""
     from qwenrt.vision import VisionConfig, VisionTower
 
+    vision = VisionConfig.from_dict(config.vision)
     with torch.device("meta"):
-        names = [clip.VISUAL + n for n, _ in VisionTower(VisionConfig.from_dict(config.vision)).named_parameters()]
+        names = [clip.VISUAL + n for n, _ in VisionTower(vision).named_parameters()]
     sources, missing = {}, []
     for name in names:
-        wanted = clip.mmproj_names(name)
+        wanted = clip.mmproj_names(name, vision.deepstack_visual_indexes)
         if all(w in tensors for w in wanted):
             sources[name] = tuple(tensors[w] for w in wanted)
         else:
@@ -373,10 +378,9 @@ def _expected_names(config: ModelConfig) -> list[str]:
 def _map_tensors(path: Path, config: ModelConfig, tensors: dict) -> tuple[dict[str, tuple], set[str]]:
     """{qwenrt name: its reader tensors}, and the GGUF names used. Every decoder tensor must be there; the MTP
     head's are taken all or none."""
-    n_layers = config.text.num_hidden_layers
     sources, missing = {}, {"trunk": [], "mtp": []}
     for name in _expected_names(config):
-        wanted = gguf_names(name, n_layers)
+        wanted = gguf_names(name, config.text)
         fused = tuple(w.replace("ffn_gate_exps", "ffn_gate_up_exps") for w in wanted[:1])
         if name.endswith(".mlp.experts.gate_up_proj") and fused[0] in tensors:
             wanted = fused  # a newer converter's one [E, 2I, D] tensor
@@ -396,13 +400,6 @@ def _map_tensors(path: Path, config: ModelConfig, tensors: dict) -> tuple[dict[s
     return sources, {t.name for parts in sources.values() for t in parts}
 
 
-def _shape(name: str, parts: tuple) -> tuple[int, ...]:
-    """The qwenrt shape of tensor `name` from its GGUF parts' shapes (the transforms' reshapes applied)."""
-    shapes = [tuple(int(n) for n in reversed(t.shape)) for t in parts]
-    if name.endswith("mlp.experts.gate_up_proj") and len(shapes) == 2:
-        return (*shapes[0][:-2], shapes[0][-2] + shapes[1][-2], shapes[0][-1])
-    if name.endswith("linear_attn.conv1d.weight"):
-        return (shapes[0][0], 1, math.prod(shapes[0][1:]))
-    if name.endswith("shared_expert_gate.weight"):
-        return (1, math.prod(shapes[0]))
-    return shapes[0]
+def _shape(name: str, parts: tuple, config: ModelConfig) -> tuple[int, ...]:
+    """The qwenrt shape of tensor `name` from its GGUF parts."""
+    return gguf_shape(name, [_torch_shape(t) for t in parts], config.text)
