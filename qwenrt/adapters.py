@@ -16,7 +16,10 @@ the base is one error naming the file.
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -24,7 +27,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from qwenrt.checkpoint import canonical_name
+from qwenrt.config import QWEN3_NEXT
 from qwenrt.errors import QwenrtError
+from qwenrt.families import qwen3_next
 from qwenrt.files import CheckpointDir, output_dir
 from qwenrt.lora import BANK_NAMES, LoraBank, LoraSpec, expert_banks, kind, lora_modules, projections
 
@@ -38,7 +43,6 @@ HEAD = PREFIX + "score.weight"  # a SEQ_CLS adapter's head [num_labels, hidden]
 HEAD_MODULES = {"score", "classifier"}  # what PEFT lists in a SEQ_CLS adapter's modules_to_save
 # PEFT settings whose adapters compute something else than base + scaling·B·A on projections: refused when set
 UNSUPPORTED = {"use_dora": "DoRA", "lora_bias": "LoRA biases", "modules_to_save": "modules_to_save (whole modules)",
-               "rank_pattern": "per-module ranks (rank_pattern)", "alpha_pattern": "per-module alphas (alpha_pattern)",
                "fan_in_fan_out": "fan_in_fan_out (Conv1D bases)", "trainable_token_indices": "trainable tokens",
                "layer_replication": "layer replication"}
 
@@ -54,20 +58,27 @@ def save_adapter(directory: str | Path, model: nn.Module, spec: LoraSpec, base: 
     adapters = lora_modules(model)
     vlm = model.config.is_vlm
     banks = {path: m for path, m in adapters.items() if isinstance(m, LoraBank)}
-    tensors = {}
-    for path, m in adapters.items():
-        name = PREFIX + _transformers_path(_peft_path(path, banks), vlm)
-        tensors[name + PIECES[0]], tensors[name + PIECES[1]] = _peft_pair(m)
+    pairs = {path: _peft_pair(m) for path, m in adapters.items()}
+    if model.config.text.family == QWEN3_NEXT:
+        pairs = _fuse_next(pairs, model.config.text)
+    tensors, rank_pattern, alpha_pattern = {}, {}, {}
+    for path, (A, B) in pairs.items():
+        name = _transformers_path(_peft_path(path, banks), vlm)
+        tensors[PREFIX + name + PIECES[0]], tensors[PREFIX + name + PIECES[1]] = A, B
+        rank = A.shape[0]
+        if path not in banks and rank != spec.rank:  # a fused pair: its own rank, alpha kept to the same scaling
+            rank_pattern[re.escape(name)] = rank
+            alpha_pattern[re.escape(name)] = spec.scaling * (math.sqrt(rank) if spec.rslora else rank)
     head = getattr(model, "score", None)
     if head is not None:
         tensors[HEAD] = head.weight.detach().float().contiguous()
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM" if head is None else "SEQ_CLS",
               "base_model_name_or_path": base, "revision": None,
               "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "use_rslora": spec.rslora,
-              "target_modules": sorted({kind(path) for path in adapters if path not in banks}), "bias": "none",
+              "target_modules": sorted({kind(path) for path in pairs if path not in banks}), "bias": "none",
               "fan_in_fan_out": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
               "modules_to_save": None if head is None else ["score"], "layers_to_transform": None,
-              "rank_pattern": {}, "alpha_pattern": {}}
+              "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern}
     if banks:  # in the order PEFT wraps them, as _bank_path reads them back
         config["target_parameters"] = sorted({kind(path) for path in banks},
                                              key=lambda p: BANK_NAMES.index(p.rpartition(".")[2]))
@@ -76,6 +87,17 @@ def save_adapter(directory: str | Path, model: nn.Module, spec: LoraSpec, base: 
         (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     except OSError as e:
         raise QwenrtError(f"cannot write the adapter into {directory}: {e.strerror or e}") from None
+
+
+def _fuse_next(pairs: dict[str, tuple], c) -> dict[str, tuple]:
+    """Qwen3-Next: each layer's pairs on the parts of a fused projection (in_proj_qkv and in_proj_z; in_proj_b and
+    in_proj_a) as one pair on the fused module transformers has (in_proj_qkvz; in_proj_ba)."""
+    out = dict(pairs)
+    for fused, parts in qwen3_next.fused_rows(c).items():
+        for owner in sorted({p.rpartition(".")[0] for p in pairs if p.rpartition(".")[2] in parts}):
+            mine = {part: out.pop(f"{owner}.{part}") for part in parts if f"{owner}.{part}" in out}
+            out[f"{owner}.{fused}"] = qwen3_next.fuse_adapters(fused, mine, c)
+    return out
 
 
 def _peft_path(path: str, banks: dict[str, LoraBank]) -> str:
@@ -98,9 +120,9 @@ def _peft_pair(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return A.contiguous(), B.contiguous()
 
 
-def read_config(directory: str | Path) -> tuple[LoraSpec, Path, tuple[str, ...]]:
+def read_config(directory: str | Path) -> tuple[LoraSpec, Path, tuple[str, ...], tuple[dict, dict]]:
     """An adapter directory's adapter_config.json -> (its LoraSpec, the weights file, its target_parameters: the
-    expert banks it adapts), or one QwenrtError."""
+    expert banks it adapts, its (rank_pattern, alpha_pattern)), or one QwenrtError."""
     where = CheckpointDir(directory)
     if not where.exists(CONFIG_FILE):
         raise QwenrtError(f"{where.path}: no {CONFIG_FILE} (a PEFT LoRA adapter holds {CONFIG_FILE} and "
@@ -122,11 +144,37 @@ def read_config(directory: str | Path) -> tuple[LoraSpec, Path, tuple[str, ...]]
         spec = LoraSpec(raw.get("r"), raw.get("lora_alpha"), targets or ("?",), rslora=bool(raw.get("use_rslora")))
     except QwenrtError as e:
         raise QwenrtError(f"{file}: {e}") from None
+    patterns = _pattern(file, raw, "rank_pattern", int), _pattern(file, raw, "alpha_pattern", (int, float))
     if not where.exists(WEIGHTS_FILE):
         pickled = " (adapter_model.bin, a pickle, is not read: save with safe_serialization=True)" \
             if where.exists("adapter_model.bin") else ""
         raise QwenrtError(f"{where.path}: no {WEIGHTS_FILE}{pickled}")
-    return spec, where.file(WEIGHTS_FILE, "adapter weights"), tuple(parameters)
+    return spec, where.file(WEIGHTS_FILE, "adapter weights"), tuple(parameters), patterns
+
+
+def _pattern(file: Path, raw: dict, key: str, kinds) -> dict[str, float]:
+    """rank_pattern / alpha_pattern: {regular expression: a positive number}, as PEFT reads them."""
+    pattern = raw.get(key) or {}
+    if not isinstance(pattern, dict) or len(pattern) > 100_000:
+        raise QwenrtError(f"{file}: {key} must be an object of module patterns")
+    for name, value in pattern.items():
+        if isinstance(value, bool) or not isinstance(value, kinds) or not 0 < value < 1e9:
+            raise QwenrtError(f"{file}: {key}[{name!r:.80}] must be a positive number, got {value!r:.40}")
+        try:
+            re.compile(name)
+        except re.error as e:
+            raise QwenrtError(f"{file}: {key} key {name!r:.80} is not a regular expression ({e})") from None
+    return pattern
+
+
+def _module_rank_scaling(key: str, spec: LoraSpec, patterns: tuple[dict, dict]) -> tuple[int, float]:
+    """(rank, scaling) of the module at transformers path `key`: the first pattern matching it, as PEFT's
+    get_pattern_key picks, else the config's r and lora_alpha."""
+    def pick(pattern: dict, default):
+        return next((v for k, v in pattern.items() if re.match(rf"(.*\.)?({k})$", key)), default)
+
+    rank, alpha = pick(patterns[0], spec.rank), pick(patterns[1], spec.alpha)
+    return rank, alpha / (math.sqrt(rank) if spec.rslora else rank)
 
 
 def _head_only(raw: dict) -> bool:
@@ -141,31 +189,55 @@ def read_adapter(directory: str | Path, model: nn.Module) -> tuple[LoraSpec, dic
     ([E, r, K], [E, N, r]), expert by expert. Every tensor must be a lora_A / lora_B pair of a projection or bank the
     model has, of its shape and the config's rank, finite; a classifier's head (read_head) only where the model has
     one."""
-    spec, file, parameters = read_config(directory)
+    spec, file, parameters, patterns = read_config(directory)
     tensors = _read_tensors(file)
     if HEAD in tensors:
         if getattr(model, "score", None) is None:
             raise QwenrtError(f"{file}: a classifier's adapter (it holds the score head): it goes on a sequence "
                               "classifier, not on a causal LM")
         del tensors[HEAD]
-    found, banks = projections(model), expert_banks(model)
+    found, banks, fused = projections(model), expert_banks(model), _fused_projections(model)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    keys: dict[str, str] = {}  # our path -> the module's path in transformers, which patterns match
     for name, t in tensors.items():
         piece = next((p for p in PIECES if name.endswith(p)), None)
-        path = canonical_name(name[len(PREFIX):-len(piece)]) if name.startswith(PREFIX) and piece else None
+        key = name[len(PREFIX):-len(piece)] if name.startswith(PREFIX) and piece else None
+        path = canonical_name(key) if key else None
         if path is None:
             raise QwenrtError(f"{file}: tensor '{name:.120}' is not a LoRA weight (base_model.model.<module>"
                               ".lora_A.weight / .lora_B.weight)")
         if path.endswith(EXPERTS) or path.endswith(EXPERTS + NESTED):
             path = _bank_path(file, name, path, parameters)
-        if path not in found and path not in banks:
+        if path not in found and path not in banks and path not in fused:
             raise QwenrtError(f"{file}: tensor '{name:.120}' adapts {path:.120}, which is no projection of this "
                               "model")
         pairs.setdefault(path, {})[piece] = t
+        keys[path] = key
     if not pairs:
         raise QwenrtError(f"{file}: holds no LoRA weights")
-    return spec, {path: _checked_pair(file, path, pieces, found.get(path) or banks[path], spec.rank)
-                  for path, pieces in pairs.items()}
+    out = {}
+    for path, pieces in pairs.items():
+        rank, scaling = _module_rank_scaling(keys[path], spec, patterns)
+        A, B = _checked_pair(file, path, pieces, found.get(path) or banks.get(path) or fused[path], rank)
+        if scaling != spec.scaling:  # its own alpha or rank: the adapter's one scaling applies to every module
+            B = B * (scaling / spec.scaling)
+        if path in fused:
+            owner, _, name = path.rpartition(".")
+            out.update({f"{owner}.{part}": pair
+                        for part, pair in qwen3_next.split_adapter(name, A, B, model.config.text).items()})
+        else:
+            out[path] = (A, B)
+    return spec, out
+
+
+def _fused_projections(model: nn.Module) -> dict[str, SimpleNamespace]:
+    """Qwen3-Next's fused projections transformers has and qwenrt holds split, by path -> their in/out features."""
+    c = model.config.text
+    if c.family != QWEN3_NEXT:
+        return {}
+    rows = {fused: sum(len(r) for r in parts.values()) for fused, parts in qwen3_next.fused_rows(c).items()}
+    return {f"model.layers.{i}.linear_attn.{fused}": SimpleNamespace(out_features=n, in_features=c.hidden_size)
+            for i in c.linear_attention_layers for fused, n in rows.items()}
 
 
 def _bank_path(file: Path, name: str, module: str, parameters: tuple[str, ...]) -> str:
@@ -214,7 +286,7 @@ def _checked_pair(file: Path, path: str, pieces: dict[str, torch.Tensor], base: 
                           f"[{N}, r{'·E' * (E > 1)}])")
     if A.shape[0] != rank * E or B.shape[1] != rank * E:
         raise QwenrtError(f"{file}: {path} has rank {A.shape[0] // E} (lora_A) / {B.shape[1] // E} (lora_B), but "
-                          f"{CONFIG_FILE} says r = {rank}")
+                          f"{CONFIG_FILE} says r = {rank} for it")
     for name, t in (("lora_A", A), ("lora_B", B)):
         if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
             raise QwenrtError(f"{file}: {path}.{name} must hold finite floats ({t.dtype})")

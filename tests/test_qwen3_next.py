@@ -277,3 +277,68 @@ def test_published_shape_and_a_random_slice_of_it(tmp_path, monkeypatch):
     assert model.config.text.family == "Qwen3-Next" and model.mtp is not None
     assert cpu_kernels() is None or DecodePlan.for_model(model) is not None
     assert torch.isfinite(model(PROMPTS[:1, :8])).all()
+
+
+def _peft_on_reference(path, out, seed=0):
+    """A PEFT adapter with random B on transformers' Qwen3-Next (fp32): the fused in_proj_qkvz / in_proj_ba as PEFT
+    sees them, the DeltaNet output, attention; one module with its own rank and alpha."""
+    import peft
+    from transformers import Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, rank_pattern={"in_proj_ba": 2},
+                             alpha_pattern={"layers.0.linear_attn.in_proj_qkvz": 3},
+                             target_modules=["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj", "o_proj"])
+    model = peft.get_peft_model(Qwen3NextForCausalLM.from_pretrained(path).eval(), config).eval()
+    model.save_pretrained(out)
+    return model
+
+
+LORA_IDS = PROMPTS[:1, :24]
+
+
+def test_peft_adapters_on_the_fused_projections_load(next_path, tmp_path):
+    """PEFT trains Qwen3-Next's fused in_proj_qkvz / in_proj_ba: qwenrt splits each pair by rows (and folds the
+    per-module rank / alpha into B); its logits are PEFT's, loaded and merged."""
+    from qwenrt.merge import merge_lora
+
+    reference = _peft_on_reference(next_path, tmp_path / "a")
+    with torch.no_grad(), reference.disable_adapter():
+        base = reference(LORA_IDS).logits
+    with torch.no_grad():
+        expected = reference(LORA_IDS).logits
+    model, _ = qwenrt.load(next_path, dtype="float32", adapter=tmp_path / "a")
+    assert rel_err(model(LORA_IDS), expected) <= 1e-4 and rel_err(base, expected) > 1e-2
+    merge_lora(next_path, tmp_path / "a", tmp_path / "merged")
+    merged, _ = qwenrt.load(tmp_path / "merged", dtype="float32")
+    assert rel_err(merged(LORA_IDS), expected) <= 1e-4
+
+
+def test_our_adapters_are_written_on_the_fused_projections(next_path, tmp_path):
+    """Adapters qwenrt trains on the split projections are written as one pair per fused module (rank 2r, alpha
+    kept to the same scaling): PEFT on transformers' Qwen3-Next gives qwenrt's logits, and qwenrt reads them back."""
+    import peft
+    from transformers import Qwen3NextForCausalLM
+
+    from qwenrt.adapters import CONFIG_FILE, save_adapter
+    from qwenrt.lora import LoraSpec, add_adapters, lora_modules
+
+    model, _ = qwenrt.load(next_path, dtype="float32")
+    spec = LoraSpec(4, 8, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "q_proj"))
+    add_adapters(model, spec)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.1)
+        ours = model(LORA_IDS)
+    save_adapter(tmp_path / "ours", model, spec, str(next_path))
+    config = json.loads((tmp_path / "ours" / CONFIG_FILE).read_text())
+    assert config["target_modules"] == ["linear_attn.in_proj_ba", "linear_attn.in_proj_qkvz", "self_attn.q_proj"]
+    assert set(config["rank_pattern"].values()) == {8} and set(config["alpha_pattern"].values()) == {16}
+    reference = peft.PeftModel.from_pretrained(Qwen3NextForCausalLM.from_pretrained(next_path).eval(),
+                                               tmp_path / "ours").eval()
+    with torch.no_grad():
+        assert rel_err(ours, reference(LORA_IDS).logits) <= 1e-4
+    again, _ = qwenrt.load(next_path, dtype="float32", adapter=tmp_path / "ours")
+    with torch.no_grad():
+        assert rel_err(again(LORA_IDS), ours) <= 1e-5

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from qwenrt.errors import QwenrtError
 from qwenrt.fields import Fields
 
@@ -55,9 +57,36 @@ def _fused_runs(c) -> dict[str, dict[str, tuple[tuple[int, int], ...]]]:
     }
 
 
+def fused_rows(c) -> dict[str, dict[str, list[int]]]:
+    """fused tensor -> {Qwen3.5 projection: the fused tensor's rows holding it, in the projection's order}."""
+    return {fused: {part: [start + i for start, n in runs for i in range(n)] for part, runs in parts.items()}
+            for fused, parts in _fused_runs(c).items()}
+
+
 def ba_rows(projection: str, c) -> list[int]:
     """The rows of a fused in_proj_ba [2·Hv, D] holding `projection` ("in_proj_b" or "in_proj_a"), in its order."""
-    return [start + i for start, n in _fused_runs(c)["in_proj_ba"][projection] for i in range(n)]
+    return fused_rows(c)["in_proj_ba"][projection]
+
+
+def split_adapter(fused: str, A: torch.Tensor, B: torch.Tensor, c) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A LoRA pair on a fused projection (A [r, D], B [rows, r], as PEFT trains it on Qwen3-Next) -> the same update
+    on each Qwen3.5 projection it holds: {projection: (A, B's rows for it)}."""
+    return {part: (A, B[rows]) for part, rows in fused_rows(c)[fused].items()}
+
+
+def fuse_adapters(fused: str, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], c) -> tuple[torch.Tensor, torch.Tensor]:
+    """LoRA pairs on some of a fused projection's parts ({projection: (A [r_p, D], B [N_p, r_p])}, one scaling) ->
+    one pair on the fused tensor with the same update: A the parts' A stacked [Σr_p, D], B block-diagonal
+    [rows, Σr_p], each part's block at its rows."""
+    rows = fused_rows(c)[fused]
+    A = torch.cat([pairs[part][0] for part in rows if part in pairs])
+    B = A.new_zeros(sum(len(r) for r in rows.values()), A.shape[0])
+    column = 0
+    for part in (p for p in rows if p in pairs):
+        rank = pairs[part][0].shape[0]
+        B[rows[part], column:column + rank] = pairs[part][1]
+        column += rank
+    return A, B
 
 
 def split_fused(plan: dict, c, where) -> dict:
