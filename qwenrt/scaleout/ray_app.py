@@ -231,6 +231,16 @@ def build_app(options: dict, replicas: int, threads: int, routing: str = "affini
     return QwenrtIngress.bind(replica.bind(options))
 
 
+def _deploy_failure(e: RuntimeError) -> str:
+    """Why the application did not start: the replicas' own error where Serve kept it (the last line of its
+    traceback), else Serve's message."""
+    for name, deployment in serve.status().applications[APP_NAME].deployments.items():
+        lines = [line.strip() for line in (deployment.message or "").splitlines() if line.strip()]
+        if lines and deployment.status != "HEALTHY":
+            return f"{name}: {lines[-1].removeprefix('qwenrt.errors.').removeprefix('QwenrtError: ')}"
+    return str(e)
+
+
 def serve_on_ray(args) -> None:
     """`qwenrt serve --ray`: start a local Ray cluster (or join --ray-address), run the application on --host/--port
     until Ctrl-C or SIGTERM, then shut it down."""
@@ -244,7 +254,10 @@ def serve_on_ray(args) -> None:
         serve.start(http_options={"host": args.host, "port": args.port}, proxy_location="EveryNode")
         log.info(f"qwenrt serve --ray: {args.replicas} replica(s) x {threads} thread(s), {args.routing} routing; "
                  f"loading the model")
-        serve.run(build_app(vars(args), args.replicas, threads, args.routing), name=APP_NAME, route_prefix="/")
+        try:
+            serve.run(build_app(vars(args), args.replicas, threads, args.routing), name=APP_NAME, route_prefix="/")
+        except RuntimeError as e:
+            raise QwenrtError(_deploy_failure(e)) from None
         log.info(f"qwenrt serve --ray: http://{args.host}:{args.port} (Ctrl-C stops)")
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
