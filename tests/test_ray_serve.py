@@ -1,5 +1,6 @@
-"""`qwenrt serve --ray`: one local Ray cluster (loopback, 2 CPUs, no dashboard) for the module, serving two replicas
-of the built-in model behind qwenrt's ingress; answers are checked against one plain app in this process."""
+"""`qwenrt serve --ray`: one local Ray cluster for the module, two nodes started as separate processes on this machine
+(1 CPU each, no dashboard), serving two replicas of the built-in model (1 CPU each: one per node) behind qwenrt's
+ingress; answers are checked against one plain app in this process."""
 
 import json
 import re
@@ -29,20 +30,24 @@ def serve_args(*options: str):
 @pytest.fixture(scope="module")
 def cluster():
     """The Ray app's URL; two replicas of one thread each, prefix-affinity routing."""
+    from ray.cluster_utils import Cluster
+
     from qwenrt.scaleout.ray_app import APP_NAME, build_app
 
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             configure_logging=False)
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
+        nodes.add_node(num_cpus=1)
+        ray.init(address=nodes.address, log_to_driver=False, configure_logging=False)
         with socket.socket() as s:  # after Ray took its ports
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": port})  # one proxy, on the head node
         serve.run(build_app(vars(serve_args()), replicas=2, threads=1), name=APP_NAME, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
         ray.shutdown()
+        nodes.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +105,7 @@ def answers(openai_client: openai.OpenAI) -> list:
 
 
 def test_the_official_client_gets_the_plain_servers_answers(cluster, plain):
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 2  # a replica needs a node's only CPU: one on each
     assert answers(client(cluster)) == answers(plain[1])
 
 

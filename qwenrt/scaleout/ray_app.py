@@ -251,7 +251,8 @@ def serve_on_ray(args) -> None:
         ray.init(num_cpus=max(os.cpu_count() or 1, threads * args.replicas), include_dashboard=False,
                  log_to_driver=False)
     try:
-        serve.start(http_options={"host": args.host, "port": args.port}, proxy_location="EveryNode")
+        # one HTTP endpoint, on the cluster's head node; replicas go wherever Ray finds their CPUs
+        serve.start(http_options={"host": args.host, "port": args.port}, proxy_location="HeadOnly")
         log.info(f"qwenrt serve --ray: {args.replicas} replica(s) x {threads} thread(s), {args.routing} routing; "
                  f"loading the model")
         try:
