@@ -187,7 +187,8 @@ def test_lora_requests_info_names_the_running_and_waiting_adapters(chat_adapter)
     engine = Engine(model, tokenizer, max_running=1)
     engine.start()
     http, client = scripted_client(engine, names=("base",), adapters={"sql": str(directory)})
-    pattern = r'^vllm:lora_requests_info\{max_lora="(\d+)",running_lora_adapters="([^"]*)",waiting_lora_adapters="([^"]*)"\} (\S+)$'
+    pattern = (r'^vllm:lora_requests_info\{max_lora="(\d+)",running_lora_adapters="([^"]*)",'
+               r'waiting_lora_adapters="([^"]*)"\} (\S+)$')
     long = dict(prompt="The capital of", max_tokens=300, temperature=0, extra_body={"ignore_eos": True})
     seen = set()
     with http, ThreadPoolExecutor(2) as pool:
