@@ -135,6 +135,11 @@ def make_app(args, on_load_failed=None):
 
 
 def serve(args) -> None:
+    given = [flag for flag, value in (("--replicas", args.replicas != 1), ("--threads-per-replica",
+             args.threads_per_replica), ("--ray-address", args.ray_address), ("--routing", args.routing != "affinity"))
+             if value]
+    if given and not args.ray:
+        raise QwenrtError(f"{', '.join(given)}: only with --ray (replicas on Ray Serve)")
     if args.ray:
         from qwenrt.scaleout.ray_app import serve_on_ray
 

@@ -1,9 +1,12 @@
-"""The prefix-affinity policy of `qwenrt serve --ray` (qwenrt.scaleout.affinity), without Ray."""
+"""`qwenrt serve --ray` without Ray: the prefix-affinity policy (qwenrt.scaleout.affinity) and the options."""
 
 import json
 import random
 
+import pytest
+
 from qwenrt.scaleout.affinity import BLOCK_CHARS, Recent, by_affinity, prompt_prefix
+from tests.hostile import one_line_error
 
 SYSTEM = {"role": "system", "content": "You are terse. " * 10}
 
@@ -47,3 +50,12 @@ def test_affinity_holds_while_loads_are_close_and_yields_to_power_of_two_past_th
     unseen = prompt_prefix("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}]}
                                                               ).encode())
     assert len(by_affinity(["a", "b", "c"], unseen, recent, {}, rng=rng)[0]) == 2  # nobody shares it: pow2
+
+
+@pytest.mark.parametrize("options, named", [(["--replicas", "2"], "--replicas"),
+                                            (["--ray-address", "auto", "--routing", "pow2"], "--ray-address, --routing")])
+def test_ray_options_need_ray(options, named):
+    from qwenrt.cli import build_parser
+    from qwenrt.server.main import serve
+
+    one_line_error(lambda: serve(build_parser().parse_args(["serve", *options])), f"{named}: only with --ray")
