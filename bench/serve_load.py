@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"server logs in {log_dir}", file=sys.stderr)
     loads, prefills, soaks = [], [], {}
     for quantize, ckpt in checkpoints(args).items():
-        label = f"{args.model or args.shape} {args.dtype if quantize == 'none' else quantize}"
+        label = f"{args.model or args.shape} {args.dtype if quantize == 'none' else quantize} {args.serve_args}".strip()
         print(f"== {label}: starting the server ({ckpt})", file=sys.stderr, flush=True)
         server = start_server(ckpt, tok, args, log_dir / f"server-{label.replace(' ', '-').replace('/', '_')}.log")
         try:

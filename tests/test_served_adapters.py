@@ -173,6 +173,40 @@ def test_server_routes_requests_to_adapters_by_model_name(chat_adapter):
     assert [adapted.choices[0].text, base.choices[0].text] == expected and expected[0] != expected[1]
 
 
+def test_lora_requests_info_names_the_running_and_waiting_adapters(chat_adapter):
+    """vllm:lora_requests_info, what llm-d's LoRA affinity reads: one request runs at a time, the base model's first
+    while the adapter's waits, then the adapter's."""
+    import re
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.test_server import scripted_client
+
+    path, directory = chat_adapter
+    model, tokenizer = qwenrt.load(path, dtype="bfloat16", adapters={"sql": directory})
+    engine = Engine(model, tokenizer, max_running=1)
+    engine.start()
+    http, client = scripted_client(engine, names=("base",), adapters={"sql": str(directory)})
+    pattern = (r'^vllm:lora_requests_info\{max_lora="(\d+)",running_lora_adapters="([^"]*)",'
+               r'waiting_lora_adapters="([^"]*)"\} (\S+)$')
+    long = dict(prompt="The capital of", max_tokens=300, temperature=0, extra_body={"ignore_eos": True})
+    seen = set()
+    with http, ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(client.completions.create, model="base", **long)]
+        while not re.search(r"^vllm:num_requests_running 1", http.get("/metrics").text, re.M):
+            time.sleep(0.005)
+        runs.append(pool.submit(client.completions.create, model="sql", **long))
+        while not all(r.done() for r in runs):
+            before = time.time()
+            (max_lora, running, waiting, stamp), = re.findall(pattern, http.get("/metrics").text, re.M)
+            seen.add((max_lora, running, waiting))
+            assert before - 1 <= float(stamp) <= time.time() + 1
+            time.sleep(0.005)
+        seen.add(re.findall(pattern, http.get("/metrics").text, re.M)[0][:3])
+    engine.stop()
+    assert {("1", "", "sql"), ("1", "sql", "")} <= seen <= {("1", "", "sql"), ("1", "sql", ""), ("1", "", "")}
+
+
 def test_serve_refuses_a_malformed_lora_option(capsys):
     from qwenrt.cli import main
 

@@ -1133,3 +1133,41 @@ def test_bad_constraints_are_400s_naming_the_field(server, extra, param, words):
     with pytest.raises(openai.BadRequestError) as e:
         chat(server.client(), user("hi"), max_tokens=5, extra_body=extra)
     assert e.value.body["param"] == param and words in e.value.body["message"]
+
+
+# ---- the gauges fleet routers read ----------------------------------------------------------------------------
+
+def vllm_gauges(http) -> dict[str, float]:
+    """/metrics' vllm: samples, by name with their labels."""
+    return {name: float(value) for name, value in re.findall(r"^(vllm:\S+) (\S+)$", http.get("/metrics").text, re.M)}
+
+
+def test_router_gauges_move_with_the_load(chat_model):
+    """llm-d's endpoint picker and the vLLM/SGLang routers read vllm:num_requests_running / _waiting and
+    vllm:kv_cache_usage_perc: one request runs at a time here, so two more wait while it does, and all fall back to 0
+    when they end."""
+    from qwenrt.engine import Engine
+
+    model, tokenizer, _ = chat_model
+    engine = Engine(model, tokenizer, max_running=1)
+    engine.start()
+    http, client = scripted_client(engine)
+    with http:
+        idle = vllm_gauges(http)
+        with ThreadPoolExecutor(3) as pool:
+            runs = [pool.submit(client.completions.create, model="tiny", prompt="One two", max_tokens=300,
+                                temperature=0, extra_body={"ignore_eos": True}) for _ in range(3)]
+            busiest = {}
+            while not all(r.done() for r in runs):
+                g = vllm_gauges(http)
+                if g["vllm:num_requests_waiting"] > busiest.get("vllm:num_requests_waiting", -1):
+                    busiest = g
+                time.sleep(0.005)
+        after = vllm_gauges(http)
+    engine.stop()
+    assert all(r.result().usage.completion_tokens == 300 for r in runs)
+    cache = "vllm:cache_config_info{block_size=\"1024\",cache_dtype=\"float32\",enable_prefix_caching=\"true\"}"
+    assert idle == after == {"vllm:num_requests_running": 0, "vllm:num_requests_waiting": 0,
+                             "vllm:kv_cache_usage_perc": 0, cache: 1}
+    assert busiest["vllm:num_requests_running"] == 1 and busiest["vllm:num_requests_waiting"] == 2
+    assert 0 < busiest["vllm:kv_cache_usage_perc"] < 1

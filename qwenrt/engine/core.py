@@ -271,6 +271,12 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self._inbox) + len(self.scheduler.waiting)
 
+    def adapters_in_use(self) -> tuple[set[str], set[str]]:
+        """The served adapters (names) of the running requests and of the waiting ones; callable from any thread."""
+        def names(seqs) -> set[str]:
+            return {s.request.adapter for s in seqs if s.request.adapter is not None}
+        return names(list(self.scheduler.running)), names([*self._inbox, *self.scheduler.waiting])
+
     @property
     def has_work(self) -> bool:
         return bool(self._inbox or self._aborts or self.scheduler.has_work)

@@ -103,13 +103,12 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(args) -> None:
-    listener = listen(args.host, args.port)
+def make_app(args, on_load_failed=None):
+    """(the FastAPI app `qwenrt serve` runs for `args`, its limits): the model loads once the app starts.
+    `on_load_failed(message)` is called if the load fails."""
     try:
-        import uvicorn
-
         from qwenrt.server.app import ServerConfig, create_app
-        from qwenrt.server.limits import Limits, default_max_connections, guarded_protocol
+        from qwenrt.server.limits import Limits, default_max_connections
         from qwenrt.vision.media import MediaPolicy
     except ImportError as e:
         raise QwenrtError(f"qwenrt serve needs the serve extra ({e.name} is missing): pip install 'qwenrt[serve]'"
@@ -119,7 +118,6 @@ def serve(args) -> None:
         allowed = Path(os.path.realpath(args.allowed_local_media_path))
         if not allowed.is_dir():
             raise QwenrtError(f"--allowed-local-media-path {args.allowed_local_media_path}: not a directory")
-    name = resolve_model(args.model)[1]
     model = str(args.model) if args.model is not None else DEFAULT_MODEL
     config = ServerConfig(model, args.served_model_name or [model],
                           args.api_key or os.environ.get("QWENRT_API_KEY") or None,
@@ -128,17 +126,39 @@ def serve(args) -> None:
     if clash:
         raise QwenrtError(f"--lora {min(clash)}: the name of the base model too (--served-model-name); name the "
                           "adapter otherwise")
-    server = None
-
-    def stop(_: str) -> None:
-        server.should_exit = True
-
     given = {"max_request_bytes": parse_size(args.max_request_bytes) if args.max_request_bytes else None,
              "header_timeout": args.header_timeout, "max_connections": args.max_connections or default_max_connections()}
     limits = Limits(**{k: v for k, v in given.items() if v is not None})
     if limits.max_request_bytes < 1:
         raise QwenrtError(f"--max-request-bytes must be at least 1 byte, got {args.max_request_bytes!r}")
-    app = create_app(config, lambda: load_engine(args), on_load_failed=stop, limits=limits)
+    return create_app(config, lambda: load_engine(args), on_load_failed=on_load_failed, limits=limits), limits
+
+
+def serve(args) -> None:
+    given = [flag for flag, value in (("--replicas", args.replicas != 1), ("--threads-per-replica",
+             args.threads_per_replica), ("--ray-address", args.ray_address), ("--routing", args.routing != "affinity"))
+             if value]
+    if given and not args.ray:
+        raise QwenrtError(f"{', '.join(given)}: only with --ray (replicas on Ray Serve)")
+    if args.ray:
+        from qwenrt.scaleout.ray_app import serve_on_ray
+
+        return serve_on_ray(args)
+    listener = listen(args.host, args.port)
+    try:
+        import uvicorn
+
+        from qwenrt.server.limits import guarded_protocol
+    except ImportError as e:
+        raise QwenrtError(f"qwenrt serve needs the serve extra ({e.name} is missing): pip install 'qwenrt[serve]'"
+                          ) from None
+    name = resolve_model(args.model)[1]
+    server = None
+
+    def stop(_: str) -> None:
+        server.should_exit = True
+
+    app, limits = make_app(args, on_load_failed=stop)
     state = app.state.qwenrt
     log_level = args.log_level or ("info" if log.shows_progress() else "warning")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level,
@@ -247,6 +267,18 @@ def add_parser(verbs) -> None:
                    help="an idle keep-alive connection is closed after this many seconds (default 5)")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default: info; warning with -q)")
+    ray = p.add_argument_group("replicas on Ray Serve (needs the `ray` extra)")
+    ray.add_argument("--ray", action="store_true", help="serve through Ray Serve: --replicas copies of the model "
+                     "behind one endpoint, on a local Ray cluster or the one at --ray-address")
+    ray.add_argument("--replicas", type=_positive(int), default=1, help="model replicas (default 1)")
+    ray.add_argument("--threads-per-replica", type=_positive(int), metavar="T",
+                     help="CPU threads (and Ray CPUs) per replica (default: the cores / --replicas)")
+    ray.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster (e.g. 10.0.0.1:6379, or auto) "
+                     "rather than starting a local one")
+    ray.add_argument("--routing", choices=("affinity", "pow2"), default="affinity",
+                     help="affinity: a request goes to the replica that served the longest part of its prompt "
+                          "lately (a chat stays where its prefix is cached) unless loads differ by more than 4 "
+                          "requests; pow2: the less loaded of two random replicas (default affinity)")
     log.add_options(p)
     p.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per request")
     p.set_defaults(run=lambda args: serve(args))

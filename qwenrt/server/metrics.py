@@ -1,10 +1,14 @@
-"""/metrics in Prometheus text: vLLM's metric names with a `qwenrt:` prefix. One registry per app, so several
-servers (or tests) in one process do not share counters."""
+"""/metrics in Prometheus text: vLLM's metric names with a `qwenrt:` prefix, and under vLLM's own `vllm:` names the
+gauges fleet routers and autoscalers read (llm-d's endpoint picker, the vLLM and SGLang routers, KEDA): waiting and
+running requests, cache usage, the cache's prefix granularity and the LoRA adapters in use. One registry per app, so
+several servers (or tests) in one process do not share counters."""
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from qwenrt.engine import RequestOutput
 
@@ -47,6 +51,7 @@ class ServerMetrics:
                                     buckets=_LATENCY_BUCKETS, registry=r)
 
         r.register(DraftCollector(state))
+        r.register(FleetCollector(state))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -72,6 +77,42 @@ class DraftCollector:
         for i, n in enumerate(counts.accepted if counts else []):
             per_pos.add_metric([str(i)], n)
         return [drafts, tokens, accepted, per_pos]
+
+
+class FleetCollector:
+    """The gauges under the names routers read (the Gateway API Inference Extension's model-server protocol): the same
+    values as qwenrt's own, plus `vllm:cache_config_info` (block_size: prompt tokens between prefix-cache snapshots,
+    the granularity at which a prefix can be restored) and, where adapters are served, `vllm:lora_requests_info`
+    (value: when it was read, as vLLM's; labels: the adapters of the running and the waiting requests)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def collect(self):
+        engine = self.state.engine
+        families = [GaugeMetricFamily("vllm:num_requests_running", "Requests in the running batch"),
+                    GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting to be admitted"),
+                    GaugeMetricFamily("vllm:kv_cache_usage_perc", "Fraction of the cache budget (KV + DeltaNet "
+                                      "state) reserved by running requests, 0-1")]
+        values = (0, 0, 0.0) if engine is None else (
+            engine.num_running, engine.num_waiting, engine.scheduler.reserved / engine.memory_budget)
+        for family, value in zip(families, values):
+            family.add_metric([], value)
+        if engine is None:
+            return families
+        info = GaugeMetricFamily("vllm:cache_config_info", "Cache configuration", labels=[
+            "block_size", "enable_prefix_caching", "cache_dtype"])
+        info.add_metric([str(engine.snapshot_interval), str(engine.prefix_cache is not None).lower(),
+                         str(engine.model.dtype).removeprefix("torch.")], 1)
+        families.append(info)
+        adapters = self.state.config.adapters
+        if adapters:
+            running, waiting = (",".join(sorted(names)) for names in engine.adapters_in_use())
+            lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters of the running and waiting requests",
+                                     labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            lora.add_metric([str(len(adapters)), running, waiting], time.time())
+            families.append(lora)
+        return families
 
 
 class RequestTimer:
