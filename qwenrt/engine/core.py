@@ -196,7 +196,7 @@ class Engine:
         if not isinstance(model, Qwen35ForCausalLM):
             raise QwenrtError(f"model must be the model qwenrt.load returned, got {type(model).__name__}")
         c = model.config.text
-        limit = c.max_position_embeddings
+        limit = c.context_limit
         if max_model_len is not None and _positive("max_model_len", max_model_len) > limit:
             raise QwenrtError(f"max_model_len {max_model_len} exceeds the model's context limit {limit}")
         self.model, self.tokenizer = model, tokenizer
