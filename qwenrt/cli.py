@@ -390,8 +390,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", help="random weights at a published shape: 0.8b, 2b, 4b, 9b, 27b, 35b-a3b (Qwen3.5), "
                    "next-80b-a3b (Qwen3-Next), next-80b-a3b-4l (its first 4 layers), qwen3-vl-2b, qwen3-vl-4b, "
                    "qwen3-vl-8b (Qwen3-VL's text decoders)")
-    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (random ids) whose prefill is timed")
     p.add_argument("--gen-len", type=int, default=128, help="greedy decode steps (no stop at EOS)")
+    p.add_argument("--depth", type=int, default=0, help="tokens of context before the prompt, prefilled and timed "
+                   "apart (as llama-bench -d): prefill and decode speed at that depth (default 0)")
+    add_rope_scaling_option(p)
     p.add_argument("--threads", type=int, help="default: torch's default (the physical cores)")
     p.add_argument("--dtype", default="bf16", help="compute dtype: bf16 or fp32")
     p.add_argument("--quantize", default="none", help="comma-separated: none, int8, int4 (e.g. none,int8,int4)")

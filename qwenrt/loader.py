@@ -287,15 +287,16 @@ def scan_weights(path, verified: tuple) -> None:
 
 
 def load_model(path: str | Path, dtype="auto", device: str | torch.device = "cpu", progress: bool = False,
-               quantize: str | QuantSpec | None = None, check_finite: bool = True) -> Qwen35ForCausalLM:
+               quantize: str | QuantSpec | None = None, check_finite: bool = True,
+               rope_scaling: dict | None = None) -> Qwen35ForCausalLM:
     """Load the text decoder of a Qwen3.5 checkpoint directory. Raises QwenrtError on any inconsistency.
 
     quantize: "int8" | "int4" | a QuantSpec: weight-only quantization while loading (see qwenrt.quant).
     A checkpoint written by `qwenrt quantize` loads quantized without it. check_finite: refuse weights holding
-    NaN/Inf (one pass over the weights; False skips it).
+    NaN/Inf (one pass over the weights; False skips it). rope_scaling: as `load` takes it.
     """
     device = resolve_device(device)
-    verified = verify_checkpoint(path, blocks=device.type == "cpu")
+    verified = verify_checkpoint(path, blocks=device.type == "cpu", rope_scaling=rope_scaling)
     return _load_verified(path, verified, dtype, device, progress, quantize, check_finite)
 
 
