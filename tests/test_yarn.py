@@ -195,3 +195,22 @@ def test_cli_run_takes_yarn_and_a_longer_max_model_len(capsys):
     assert main(["run", "qwenrt-tiny", "hi", "--max-model-len", "9000", "--rope-scaling", scaling]) == 1
     assert "max_context must be an integer in [2, 8192]" in capsys.readouterr().err
     assert main(["run", "qwenrt-tiny", "hi", "--max-model-len", "8192", "--rope-scaling", scaling, "-n", "2"]) == 0
+
+
+def test_gguf_from_llama_cpps_converter_keeps_yarn(tmp_path):
+    """llama.cpp's converter writes rope.scaling.* from rope_parameters; qwenrt reads them back as the same YaRN and
+    the file gives the checkpoint's logits. qwenrt's own GGUF writer refuses a YaRN config (llama.cpp's formulas
+    differ) in one line."""
+    from qwenrt.default_model import default_model_path
+    from qwenrt.gguf.export import export_gguf
+    from tests.llama_convert import convert
+
+    src = yarn_copy(default_model_path(), tmp_path / "tiny", factor=2.0, original_max_position_embeddings=4096,
+                    beta_fast=16, attention_factor=1.25)
+    gguf = convert(src, tmp_path / "tiny.gguf", "bf16", "qwen35")
+    from_file, _ = qwenrt.load(gguf)
+    from_dir, _ = qwenrt.load(src)
+    assert from_file.config.text.yarn == from_dir.config.text.yarn and from_file.config.text.context_limit == 8192
+    ids = torch.randint(0, 500, (1, 100), generator=torch.Generator().manual_seed(10))
+    assert torch.equal(from_file(ids), from_dir(ids))
+    one_line_error(lambda: export_gguf(src, tmp_path / "ours.gguf", "bf16"), "is not written as GGUF")

@@ -137,7 +137,8 @@ def config_dict(meta: Metadata, vocab_rows: int, tied: bool) -> dict:
         "linear_value_head_dim": meta.int(key("ssm.inner_size")) // max(hv, 1),
         "rope_parameters": {"rope_type": "default", "rope_theta": meta.float(key("rope.freq_base")),
                             "partial_rotary_factor": rotary / head_dim if head_dim else 0.0,
-                            "mrope_section": [s for s in sections[:3]], "mrope_interleaved": True},
+                            "mrope_section": [s for s in sections[:3]], "mrope_interleaved": True,
+                            **_rope_scaling(meta, key)},
         "tie_word_embeddings": tied,
     }
     if mtp:
@@ -196,3 +197,24 @@ def tokenizer_parts(meta: Metadata) -> TokenizerParts | None:
     where = meta.where
     return TokenizerParts(json.dumps(backend, ensure_ascii=False), where, {}, where, generation, where,
                           meta.str("tokenizer.chat_template"), where)
+
+
+def _rope_scaling(meta, key) -> dict:
+    """llama.cpp's rope.scaling.* as rope_parameters: YaRN's factor, original context, betas and attention factor,
+    which its converter copies from transformers' rope_parameters; its other YaRN keys have no transformers meaning."""
+    kind = meta.str(key("rope.scaling.type"), "none")
+    if kind == "none":
+        return {}
+    others = [k for k in ("rope.scaling.attn_factor", "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_log_multiplier")
+              if meta.has(key(k))]
+    if kind != "yarn" or others:
+        raise QwenrtError(f"{meta.where}: rope scaling {kind!r}{' with ' + ', '.join(others) if others else ''} is not "
+                          "supported (YaRN is, as transformers computes it)")
+    params = {"rope_type": "yarn", "factor": meta.float(key("rope.scaling.factor")),
+              "original_max_position_embeddings": meta.int(key("rope.scaling.original_context_length"),
+                                                           meta.int(key("context_length")))}
+    for name, field in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow"),
+                        ("attention_factor", "yarn_attn_factor")):
+        if meta.has(key(f"rope.scaling.{field}")):
+            params[name] = meta.float(key(f"rope.scaling.{field}"))
+    return params
