@@ -27,7 +27,7 @@ def yarn_copy(src, dst, **params):
     shutil.copytree(src, dst)
     config = json.loads((dst / "config.json").read_text())
     text = config.get("text_config", config)
-    text["rope_parameters"] = {**text["rope_parameters"], **YARN, **params}
+    text["rope_parameters"] = {**text.get("rope_parameters", {}), **YARN, **params}
     (dst / "config.json").write_text(json.dumps(config))
     return dst
 
@@ -134,6 +134,20 @@ def test_qwen3_next_logits_match_transformers(tmp_path):
     ref.set_experts_implementation("eager")  # torch's grouped_mm takes no fp64
     with torch.no_grad():  # fp64: its fp32 DeltaNet drifts ~1e-4 from fp64 (tests/test_qwen3_next.py)
         expected = ref.double()(input_ids=ids).logits.float()
+    assert rel_err(model(ids), expected) <= 1e-4
+
+
+def test_qwen3_vl_logits_match_transformers(qwen3_vl_ckpt, tmp_path):
+    """Qwen3-VL rotates all of its 128 head channels (three-axis interleaved sections): text past the original
+    context within 1e-4 of transformers."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    path = yarn_copy(qwen3_vl_ckpt[0], tmp_path / "vl")
+    model, _ = qwenrt.load(path, dtype="float32")
+    ids = torch.randint(0, 248320, (1, T), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        expected = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()(
+            input_ids=ids).logits.float()
     assert rel_err(model(ids), expected) <= 1e-4
 
 
