@@ -385,7 +385,8 @@ def load(path: str | Path | None = None, dtype="auto", device: str | torch.devic
     use_threads(threads)
     device = resolve_device(device)
     path = resolve_model_path(resolve_model(path)[0], revision)
-    verified, tokenizer = check_checkpoint(path, mmproj, device.type == "cpu", rope_scaling)  # before any weight is read
+    # before any weight is read
+    verified, tokenizer = check_checkpoint(path, mmproj, device.type == "cpu", rope_scaling)
     model = _load_verified(path, verified, dtype, device, progress, quantize, check_finite)
     if adapter is not None or adapters is not None:
         _attach_adapters(model, adapter, adapters)

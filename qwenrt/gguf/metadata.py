@@ -205,8 +205,8 @@ def _rope_scaling(meta, key) -> dict:
     kind = meta.str(key("rope.scaling.type"), "none")
     if kind == "none":
         return {}
-    others = [k for k in ("rope.scaling.attn_factor", "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_log_multiplier")
-              if meta.has(key(k))]
+    others = [k for k in ("rope.scaling.attn_factor", "rope.scaling.yarn_ext_factor",
+                          "rope.scaling.yarn_log_multiplier") if meta.has(key(k))]
     if kind != "yarn" or others:
         raise QwenrtError(f"{meta.where}: rope scaling {kind!r}{' with ' + ', '.join(others) if others else ''} is not "
                           "supported (YaRN is, as transformers computes it)")
