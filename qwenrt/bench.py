@@ -107,6 +107,9 @@ def _summary(samples: list[dict]) -> dict:
 def format_table(results: dict[Config, dict], reference: Config | None) -> str:
     """A markdown table, one row per configuration (medians); ratios against `reference` when given."""
     head = ["configuration", "load s", "prefill tok/s", "TTFT s", "decode tok/s (min-max)", "GB/s", "peak RSS GiB"]
+    depth = any("depth_prefill_tps" in r for r in results.values())
+    if depth:
+        head[1:1] = ["depth prefill s", "depth prefill tok/s"]
     speculative = any(c.speculative for c in results)
     if speculative:
         head += ["drafts accepted", "tokens/step"]
@@ -118,6 +121,8 @@ def format_table(results: dict[Config, dict], reference: Config | None) -> str:
         cells = [config.label, f"{r['load_s']:.1f}", f"{r['prefill_tps']:.0f}", f"{r['ttft_s']:.2f}",
                  f"{r['decode_tps']:.1f} ({lo:.1f}-{hi:.1f})", f"{r['decode_bytes'] * r['decode_tps'] / 1e9:.1f}",
                  f"{r['peak_rss'] / GIB:.2f}"]
+        if depth:
+            cells[1:1] = [f"{r['depth_prefill_s']:.1f}", f"{r['depth_prefill_tps']:.0f}"]
         if speculative:
             cells += [f"{100 * r['acceptance']:.0f}%", f"{r['tokens_per_step']:.2f}"] if "acceptance" in r else ["", ""]
         if reference is not None:
@@ -125,6 +130,17 @@ def format_table(results: dict[Config, dict], reference: Config | None) -> str:
             cells += [f"{r['prefill_tps'] / ref['prefill_tps']:.2f}", f"{r['decode_tps'] / ref['decode_tps']:.2f}"]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def _check_context(ckpt: Path, args) -> None:
+    """depth + prompt + generated tokens within the checkpoint's context limit (with --rope-scaling's)."""
+    from qwenrt.loader import verify_checkpoint
+
+    limit = verify_checkpoint(ckpt, rope_scaling=args.rope_scaling)[0].text.context_limit
+    need = args.depth + args.prompt_len + args.gen_len
+    if need > limit:
+        raise QwenrtError(f"--depth {args.depth} + --prompt-len {args.prompt_len} + --gen-len {args.gen_len} = {need}"
+                          f" tokens exceed the model's context limit of {limit} (YaRN extends it: --rope-scaling)")
 
 
 def run(args) -> str:
@@ -141,6 +157,10 @@ def run(args) -> str:
         args.threads = torch.get_num_threads()
     if args.prompt_len < 1 or args.gen_len < 1 or args.repeats < 1 or args.threads < 1:
         raise QwenrtError("--prompt-len, --gen-len, --repeats and --threads must be >= 1")
+    if args.depth < 0:
+        raise QwenrtError(f"--depth must be >= 0, got {args.depth}")
+    if args.depth and (args.compare or args.speculative_tokens != "0"):
+        raise QwenrtError("--depth measures plain decoding on qwenrt: not with --compare or --speculative-tokens")
     if args.dtype not in ("bf16", "fp32"):
         raise QwenrtError(f"--dtype must be bf16 or fp32, got {args.dtype!r}")
     if args.compare not in (None, "transformers"):
@@ -165,6 +185,8 @@ def run(args) -> str:
     reference = Config("transformers", "bf16") if args.compare else None
     if reference is not None:
         configs[reference] = _checkpoint(args, path, "none")
+    for ckpt in configs.values():
+        _check_context(ckpt, args)
     from qwenrt.loader import prepare_kernels
 
     prepare_kernels(progress=True)  # compiled once here on a fresh install, not inside a measured load
@@ -175,9 +197,12 @@ def run(args) -> str:
             samples[config].append(_run(dict(engine=config.engine, path=str(ckpt), dtype=config.dtype,
                                               speculative=config.speculative,
                                               threads=args.threads, prompt_len=args.prompt_len,
-                                              gen_len=args.gen_len, seed=args.seed)))
+                                              gen_len=args.gen_len, seed=args.seed, depth=args.depth,
+                                              rope_scaling=args.rope_scaling)))
     results = {c: _summary(s) for c, s in samples.items()}
-    title = (f"{args.shape or path}: prompt {args.prompt_len}, {args.gen_len} greedy tokens, {args.threads} threads, "
+    at = f" at depth {args.depth}" if args.depth else ""
+    title = (f"{args.shape or path}: prompt {args.prompt_len}{at}, {args.gen_len} greedy tokens{at}, "
+             f"{args.threads} threads, "
              f"CPU kernels: {kernel_path()}, "
              f"median of {args.repeats} interleaved runs")
     table = f"{title}\n\n{format_table(results, reference)}"

@@ -45,7 +45,7 @@ def _load(job: dict):
         return AutoModelForCausalLM.from_pretrained(job["path"], dtype=dtype).eval()
     from qwenrt.loader import load_model
 
-    return load_model(job["path"], dtype=dtype)
+    return load_model(job["path"], dtype=dtype, rope_scaling=job.get("rope_scaling"))
 
 
 def engine_steps(model, ids: torch.Tensor, steps: int, speculative=0, drafts: list | None = None):
@@ -85,8 +85,40 @@ def time_steps(steps, model, ids: torch.Tensor, gen_len: int) -> tuple[float, fl
     return marks[1] - marks[0], marks[-1] - marks[1]
 
 
+def prefill(model, ids: torch.Tensor, cache) -> torch.Tensor:
+    """Prefill ids [1, T] into `cache` in PREFILL_CHUNK pieces (the engine's step size) -> the last logits [1, V]."""
+    for start in range(0, ids.shape[1], PREFILL_CHUNK):
+        logits = model(ids[:, start:start + PREFILL_CHUNK], cache=cache, logits_to_keep=1)
+    return logits[:, -1]
+
+
+def at_depth(model, ids: torch.Tensor, depth: int, gen_len: int) -> tuple[float, float, float]:
+    """As `llama-bench -d`: prefill the first `depth` tokens of ids [1, depth + N], then the N prompt tokens after
+    them, then `gen_len` greedy decode steps (the engine's native step), each timed apart -> (depth prefill s,
+    prompt prefill s, decode s). The ids stay a tensor (a 262K-token prompt as a Python list is ~10 MB of objects)."""
+    from qwenrt.engine.runner import decode_step
+
+    def run(ids: torch.Tensor, depth: int, steps: int) -> list[float]:
+        cache = model.new_cache(1, capacity=ids.shape[1] + steps)
+        marks = [time.perf_counter()]
+        if depth:
+            prefill(model, ids[:, :depth], cache)
+        marks.append(time.perf_counter())
+        token = prefill(model, ids[:, depth:], cache).argmax(-1, keepdim=True)
+        marks.append(time.perf_counter())
+        for _ in range(steps):
+            token = decode_step(model, token, cache)[0].argmax(-1, keepdim=True)
+        marks.append(time.perf_counter())
+        return [b - a for a, b in zip(marks, marks[1:])]
+
+    with torch.inference_mode():
+        run(ids[:, :WARMUP_PROMPT], WARMUP_PROMPT // 2, WARMUP_STEPS)  # first-call costs (allocations, kernel setup)
+        return tuple(run(ids, depth, gen_len))
+
+
 def measure(job: dict) -> dict:
-    """job: engine (qwenrt|transformers), path, dtype, threads, prompt_len, gen_len, seed."""
+    """job: engine (qwenrt|transformers), path, dtype, threads, prompt_len, gen_len, seed; depth (tokens of context
+    before the prompt, qwenrt only) and rope_scaling (as `load` takes it) optional."""
     torch.set_num_threads(job["threads"])
     start = time.perf_counter()
     model = _load(job)
@@ -94,14 +126,21 @@ def measure(job: dict) -> dict:
     text = model.config.text if hasattr(model.config, "text") else model.config
     vocab = text.vocab_size
     g = torch.Generator().manual_seed(job["seed"])
-    ids = torch.randint(0, vocab, (1, job["prompt_len"]), generator=g)
+    depth = job.get("depth", 0)
+    ids = torch.randint(0, vocab, (1, depth + job["prompt_len"]), generator=g)
+    top_k, experts = getattr(text, "num_experts_per_tok", 0) or 0, getattr(text, "num_experts", 0) or 0
+    if depth:
+        depth_s, prefill_s, decode_s = at_depth(model, ids, depth, job["gen_len"])
+        return {"load_s": load_s, "depth_prefill_s": depth_s, "depth_prefill_tps": depth / depth_s,
+                "ttft_s": prefill_s, "prefill_tps": job["prompt_len"] / prefill_s,
+                "decode_tps": job["gen_len"] / decode_s, "decode_bytes": decode_bytes(model, top_k, experts),
+                "peak_rss": peak_rss()}
     drafts = []
     if job["engine"] == "qwenrt":
         steps = functools.partial(engine_steps, speculative=job.get("speculative", 0), drafts=drafts)
     else:
         steps = _transformers_steps
     ttft, decode_s = time_steps(steps, model, ids, job["gen_len"])
-    top_k, experts = getattr(text, "num_experts_per_tok", 0) or 0, getattr(text, "num_experts", 0) or 0
     return {
         "load_s": load_s,
         "ttft_s": ttft,

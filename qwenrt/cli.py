@@ -12,14 +12,15 @@ from qwenrt import log
 from qwenrt.default_model import DEFAULT_MODEL
 from qwenrt.errors import QwenrtError
 from qwenrt.hub import MODEL_HELP
-from qwenrt.units import add_mmproj_option, add_speculative_option
+from qwenrt.units import add_mmproj_option, add_rope_scaling_option, add_speculative_option
 from qwenrt.server.main import add_parser as add_serve_parser
 
 
 def _inspect(args) -> None:
     from qwenrt.inspect import format_report, inspect_checkpoint
 
-    report = inspect_checkpoint(args.path, check_finite=args.finite_check, mmproj=args.mmproj)
+    report = inspect_checkpoint(args.path, check_finite=args.finite_check, mmproj=args.mmproj,
+                                rope_scaling=args.rope_scaling)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
 
 
@@ -61,7 +62,7 @@ def _run(args) -> None:
         device=args.device, prefill_chunk=args.prefill_chunk, max_context=args.max_context, sampling=_sampling(args),
         images=args.image or [], videos=args.video or [], check_finite=args.finite_check,
         engine_options=_engine_options(args), show_thinking=args.show_thinking,
-        threads=args.threads, mmproj=args.mmproj, adapter=args.adapter)
+        threads=args.threads, mmproj=args.mmproj, adapter=args.adapter, rope_scaling=args.rope_scaling)
 
 
 def _chat(args) -> None:
@@ -70,7 +71,7 @@ def _chat(args) -> None:
     chat(args.model, system=args.system, thinking=args.thinking, dtype=args.dtype, device=args.device,
          prefill_chunk=args.prefill_chunk, max_context=args.max_context, sampling=_sampling(args),
          check_finite=args.finite_check, engine_options=_engine_options(args), show_thinking=args.show_thinking,
-         threads=args.threads, adapter=args.adapter)
+         threads=args.threads, adapter=args.adapter, rope_scaling=args.rope_scaling)
 
 
 
@@ -248,7 +249,9 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter", metavar="DIR", help="run with this LoRA adapter (PEFT's format: adapter_config.json "
                    "+ adapter_model.safetensors)")
     p.add_argument("--prefill-chunk", type=_at_least(1), help="prompt tokens per prefill step at most (bounds memory)")
-    p.add_argument("--max-context", type=_at_least(2), help="context limit in tokens (default and most: the model's)")
+    p.add_argument("--max-context", "--max-model-len", dest="max_context", type=_at_least(2),
+                   help="context limit in tokens (default and most: the model's)")
+    add_rope_scaling_option(p)
     p.add_argument("--no-finite-check", dest="finite_check", action="store_false",
                    help="skip the NaN/Inf scan of the weights at load")
     p.add_argument("--prefix-cache-size", help="memory for reusing computed prompts, e.g. 2GiB (0 = off; default: "
@@ -320,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-finite-check", dest="finite_check", action="store_false",
                    help="skip the NaN/Inf scan of the weights (a read of every weight, as load does)")
     add_mmproj_option(p)
+    add_rope_scaling_option(p)
     p.set_defaults(run=_inspect)
 
     p = verbs.add_parser("run", help="answer one prompt, streamed to stdout", description=RUN_DESCRIPTION)
@@ -386,8 +390,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", help="random weights at a published shape: 0.8b, 2b, 4b, 9b, 27b, 35b-a3b (Qwen3.5), "
                    "next-80b-a3b (Qwen3-Next), next-80b-a3b-4l (its first 4 layers), qwen3-vl-2b, qwen3-vl-4b, "
                    "qwen3-vl-8b (Qwen3-VL's text decoders)")
-    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (random ids) whose prefill is timed")
     p.add_argument("--gen-len", type=int, default=128, help="greedy decode steps (no stop at EOS)")
+    p.add_argument("--depth", type=int, default=0, help="tokens of context before the prompt, prefilled and timed "
+                   "apart (as llama-bench -d): prefill and decode speed at that depth (default 0)")
+    add_rope_scaling_option(p)
     p.add_argument("--threads", type=int, help="default: torch's default (the physical cores)")
     p.add_argument("--dtype", default="bf16", help="compute dtype: bf16 or fp32")
     p.add_argument("--quantize", default="none", help="comma-separated: none, int8, int4 (e.g. none,int8,int4)")

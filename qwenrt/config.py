@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from qwenrt.errors import QwenrtError
@@ -21,6 +22,38 @@ VLM_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
                    "qwen3_vl": "qwen3_vl_text", "qwen3_vl_moe": "qwen3_vl_moe_text"}
 LAYER_TYPES = ("linear_attention", "full_attention")
 DEFAULT_MROPE_SECTION = (11, 11, 10)  # transformers' default when config.json gives none
+ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"}
+YARN_KEYS = {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "truncate"}
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """Static YaRN RoPE scaling (transformers' `_compute_yarn_parameters`): frequencies interpolated by `factor`
+    below the wavelengths set by beta_fast/beta_slow rotations over the original context, and cos/sin scaled by
+    attention_factor."""
+
+    factor: float
+    original_max_position_embeddings: int
+    attention_factor: float
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+
+    @property
+    def context_limit(self) -> int:
+        return int(self.factor * self.original_max_position_embeddings)
+
+    def rope_parameters(self) -> dict:
+        """The rope_parameters keys that give this scaling (config.json)."""
+        return {"rope_type": "yarn", "factor": self.factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings,
+                "attention_factor": self.attention_factor, "beta_fast": self.beta_fast, "beta_slow": self.beta_slow,
+                "truncate": self.truncate}
+
+    def describe(self) -> str:
+        return (f"YaRN x{self.factor:g} of {self.original_max_position_embeddings} tokens (attention factor "
+                f"{self.attention_factor:.4f}, beta {self.beta_fast:g}/{self.beta_slow:g})")
 
 
 @dataclass(frozen=True)
@@ -55,6 +88,12 @@ class TextConfig:
     norm_topk_prob: bool = True  # the top-A router weights renormalised to sum to 1
     decoder_sparse_step: int = 1  # MoE models: layer i is MoE iff (i + 1) % step == 0 and i is not in mlp_only_layers
     mlp_only_layers: tuple[int, ...] = ()
+    yarn: Yarn | None = None  # rope_type "yarn"; None: plain RoPE
+
+    @property
+    def context_limit(self) -> int:
+        """Tokens a sequence may hold: max_position_embeddings, or factor x the original context with YaRN."""
+        return self.yarn.context_limit if self.yarn is not None else self.max_position_embeddings
 
     @property
     def attention_gate(self) -> bool:
@@ -120,25 +159,79 @@ MAX_EXPERTS = 4096
 MAX_POSITIONS = 1 << 24
 
 
-def _rope_fields(f: Fields, vl: bool = False) -> dict:
+def _rope_fields(f: Fields, max_positions: int, vl: bool = False) -> dict:
     """rope_parameters (transformers 5) or the older flat rope_theta / partial_rotary_factor / rope_scaling keys.
     Qwen3-VL (vl): rotary over the whole head, sections (24, 20, 20) unless given, always interleaved."""
     flat = {k: f.d[k] for k in ("rope_theta", "partial_rotary_factor", "mrope_section") if k in f.d}
     params = Fields({**flat, **f.obj("rope_scaling", {}).d, **f.obj("rope_parameters", {}).d},
                     f"{f.where} rope_parameters")
     rope_type = params.d.get("rope_type", params.d.get("type", "default"))
-    if rope_type not in ("default", "mrope"):
-        raise QwenrtError(f"{f.where}: rope_type {rope_type!r} is not supported (supported: default)")
+    if rope_type not in ("default", "mrope", "yarn"):
+        raise QwenrtError(f"{f.where}: rope_type {rope_type!r} is not supported (supported: default, yarn)")
+    yarn = parse_yarn(params, max_positions) if rope_type == "yarn" else None
     if vl:
         return {"rope_theta": params.float("rope_theta", 500_000.0, lo=0.0, open_low=True),
-                "partial_rotary_factor": 1.0, "mrope_interleaved": True,
+                "partial_rotary_factor": 1.0, "mrope_interleaved": True, "yarn": yarn,
                 "mrope_section": params.ints("mrope_section", (24, 20, 20), lo=0, hi=MAX_DIM, max_len=8)}
     return {
         "rope_theta": params.float("rope_theta", 10_000_000.0, lo=0.0, open_low=True),
         "partial_rotary_factor": params.float("partial_rotary_factor", 0.25, lo=0.0, hi=1.0, open_low=True),
         "mrope_section": params.ints("mrope_section", None, lo=0, hi=MAX_DIM, max_len=8),
         "mrope_interleaved": params.bool("mrope_interleaved", True),
+        "yarn": yarn,
     }
+
+
+def parse_yarn(params: Fields, max_position_embeddings) -> Yarn:
+    """YaRN's fields as transformers 5.23 reads them: original_max_position_embeddings defaults to
+    max_position_embeddings, a missing (or 0) beta to 32 / 1, attention_factor to 0.1·ln(factor) + 1 (or the mscale
+    ratio when mscale and mscale_all_dim are both given). Unknown keys are refused (a misspelt one would be ignored)."""
+    unknown = sorted(set(params.d) - ROPE_KEYS - YARN_KEYS)
+    if unknown:
+        raise QwenrtError(f"{params.where}: unknown YaRN key(s) {unknown} (known: {', '.join(sorted(YARN_KEYS))})")
+    factor = params.float("factor", lo=1.0, hi=MAX_POSITIONS, open_low=True)
+    original = params.int("original_max_position_embeddings", max_position_embeddings, hi=MAX_POSITIONS)
+    if factor * original > MAX_POSITIONS:
+        raise QwenrtError(f"{params.where}: YaRN factor x original_max_position_embeddings = {factor * original:g} "
+                          f"exceeds {MAX_POSITIONS} positions")
+    mscale, mscale_all_dim = (params.float(k, None, lo=0.0) for k in ("mscale", "mscale_all_dim"))
+    attention_factor = params.float("attention_factor", None, lo=0.0, open_low=True)
+    if attention_factor is None:
+        attention_factor = (_mscale(factor, mscale) / _mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+                            else _mscale(factor))
+    beta_fast = params.float("beta_fast", None, lo=0.0) or 32.0  # `or`: transformers takes 0 as the default too
+    beta_slow = params.float("beta_slow", None, lo=0.0) or 1.0
+    if beta_fast < beta_slow:
+        raise QwenrtError(f"{params.where}: YaRN beta_fast ({beta_fast:g}) must be >= beta_slow ({beta_slow:g})")
+    return Yarn(factor, original, attention_factor, beta_fast, beta_slow, params.bool("truncate", True))
+
+
+def _mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def with_rope_scaling(config: ModelConfig, rope_scaling: dict | None) -> ModelConfig:
+    """`config` with its rope scaling replaced by `rope_scaling` (a rope_parameters-style dict, as `--rope-scaling`
+    or `load(rope_scaling=...)` give it: {"rope_type": "yarn", "factor": 4.0, ...}; {"rope_type": "default"}: none);
+    None leaves it. The checkpoint's rope_theta and sections stay."""
+    if rope_scaling is None:
+        return config
+    params = Fields(rope_scaling, "rope_scaling")
+    rope_type = params.str("rope_type", None) or params.str("type", "default")
+    if rope_type not in ("default", "yarn"):
+        raise QwenrtError(f"rope_scaling: rope_type {rope_type!r} is not supported (supported: default, yarn)")
+    extra = sorted(set(params.d) - {"rope_type", "type"})
+    if rope_type == "default" and extra:
+        raise QwenrtError(f"rope_scaling: rope_type 'default' takes no other keys, got {extra}")
+    text = config.text
+    if rope_type == "yarn":
+        if set(params.d) & (ROPE_KEYS - {"rope_type", "type"}):
+            raise QwenrtError(f"rope_scaling: give only YaRN's keys ({', '.join(sorted(YARN_KEYS))}); rope_theta "
+                              "and the sections stay the checkpoint's")
+        yarn = parse_yarn(params, text.max_position_embeddings)
+    else:
+        yarn = None
+    return replace(config, text=replace(text, yarn=yarn))
 
 
 def parse_text_config(d: dict, tie_word_embeddings: bool | None = None, where: str = "config.json") -> TextConfig:
@@ -198,7 +291,7 @@ def parse_text_config(d: dict, tie_word_embeddings: bool | None = None, where: s
         layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
     if not all(isinstance(t, str) for t in layer_types):
         raise QwenrtError(f"{where}: layer_types must be a list of strings")
-    rope = _rope_fields(f, vl)
+    rope = _rope_fields(f, fields["max_position_embeddings"], vl)
     fields["layer_types"] = tuple(layer_types)
     fields.update({k: v for k, v in rope.items() if v is not None})
     cfg = TextConfig(**fields)

@@ -17,7 +17,7 @@ from qwenrt.default_model import resolve_model
 from qwenrt.errors import QwenrtError
 from qwenrt.files import CheckpointDir, read_json, read_text
 from qwenrt.generate import GenerationResponse, stream_generate
-from qwenrt.config import QWEN3_5, load_config
+from qwenrt.config import QWEN3_5, load_config, with_rope_scaling
 from qwenrt.hub import resolve_model_path
 from qwenrt.gguf.reader import is_gguf, open_gguf
 from qwenrt.kernels import kernel_path
@@ -48,14 +48,15 @@ def constraint_files(json_schema: str | None, grammar: str | None) -> dict:
 
 def load_for_cli(source: str | None, path, dtype: str, device: str, check_finite: bool = True,
                  engine_options: dict | None = None, threads: int | None = None, mmproj: str | None = None,
-                 adapter: str | None = None):
+                 adapter: str | None = None, rope_scaling: dict | None = None):
     """Load `path` (what `check_options` resolved `source` to) with progress and timing on stderr, naming the
     built-in model when no source was given."""
     start = time.perf_counter()
     log.info(f"loading {resolve_model(source)[1]} …")
     log.detail(f"checkpoint: {path}")
     model, tokenizer = load(path, dtype=dtype, device=device, progress=log.shows_progress(), check_finite=check_finite,
-                            threads=threads, mmproj=mmproj, adapter=adapter, **(engine_options or {}))
+                            threads=threads, mmproj=mmproj, adapter=adapter, rope_scaling=rope_scaling,
+                            **(engine_options or {}))
     c = model.config.text
     kernels = ""
     if model.device.type == "cpu":
@@ -69,7 +70,7 @@ def load_for_cli(source: str | None, path, dtype: str, device: str, check_finite
 
 
 def check_options(source: str | None, sampling: dict, device: str, dtype: str, max_context: int | None,
-                  media: list[tuple[str, str]] = (), mmproj: str | None = None):
+                  media: list[tuple[str, str]] = (), mmproj: str | None = None, rope_scaling: dict | None = None):
     """What can be refused before the weights load: sampling values, the device, the dtype, local media files, the
     checkpoint's tokenizer, media on a text-only model, the context limit against the checkpoint's config. Returns
     the checkpoint directory (a hub id resolved; no source: the built-in model's)."""
@@ -94,7 +95,7 @@ def check_options(source: str | None, sampling: dict, device: str, dtype: str, m
     if media and not config.is_vlm:
         raise QwenrtError(f"{path}: a text-only model (no vision_config in config.json); --image/--video need a "
                           "vision-language checkpoint")
-    check_max_context(max_context, config.text.max_position_embeddings)
+    check_max_context(max_context, with_rope_scaling(config, rope_scaling).text.context_limit)
     return path
 
 
@@ -230,7 +231,7 @@ def run(source: str | None, prompt: str, *, raw: bool, system: str | None, think
         device: str, prefill_chunk: int | None, max_context: int | None, sampling: dict, images: list[str] = (),
         videos: list[str] = (), check_finite: bool = True, engine_options: dict | None = None,
         show_thinking: bool | None = None, threads: int | None = None, mmproj: str | None = None,
-        adapter: str | None = None) -> None:
+        adapter: str | None = None, rope_scaling: dict | None = None) -> None:
     """`qwenrt run`: stream one answer to stdout (the reasoning where `reasoning_destination` says); load progress
     and a stats line go to stderr."""
     began = time.perf_counter()
@@ -243,10 +244,10 @@ def run(source: str | None, prompt: str, *, raw: bool, system: str | None, think
     if raw and (images or videos):
         raise QwenrtError("--image/--video need the chat template; drop --raw")
     path = check_options(source, sampling, device, dtype, max_context,
-                         [("image", i) for i in images] + [("video", v) for v in videos], mmproj)
+                         [("image", i) for i in images] + [("video", v) for v in videos], mmproj, rope_scaling)
     checked = time.perf_counter()
     model, tokenizer = load_for_cli(source, path, dtype, device, check_finite, engine_options, threads, mmproj,
-                                    adapter)
+                                    adapter, rope_scaling)
     loaded = time.perf_counter()
     params = sampling_params(sampling, tokenizer)
     log.detail(describe_sampling(params))
@@ -264,12 +265,12 @@ def run(source: str | None, prompt: str, *, raw: bool, system: str | None, think
 def chat(source: str | None, *, system: str | None, thinking: bool | None, dtype: str, device: str,
          prefill_chunk: int | None, max_context: int | None, sampling: dict, check_finite: bool = True,
          engine_options: dict | None = None, show_thinking: bool | None = None,
-         threads: int | None = None, adapter: str | None = None) -> None:
+         threads: int | None = None, adapter: str | None = None, rope_scaling: dict | None = None) -> None:
     """`qwenrt chat`: a multi-turn session on the terminal (qwenrt/chat_session.py); each turn reuses what the
     previous ones computed."""
-    path = check_options(source, sampling, device, dtype, max_context)
+    path = check_options(source, sampling, device, dtype, max_context, rope_scaling=rope_scaling)
     model, tokenizer = load_for_cli(source, path, dtype, device, check_finite, engine_options, threads,
-                                    adapter=adapter)
+                                    adapter=adapter, rope_scaling=rope_scaling)
 
     def resolve(options: dict) -> SamplingParams:
         params = sampling_params(options, tokenizer)

@@ -78,12 +78,15 @@ def _bind_layer(kernels, layer: nn.Module) -> _Layer | None:
 
 class RopeTable:
     """cos, sin [P, R] bf16: the rotary rows of text positions 0..P-1 (every M-RoPE axis at the same position), each
-    what rope_cos_sin gives for that position; grown by doubling as positions need. A step slices its rows instead of
-    computing them (the torch ops took ~60 us a step on qwenrt-tiny)."""
+    what `model.rotary` gives for that position (YaRN's scaling included); grown by doubling as positions need. A step
+    slices its rows instead of computing them (the torch ops took ~60 us a step on qwenrt-tiny). It holds the
+    model's frequencies, not the model (plans are kept in a weak map keyed by it)."""
 
-    def __init__(self, inv_freq: torch.Tensor, mrope: tuple):
-        self.inv_freq, self.mrope = inv_freq, mrope
-        self.cos = self.sin = torch.empty(0, 2 * inv_freq.numel(), dtype=torch.bfloat16, device=inv_freq.device)
+    def __init__(self, model: nn.Module):
+        c = model.config.text
+        self.inv_freq = model.inv_frequencies(model.device)
+        self.mrope = (c.mrope_section, c.mrope_interleaved, c.yarn.attention_factor if c.yarn is not None else 1.0)
+        self.cos = self.sin = torch.empty(0, c.rotary_dim, dtype=torch.bfloat16, device=model.device)
 
     def upto(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The tables, with rows for every position below `end`."""
@@ -166,11 +169,11 @@ def _forward(stack, layers: list[_Layer], x: torch.Tensor, where: _Rows, final_n
 
 class DecodePlan:
     def __init__(self, model: nn.Module, kernels, layers: list[_Layer], head):
-        text, c = model.model, model.config.text
+        text = model.model
         self.kernels, self.layers, self.head = kernels, layers, head
         self.embed, self.final_norm, self.eps = text.embed_tokens, text.norm.weight.float(), text.norm.eps
         self.stack = _stack(kernels, layers, self.eps)
-        self.rope = RopeTable(model.inv_frequencies(model.device), (c.mrope_section, c.mrope_interleaved))
+        self.rope = RopeTable(model)
 
     @classmethod
     def build(cls, model: nn.Module, kernels) -> DecodePlan | None:
@@ -222,7 +225,7 @@ class MTPPlan:
     draft instead of the modules' Python work, which costs more than the step's arithmetic on a small model."""
 
     def __init__(self, model: nn.Module, kernels, fc, layer: _Layer, head):
-        mtp, c = model.mtp, model.config.text
+        mtp = model.mtp
         self.kernels, self.fc, self.layers, self.head = kernels, fc, [layer], head
         self.embed, self.eps = model.model.embed_tokens, mtp.norm.eps
         self.stack = _stack(kernels, self.layers, self.eps)
@@ -230,7 +233,7 @@ class MTPPlan:
         self.norm_embed = mtp.pre_fc_norm_embedding.weight.float()
         self.norm_hidden = mtp.pre_fc_norm_hidden.weight.float()
         self.final_norm = mtp.norm.weight.float()
-        self.rope = RopeTable(model.inv_frequencies(model.device), (c.mrope_section, c.mrope_interleaved))
+        self.rope = RopeTable(model)
 
     @classmethod
     def for_model(cls, model: nn.Module, draft_vocab: int) -> MTPPlan | None:

@@ -30,12 +30,13 @@ def _decoder_tensors(ckpt, plan: dict) -> int:
     return len(plan)
 
 
-def inspect_checkpoint(path: str | Path, check_finite: bool = True, mmproj: str | Path | None = None) -> dict:
+def inspect_checkpoint(path: str | Path, check_finite: bool = True, mmproj: str | Path | None = None,
+                       rope_scaling: dict | None = None) -> dict:
     """A report of the checkpoint as a dict of plain values. Raises QwenrtError when a contract fails, with the error
     `load` gives. check_finite=False skips the NaN/Inf scan (a read of every weight), as in `load`. mmproj: a GGUF
-    model's vision projector file, checked with it."""
+    model's vision projector file, checked with it. rope_scaling: as `load` takes it."""
     path = resolve_model_path(path)
-    verified, tokenizer = check_checkpoint(path, mmproj)
+    verified, tokenizer = check_checkpoint(path, mmproj, rope_scaling=rope_scaling)
     if check_finite:
         scan_weights(path, verified)
     config, ckpt, plan, aside, _ = verified
@@ -89,6 +90,8 @@ def inspect_checkpoint(path: str | Path, check_finite: bool = True, mmproj: str 
         "quantization": _quantization(config.raw),
         "file_bytes": ckpt.total_bytes,
         "kv_bytes_per_token": kv_per_token,
+        "context_limit": c.context_limit,
+        "rope_scaling": c.yarn.describe() if c.yarn is not None else None,
         "deltanet_state_bytes_per_sequence": state_per_seq,
         "tokenizer_tokens": tokenizer.vocab_size if tokenizer is not None else None,
         "weights_scanned": check_finite,
@@ -140,6 +143,8 @@ def format_report(r: dict) -> str:
         + (f"; weight-only {r['quantization']}" if r["quantization"] else "") + ")",
         f"KV cache        {_human(r['kv_bytes_per_token'], 'B')} per token (full-attention layers only)",
         f"DeltaNet state  {_human(r['deltanet_state_bytes_per_sequence'], 'B')} per sequence, whatever its length",
+        f"context         {r['context_limit']} tokens ({r['rope_scaling'] or 'no RoPE scaling'}; a full context's KV "
+        f"{_human(r['kv_bytes_per_token'] * r['context_limit'], 'B')})",
         "tokenizer       " + (f"{r['tokenizer_tokens']} tokens" if r["tokenizer_tokens"] is not None
                                 else "none (prompts as token ids only)"),
         f"contract        {r['verdict']}",

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from qwenrt.checkpoint import materialize, open_checkpoint, plan_text_tensors
 from qwenrt.classifier import attach_head, classifier_spec
-from qwenrt.config import QWEN3_VL, load_config
+from qwenrt.config import QWEN3_VL, load_config, with_rope_scaling
 from qwenrt.default_model import resolve_model
 from qwenrt.errors import QwenrtError
 from qwenrt.families import qwen3_next, qwen3_vl
@@ -119,13 +119,15 @@ def _check_vision(path: Path, config, ckpt) -> None:
     check_dtypes(path, ckpt, {n: Source((name,), ckpt.shapes[name]) for n, name in stored.items()}, {})
 
 
-def verify_checkpoint(path: str | Path, mmproj: str | Path | None = None, blocks: bool = True):
+def verify_checkpoint(path: str | Path, mmproj: str | Path | None = None, blocks: bool = True,
+                      rope_scaling: dict | None = None):
     """Config plus strict tensor accounting from the headers alone, nothing read. mmproj: a llama.cpp vision
     projector file giving a GGUF model its vision tower.
 
     Returns (config, checkpoint, plan, names set aside, the model on `meta`). Raises QwenrtError listing what is
     missing, unexpected, wrongly shaped or stored in the wrong dtype. blocks: a GGUF file's quantized blocks held as
-    they are where qwenrt has their format (the CPU); False: dequantized.
+    they are where qwenrt has their format (the CPU); False: dequantized. rope_scaling: replaces the config's
+    (`config.with_rope_scaling`).
     """
     path = Path(check_path(path))
     if is_gguf(path):
@@ -137,6 +139,7 @@ def verify_checkpoint(path: str | Path, mmproj: str | Path | None = None, blocks
     else:
         config = load_config(path)
         ckpt = open_checkpoint(path)
+    config = with_rope_scaling(config, rope_scaling)
     plan, aside = plan_text_tensors(ckpt)
     if config.text.model_type == qwen3_next.MODEL_TYPE:
         plan = qwen3_next.split_fused(plan, config.text, path)
@@ -166,12 +169,12 @@ def verify_checkpoint(path: str | Path, mmproj: str | Path | None = None, blocks
     return config, ckpt, plan, aside, model
 
 
-def check_checkpoint(path: str | Path, mmproj: str | Path | None = None, blocks: bool = True
-                     ) -> tuple[tuple, Tokenizer | None]:
+def check_checkpoint(path: str | Path, mmproj: str | Path | None = None, blocks: bool = True,
+                     rope_scaling: dict | None = None) -> tuple[tuple, Tokenizer | None]:
     """Everything `load` checks before it reads a weight, and `inspect` with it: `verify_checkpoint`, then the
     tokenizer's files opened as load opens them (regular files inside the checkpoint, size-capped), parsed, the chat
     template compiled. Returns (verify_checkpoint's tuple, the tokenizer or None when there is no tokenizer.json)."""
-    verified = verify_checkpoint(path, mmproj, blocks)
+    verified = verify_checkpoint(path, mmproj, blocks, rope_scaling)
     vocab, ckpt = verified[0].text.vocab_size, verified[1]
     if isinstance(ckpt, GGUFCheckpoint):
         return verified, ckpt.tokenizer and Tokenizer(ckpt.tokenizer, model_vocab_size=vocab)
@@ -284,15 +287,16 @@ def scan_weights(path, verified: tuple) -> None:
 
 
 def load_model(path: str | Path, dtype="auto", device: str | torch.device = "cpu", progress: bool = False,
-               quantize: str | QuantSpec | None = None, check_finite: bool = True) -> Qwen35ForCausalLM:
+               quantize: str | QuantSpec | None = None, check_finite: bool = True,
+               rope_scaling: dict | None = None) -> Qwen35ForCausalLM:
     """Load the text decoder of a Qwen3.5 checkpoint directory. Raises QwenrtError on any inconsistency.
 
     quantize: "int8" | "int4" | a QuantSpec: weight-only quantization while loading (see qwenrt.quant).
     A checkpoint written by `qwenrt quantize` loads quantized without it. check_finite: refuse weights holding
-    NaN/Inf (one pass over the weights; False skips it).
+    NaN/Inf (one pass over the weights; False skips it). rope_scaling: as `load` takes it.
     """
     device = resolve_device(device)
-    verified = verify_checkpoint(path, blocks=device.type == "cpu")
+    verified = verify_checkpoint(path, blocks=device.type == "cpu", rope_scaling=rope_scaling)
     return _load_verified(path, verified, dtype, device, progress, quantize, check_finite)
 
 
@@ -357,7 +361,7 @@ def _attach_adapters(model, adapter, adapters) -> None:
 def load(path: str | Path | None = None, dtype="auto", device: str | torch.device = "cpu", revision: str | None = None,
          progress: bool = False, quantize: str | QuantSpec | None = None, check_finite: bool = True,
          threads: int | None = None, mmproj: str | Path | None = None, adapter: str | Path | None = None,
-         adapters: dict[str, str | Path] | None = None, **engine_options):
+         adapters: dict[str, str | Path] | None = None, rope_scaling: dict | None = None, **engine_options):
     """Load a Qwen3.5 checkpoint (a directory, a hub repo id, or a `qwen35`/`qwen35moe` GGUF file; None: the
     built-in model): returns (model, tokenizer).
 
@@ -370,6 +374,9 @@ def load(path: str | Path | None = None, dtype="auto", device: str | torch.devic
     adapter: a LoRA adapter directory in PEFT's format (qwenrt.adapters) every request runs with. adapters: {name:
     adapter directory}, served side by side (qwenrt.served_adapters): a request runs with the one it names
     (`adapter="name"`), or none; different adapters and none share one batched step.
+    rope_scaling: replaces the checkpoint's RoPE scaling, as rope_parameters' keys: {"rope_type": "yarn", "factor":
+    4.0, "original_max_position_embeddings": 262144} (YaRN; the context limit becomes factor x original), or
+    {"rope_type": "default"} (none).
     engine_options: settings of the engine that generation on this model uses (`qwenrt.engine.Engine`: max_running,
     max_model_len, prefix_cache_size, prefix_cache_dir, ...), checked when it is made.
     """
@@ -378,7 +385,8 @@ def load(path: str | Path | None = None, dtype="auto", device: str | torch.devic
     use_threads(threads)
     device = resolve_device(device)
     path = resolve_model_path(resolve_model(path)[0], revision)
-    verified, tokenizer = check_checkpoint(path, mmproj, blocks=device.type == "cpu")  # before any weight is read
+    # before any weight is read
+    verified, tokenizer = check_checkpoint(path, mmproj, device.type == "cpu", rope_scaling)
     model = _load_verified(path, verified, dtype, device, progress, quantize, check_finite)
     if adapter is not None or adapters is not None:
         _attach_adapters(model, adapter, adapters)

@@ -259,8 +259,8 @@ class Qwen35ForCausalLM(nn.Module):
         up front (it grows past them), at most the model's context."""
         _check_count("batch_size", batch_size)
         _check_count("capacity", capacity)
-        if capacity > self.config.text.max_position_embeddings:
-            raise QwenrtError(f"capacity must be at most the model's context of {self.config.text.max_position_embeddings}"
+        if capacity > self.config.text.context_limit:
+            raise QwenrtError(f"capacity must be at most the model's context of {self.config.text.context_limit}"
                               f" tokens, got {capacity}")
         return HybridCache([self.new_sequence(capacity) for _ in range(batch_size)])
 
@@ -338,7 +338,7 @@ class Qwen35ForCausalLM(nn.Module):
         """RoPE tables cos, sin [B, T, rotary_dim] in `dtype` for positions [B, T] or [3, B, T] (M-RoPE axes)."""
         c = self.config.text
         cos, sin = rope_cos_sin(position_ids, self.inv_frequencies(position_ids.device), c.mrope_section,
-                                c.mrope_interleaved)
+                                c.mrope_interleaved, c.yarn.attention_factor if c.yarn is not None else 1.0)
         return cos.to(dtype), sin.to(dtype)
 
     def inv_frequencies(self, device: torch.device) -> torch.Tensor:
@@ -346,5 +346,5 @@ class Qwen35ForCausalLM(nn.Module):
         cached = getattr(self, "_inv_freq", None)
         if cached is None or cached.device != torch.device(device):
             c = self.config.text
-            self._inv_freq = inv_frequencies(c.rotary_dim, c.rope_theta, device=device)
+            self._inv_freq = inv_frequencies(c.rotary_dim, c.rope_theta, device=device, yarn=c.yarn)
         return self._inv_freq

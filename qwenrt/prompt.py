@@ -25,7 +25,7 @@ def prepare_prompt(model, tokenizer, prompt, enable_thinking: bool | None = None
     """A string (raw text), chat messages (rendered with the chat template; image/video parts allowed, read under
     `policy`) or token ids. Checks the prompt against the context limit and the vocabulary before any model work.
     """
-    limit = max_context or model.config.text.max_position_embeddings
+    limit = max_context or model.config.text.context_limit
     vision = None
     if isinstance(prompt, str):
         if tokenizer is None:

@@ -4,6 +4,7 @@ and speculative draft counts ("auto", "3"); and counts and sizes as qwenrt print
 from __future__ import annotations
 
 import argparse
+import json
 import re
 
 from qwenrt.errors import QwenrtError
@@ -40,6 +41,27 @@ def speculative_tokens(text: str) -> int | str:
     if not 0 <= value <= 8:
         raise argparse.ArgumentTypeError(f"must be auto or 0..8, got {value}")
     return value
+
+
+def rope_scaling(text: str) -> dict:
+    """--rope-scaling: a JSON object of rope_parameters keys (its values are checked when the config is read)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text[:80]!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{YARN_EXAMPLE}', got {text[:80]!r}")
+    return value
+
+
+YARN_EXAMPLE = '{"rope_type":"yarn","factor":4.0,"original_max_position_embeddings":262144}'
+
+
+def add_rope_scaling_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rope-scaling", type=rope_scaling, metavar="JSON",
+                   help=f"replace the checkpoint's RoPE scaling, e.g. YaRN: '{YARN_EXAMPLE}' (the context limit "
+                        "becomes factor x original; static YaRN may cost some short-context quality: use it when "
+                        "prompts need it); '{\"rope_type\":\"default\"}' turns a config's off")
 
 
 def add_mmproj_option(p: argparse.ArgumentParser) -> None:

@@ -153,8 +153,8 @@ def check_max_context(max_context: Any, model_limit: int) -> int:
     if max_context is None:
         return model_limit
     if isinstance(max_context, bool) or not isinstance(max_context, int) or not 2 <= max_context <= model_limit:
-        raise QwenrtError(f"max_context must be an integer in [2, {model_limit}] (the model's "
-                          f"max_position_embeddings), got {max_context!r}")
+        raise QwenrtError(f"max_context must be an integer in [2, {model_limit}] (the model's context limit: "
+                          f"max_position_embeddings, or YaRN's factor x original), got {max_context!r}")
     return max_context
 
 

@@ -1,9 +1,21 @@
+import os
+
 import pytest
 import torch
 
 from tests import checkpoints
 
 torch.set_num_threads(2)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `long` run only when asked for: QWENRT_LONG=1, or a -m expression naming them."""
+    if os.environ.get("QWENRT_LONG") == "1" or "long" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="long test: QWENRT_LONG=1 or -m long runs it")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)
 
 
 def _build(tmp_path_factory, name, builder):

@@ -126,7 +126,9 @@ def test_a_gguf_file_is_no_checkpoint_directory(tmp_path):
     ({"model_type": "llama"}, ["unsupported", "'llama'"]),
     ({"hidden_size": None}, ["missing required field 'hidden_size'"]),
     ({"num_hidden_layers": 0}, ["'num_hidden_layers' must be an integer in [1, 1024]"]),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e7}}, ["rope_type 'yarn' is not supported"]),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e7}}, ["rope_type 'longrope' is not supported"]),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e7}},
+     ["rope_parameters: missing required field 'factor'"]),
 ])
 def test_config_contracts(ckpt, changes, fragments):
     edit_config(ckpt, **changes)

@@ -2,6 +2,7 @@
 gives alone; sampling, cancellation, limits, threads."""
 
 import dataclasses
+import re
 import subprocess
 import sys
 import threading
@@ -163,10 +164,14 @@ def test_limits_are_enforced(chat_model):
         engine.add_request(greedy(f"queued {i}"), lambda o: None)
     with pytest.raises(QueueFullError, match="queue is full"):
         engine.add_request(greedy("one too many"), lambda o: None)
-    small = Engine(model, tok, memory_budget=engine.state_bytes + 100 * engine.kv_token_bytes)
-    with pytest.raises(QwenrtError, match="lower max_tokens"):
+    small = Engine(model, tok, memory_budget=engine.state_bytes + 100 * engine.kv_token_bytes, speculative_tokens=0)
+    with pytest.raises(QwenrtError, match="lower max_tokens") as refused:
         small.add_request(greedy("hi", 200), lambda o: None)
-    small.add_request(greedy("hi", 20), lambda o: None)  # fits
+    said = re.search(r"prompt (\d+) \+ max_tokens 200, .* lower max_tokens to (\d+) or less", str(refused.value))
+    assert said and int(said[1]) + int(said[2]) == 100, refused.value  # the most the budget holds, exactly
+    small.add_request(greedy("hi", int(said[2])), lambda o: None)  # fits
+    with pytest.raises(QwenrtError, match="shorten the prompt to under 100 tokens"):
+        small.add_request(greedy("hi " * 150, 1), lambda o: None)
     with pytest.raises(QwenrtError, match="exceeds the model's context limit"):
         Engine(model, tok, max_model_len=10**9)
     with pytest.raises(QwenrtError, match="max_running"):

@@ -443,3 +443,21 @@ def test_a_prefix_cache_dir_that_is_no_path_is_one_line(chat_model, folder, frag
     """Was a ValueError, UnicodeEncodeError or TypeError from the OS layer (and "" used the current directory)."""
     model, tok, _ = chat_model
     one_line_error(lambda: Engine(model, tok, prefix_cache_dir=folder), "prefix_cache_dir", fragment)
+
+
+def test_a_long_prompt_holds_its_kv_once_across_its_snapshots(chat_model, ids, tmp_path, monkeypatch):
+    """A prompt snapshotted every 16 tokens: the tree holds each token's KV once (every edge its own tokens, not the
+    prefix again) plus one DeltaNet state per snapshot; on disk (a file holds the whole prefix's KV) a snapshot
+    larger than the folder's budget is not written at all."""
+    model, tok, _ = chat_model
+    engine = Engine(model, tok, max_batched_tokens=16, snapshot_interval=16, prefix_cache_dir=tmp_path / "p")
+    cache = engine.prefix_cache
+    state = sum(cache.shapes[k][0] * int(np.prod(cache.shapes[k][1:])) * 4 for k in ("conv", "recurrent"))
+    cache.store.budget = 48 * cache.kv_token_bytes + state  # a 48-token prefix's snapshot, no longer
+    written = []
+    monkeypatch.setattr(cache.store, "write", lambda key, tensors: written.append(len(key)))
+    finish(engine, [greedy(ids[:100], 1)])
+    ends = [16, 32, 48, 64, 80, 96, 100]  # interval points, the prompt's end (with logits; one token: no more fed)
+    assert len(cache) == len(ends)
+    assert cache.nbytes == 100 * cache.kv_token_bytes + len(ends) * state + model.config.text.vocab_size * 4
+    assert written == [16, 32, 48]

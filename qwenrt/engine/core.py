@@ -196,7 +196,7 @@ class Engine:
         if not isinstance(model, Qwen35ForCausalLM):
             raise QwenrtError(f"model must be the model qwenrt.load returned, got {type(model).__name__}")
         c = model.config.text
-        limit = c.max_position_embeddings
+        limit = c.context_limit
         if max_model_len is not None and _positive("max_model_len", max_model_len) > limit:
             raise QwenrtError(f"max_model_len {max_model_len} exceeds the model's context limit {limit}")
         self.model, self.tokenizer = model, tokenizer
@@ -263,6 +263,26 @@ class Engine:
                 need += self.draft_token_bytes * (seq.limit + 2 * seq.max_drafts + 2)
         return need
 
+    def _check_fits(self, seq: Sequence, prompt_len: int) -> None:
+        """Refuse, in one line, a request whose reservation can never fit the cache budget: what it needs, what
+        fits, and what to change."""
+        need = self.reservation(seq)
+        if need <= self.memory_budget:
+            return
+        per_token = self.reservation_per_token(seq)
+        fixed = need - per_token * seq.limit  # DeltaNet state (and the states speculation keeps)
+        fits = max(0, (self.memory_budget - fixed) // per_token)  # tokens of context the budget holds
+        fix = (f"lower max_tokens to {fits - prompt_len} or less" if fits > prompt_len else
+               f"shorten the prompt to under {fits} tokens (max_model_len / --max-model-len bounds it)")
+        raise QwenrtError(f"the request needs {_size(need)} of cache (KV {_size(need - fixed)} for {seq.limit} "
+                          f"tokens = prompt {prompt_len} + max_tokens {seq.limit - prompt_len}, DeltaNet state "
+                          f"{_size(fixed)}), over the engine's cache budget of {_size(self.memory_budget)}: {fix}, "
+                          "or raise the budget (Engine memory_budget=, serve --kv-cache-memory-bytes)", "max_tokens")
+
+    def reservation_per_token(self, seq: Sequence) -> int:
+        """The bytes `reservation` adds per token of the sequence's limit."""
+        return self.kv_token_bytes + (self.draft_token_bytes if seq.max_drafts and self.runner.mtp is not None else 0)
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -316,11 +336,7 @@ class Engine:
         if not request.hidden_only:
             seq.mask = self._token_mask(request, prompt.thinking_started)
             self._set_speculation(seq, request.speculative_tokens)
-        need = self.reservation(seq)
-        if need > self.memory_budget:
-            raise QwenrtError(f"the request needs {_size(need)} of cache for {seq.limit} tokens (prompt + max_tokens);"
-                              f" the engine's cache budget is {_size(self.memory_budget)}: lower max_tokens",
-                              "max_tokens")
+        self._check_fits(seq, len(prompt.ids))
         with self._lock:
             if request.request_id in self._sequences:
                 raise QwenrtError(f"a request with id {request.request_id!r} is already running")

@@ -163,7 +163,9 @@ class PrefixCache:
         recurrent = _stacked([state.recurrent[i] for i in self.linear_layers], self.shapes["recurrent"])
         logits = None if logits is None else logits.detach().reshape(-1).float().clone()
         self._insert(key, lambda a, b: self._kv_slice(state, a, b), conv, recurrent, logits)
-        if self.store is not None:
+        # a file holds the whole prefix's KV: one larger than the folder's budget would be written only to go
+        if self.store is not None and len(key) * self.kv_token_bytes + _nbytes(conv) + _nbytes(recurrent) <= (
+                self.store.budget):
             tensors = {"conv": conv, "recurrent": recurrent, **({} if logits is None else {"logits": logits})}
             if self.full_layers:
                 tensors["kv"] = self._kv_slice(state, 0, len(key))

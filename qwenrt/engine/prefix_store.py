@@ -61,7 +61,7 @@ NO_FOLLOW = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a link fails, a FIFO
 
 def model_identity(model) -> str:
     """A digest of what makes logits what they are: config, weight files (headers and sampled contents), compute
-    dtype and any quantization done at load."""
+    dtype, any quantization done at load and the RoPE scaling in effect."""
     path = getattr(model, "checkpoint_path", None)
     if path is None:
         raise QwenrtError("prefix_cache_dir needs a model loaded from a checkpoint directory")
@@ -84,7 +84,8 @@ def model_identity(model) -> str:
         finally:
             os.close(fd)
     specs = sorted({str(m.spec) for m in model.modules() if hasattr(m, "spec")})
-    h.update(f"{model.dtype}|{specs}".encode())
+    yarn = model.config.text.yarn  # a rope_scaling given at load rotates keys otherwise than config.json says
+    h.update(f"{model.dtype}|{specs}".encode() + (f"|{yarn}".encode() if yarn is not None else b""))
     return h.hexdigest()[:32]
 
 

@@ -194,6 +194,9 @@ def export_gguf(source: str | Path, out: str | Path, kind: str = "bf16", progres
     if config.text.family != QWEN3_5:  # qwen35 / qwen35moe files: llama.cpp reads them as Qwen3.5
         raise QwenrtError(f"{path}: a {config.text.family} model is not written as GGUF (qwenrt writes the "
                           "Qwen3.5 architectures qwen35 and qwen35moe)")
+    if config.text.yarn is not None:  # llama.cpp's YaRN keys and rounding differ from transformers': not mapped
+        raise QwenrtError(f"{path}: a config with YaRN rope scaling is not written as GGUF (write it without, and "
+                          "set llama.cpp's --rope-scaling yarn options when running it)")
     tensors = _float_tensors(ckpt, plan, model)
     if vision_out is not None:
         _check_vision_export(path, config, ckpt, vision_out)

@@ -121,7 +121,7 @@ def config_dict(meta: Metadata, vocab_rows: int, tied: bool) -> dict:
     family = FAMILIES[model_type]
     rotary = meta.int(key("rope.dimension_count"), head_dim if family == QWEN3_VL else head_dim // 4)
     rope = {"rope_type": "default", "rope_theta": meta.float(key("rope.freq_base")),
-            "partial_rotary_factor": rotary / head_dim if head_dim else 0.0}
+            "partial_rotary_factor": rotary / head_dim if head_dim else 0.0, **_rope_scaling(meta, key)}
     if meta.has(key("rope.dimension_sections")):  # Qwen3.5's and Qwen3-VL's M-RoPE (Qwen3-Next's rotary is 1-D)
         rope.update(mrope_section=meta.ints(key("rope.dimension_sections"))[:3], mrope_interleaved=True)
     config = {
@@ -177,7 +177,8 @@ def _deltanet_keys(meta: Metadata, key, n_layers: int) -> dict:
 
 def tokenizer_parts(meta: Metadata) -> TokenizerParts | None:
     """The tokenizer a GGUF file describes (a byte-level BPE with Qwen3.5's pre-tokenizer, or Qwen2's for Qwen3-VL
-    and Qwen3-Next), or None when it has none. Token types: control tokens are special added tokens, user-defined ones added but not special, unused
+    and Qwen3-Next), or None when it has none. Token types: control tokens are special added tokens, user-defined
+    ones added but not special, unused
     ones (the `[PAD{i}]` rows padding the list to the embedding) left out."""
     if not meta.has("tokenizer.ggml.tokens"):
         return None
@@ -219,3 +220,24 @@ def tokenizer_parts(meta: Metadata) -> TokenizerParts | None:
     where = meta.where
     return TokenizerParts(json.dumps(backend, ensure_ascii=False), where, {}, where, generation, where,
                           meta.str("tokenizer.chat_template"), where)
+
+
+def _rope_scaling(meta, key) -> dict:
+    """llama.cpp's rope.scaling.* as rope_parameters: YaRN's factor, original context, betas and attention factor,
+    which its converter copies from transformers' rope_parameters; its other YaRN keys have no transformers meaning."""
+    kind = meta.str(key("rope.scaling.type"), "none")
+    if kind == "none":
+        return {}
+    others = [k for k in ("rope.scaling.attn_factor", "rope.scaling.yarn_ext_factor",
+                          "rope.scaling.yarn_log_multiplier") if meta.has(key(k))]
+    if kind != "yarn" or others:
+        raise QwenrtError(f"{meta.where}: rope scaling {kind!r}{' with ' + ', '.join(others) if others else ''} is not "
+                          "supported (YaRN is, as transformers computes it)")
+    params = {"rope_type": "yarn", "factor": meta.float(key("rope.scaling.factor")),
+              "original_max_position_embeddings": meta.int(key("rope.scaling.original_context_length"),
+                                                           meta.int(key("context_length")))}
+    for name, field in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow"),
+                        ("attention_factor", "yarn_attn_factor")):
+        if meta.has(key(f"rope.scaling.{field}")):
+            params[name] = meta.float(key(f"rope.scaling.{field}"))
+    return params

@@ -7,16 +7,41 @@ j%3 == 2 -> W (j < 3·sec_W), else T. Text tokens have T = H = W, where this is 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
-def inv_frequencies(rotary_dim: int, theta: float, device=None) -> torch.Tensor:
-    """[rotary_dim / 2] fp32."""
+def inv_frequencies(rotary_dim: int, theta: float, device=None, yarn=None) -> torch.Tensor:
+    """[rotary_dim / 2] fp32; with `yarn` (qwenrt.config.Yarn) YaRN's blend of interpolated and original ones."""
+    if yarn is not None:
+        return yarn_inv_frequencies(rotary_dim, theta, yarn).to(device)
     return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, mrope_section, interleaved: bool = True):
-    """positions [B, T] (text) or [3, B, T] (T/H/W axes) -> cos, sin [B, T, rotary_dim] fp32."""
+def yarn_inv_frequencies(dim: int, base: float, yarn) -> torch.Tensor:
+    """[dim / 2] fp32, as transformers 5.23's `_compute_yarn_parameters` computes them (same ops, same order):
+    frequencies that turn fewer than beta_slow times over the original context are divided by `factor`, those that
+    turn more than beta_fast times are kept, with a linear ramp between."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp  # the share of the original frequency
+    return (1.0 / (yarn.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, mrope_section, interleaved: bool = True,
+                 scale: float = 1.0):
+    """positions [B, T] (text) or [3, B, T] (T/H/W axes) -> cos, sin [B, T, rotary_dim] fp32, both times `scale`
+    (YaRN's attention factor; it scales the rotated channels of q and k, as transformers applies it)."""
     if positions.dim() == 2:
         freqs = positions[..., None].float() * inv_freq  # [B, T, F]
     else:
@@ -32,7 +57,9 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, mrope_section,
                 freqs[..., start:start + size] = axes[axis][..., start:start + size]
                 start += size
     angles = torch.cat([freqs, freqs], dim=-1)
-    return angles.cos(), angles.sin()
+    if scale == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * scale, angles.sin() * scale
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

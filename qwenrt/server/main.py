@@ -20,7 +20,7 @@ from qwenrt import log
 from qwenrt.default_model import DEFAULT_MODEL, resolve_model
 from qwenrt.errors import QwenrtError
 from qwenrt.hub import MODEL_HELP
-from qwenrt.units import add_mmproj_option, add_speculative_option, parse_size
+from qwenrt.units import add_mmproj_option, add_rope_scaling_option, add_speculative_option, parse_size
 
 
 def load_engine(args):
@@ -33,7 +33,8 @@ def load_engine(args):
 
     start = time.perf_counter()
     model, tokenizer = load(args.model, dtype=args.dtype, quantize=args.quantize, progress=log.shows_progress(),
-                            threads=args.threads, mmproj=args.mmproj, adapters=dict(args.lora) or None)
+                            threads=args.threads, mmproj=args.mmproj, adapters=dict(args.lora) or None,
+                            rope_scaling=args.rope_scaling)
     if args.tokenizer is not None:
         from qwenrt.hub import resolve_model_path
         from qwenrt.tokenizer import load_tokenizer
@@ -241,6 +242,7 @@ def add_parser(verbs) -> None:
                    help="requests decoded together at most (default 8)")
     p.add_argument("--max-queue", type=int, help="requests waiting at most, more get 429 (default 256)")
     p.add_argument("--max-model-len", type=int, help="context limit of every request (default: the model's)")
+    add_rope_scaling_option(p)
     p.add_argument("--max-num-batched-tokens", type=int,
                    help="tokens per engine step: decode tokens first, the rest for prompt chunks (default 256)")
     p.add_argument("--kv-cache-memory-bytes", help="cache budget for KV + DeltaNet state, e.g. 8G (default: half "

@@ -43,7 +43,8 @@ def config_json(c: TextConfig, special_ids: dict[str, int | list[int]], mtp: boo
         "max_position_embeddings": c.max_position_embeddings, "tie_word_embeddings": c.tie_word_embeddings,
         "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta,
                             "partial_rotary_factor": c.partial_rotary_factor,
-                            "mrope_section": list(c.mrope_section), "mrope_interleaved": c.mrope_interleaved},
+                            "mrope_section": list(c.mrope_section), "mrope_interleaved": c.mrope_interleaved,
+                            **(c.yarn.rope_parameters() if c.yarn is not None else {})},
         "mtp_num_hidden_layers": 1 if mtp else 0, "mtp_use_dedicated_embeddings": False,
         **special_ids, "dtype": str(dtype).removeprefix("torch."),
     }
