@@ -36,10 +36,11 @@ def stores(Hkv: int, cap: int, D: int, dtype, g: torch.Generator, filled: int):
     return keys, values
 
 
-# (T, start, H, Hkv, Dh): T 1/7/64/65/300 against contexts of 1 to ~2000 keys, tiles of 64 dividing them or not
+# (T, start, H, Hkv, Dh): T 1/7/64/65/300 against contexts of 1 to ~2000 keys, tiles of 64 dividing them or not;
+# Dh 48: a head dim that is not a multiple of 32 (the bf16 path's half vectors)
 CASES = [(1, 0, 4, 4, 64), (1, 1999, 8, 2, 256), (7, 0, 8, 4, 64), (7, 1500, 4, 2, 256), (64, 0, 8, 2, 256),
          (64, 1000, 4, 1, 64), (65, 0, 4, 4, 256), (65, 1935, 8, 2, 64), (300, 0, 8, 2, 256), (300, 1700, 8, 4, 64),
-         (300, 64, 2, 1, 256), (33, 31, 16, 1, 64)]
+         (300, 64, 2, 1, 256), (33, 31, 16, 1, 64), (9, 20, 4, 2, 48)]
 
 
 @pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 4e-3)])
