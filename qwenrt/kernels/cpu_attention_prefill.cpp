@@ -1,16 +1,19 @@
 // Causal attention of a prefill chunk against one sequence's KV store, flash-style: keys and values are read in tiles
 // of kTile, each row keeps a running max and sum of its exponentials (online softmax, fp32) and its output in fp32,
 // so the memory per call is O(rows × kTile + kTile × Dh) per thread whatever the context. torch's SDPA with a [T, S]
-// mask held the mask and (on its math path) the [H, T, S] scores.
-// Work: (KV head, block of ~kQueries / G tokens); each block's G·tokens query rows share every key tile, packed once
-// into fp32 (keys transposed) and multiplied by an fp32 register-tiled product (both Q·Kᵀ and P·V have its form).
-// With AVX-512 BF16 and bf16 stores the scores are vdpbf16ps products instead (exact products, fp32 sums).
+// mask held the mask (and, on its math path, the [H, T, S] scores).
+// Work: (KV head, block of ~kQueries / G tokens). A block's G·tokens query rows, packed once, share each key tile;
+// scores are computed transposed, [keys][rows] (the keys the broadcast operand: no tile is transposed, bf16 ones
+// only widened), the online softmax runs a vector of rows at a time, and P·V is a register-tiled product over the
+// value tile. fp32 FMAs at every level; with AVX-512 BF16 and bf16 stores both products are vdpbf16ps (exact
+// products, fp32 sums; the probabilities rounded to bf16 for P·V, as torch's bf16 attention rounds them).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -27,10 +30,11 @@ constexpr int64_t kQueries = 128;  // query rows per work unit: tokens × the G 
 constexpr int kRows = std::min(8, (kRegisters - 3) / 2);  // rows per register tile: 2·kRows accumulators
 constexpr int64_t kMaxD = 512;
 
-// C[r][0, NV·kLanes) (+)= Σ_k A[r][k]·B[k][0, NV·kLanes) for r < R: R·NV sums in registers, each B vector read once
-// for all R rows.
+// C[r][0, NV·kLanes) (+)= Σ_k A(r, k)·B[k][0, NV·kLanes) for r < R, A(r, k) = A[r·ar + k·ak]: R·NV sums in
+// registers, each B vector read once for all R rows.
 template <int R, int NV, bool Acc>
-inline void micro(const float* A, int64_t lda, const float* B, int64_t ldb, int64_t K, float* C, int64_t ldc) {
+inline void micro(const float* A, int64_t ar, int64_t ak, const float* B, int64_t ldb, int64_t K, float* C,
+                  int64_t ldc) {
   F acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = Acc ? load(C + r * ldc + v * kLanes) : zero();
@@ -38,7 +42,7 @@ inline void micro(const float* A, int64_t lda, const float* B, int64_t ldb, int6
     F b[NV];
     for (int v = 0; v < NV; ++v) b[v] = load(B + k * ldb + v * kLanes);
     for (int r = 0; r < R; ++r) {
-      const F a = set1(A[r * lda + k]);
+      const F a = set1(A[r * ar + k * ak]);
       for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(a, b[v], acc[r][v]);
     }
   }
@@ -47,97 +51,106 @@ inline void micro(const float* A, int64_t lda, const float* B, int64_t ldb, int6
 }
 
 template <int R, int NV, bool Acc>
-inline void micro_upto(int rows, const float* A, int64_t lda, const float* B, int64_t ldb, int64_t K, float* C,
-                       int64_t ldc) {
+inline void micro_upto(int rows, const float* A, int64_t ar, int64_t ak, const float* B, int64_t ldb, int64_t K,
+                       float* C, int64_t ldc) {
   if constexpr (R > 1) {
-    if (rows < R) return micro_upto<R - 1, NV, Acc>(rows, A, lda, B, ldb, K, C, ldc);
+    if (rows < R) return micro_upto<R - 1, NV, Acc>(rows, A, ar, ak, B, ldb, K, C, ldc);
   }
-  micro<R, NV, Acc>(A, lda, B, ldb, K, C, ldc);
+  micro<R, NV, Acc>(A, ar, ak, B, ldb, K, C, ldc);
 }
 
-// C [M, N] (+)= A [M, K] · B [K, N], all fp32 row-major, N a multiple of kLanes: column panels of 2·kLanes (B's
-// panel stays in L1 while every row block passes over it).
+// C [M, N] (+)= A [M, K] · B [K, N], fp32, A strided as micro's, N a multiple of kLanes: column panels of 2·kLanes
+// (B's panel stays in L1 while every row block passes over it).
 template <bool Acc>
-void gemm(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t M, int64_t N,
-          int64_t K) {
+void gemm(const float* A, int64_t ar, int64_t ak, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t M,
+          int64_t N, int64_t K) {
   for (int64_t n = 0; n < N; n += 2 * kLanes) {
     const bool two = N - n >= 2 * kLanes;
     for (int64_t m = 0; m < M; m += kRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m));
       if (two)
-        micro_upto<kRows, 2, Acc>(rows, A + m * lda, lda, B + n, ldb, K, C + m * ldc + n, ldc);
+        micro_upto<kRows, 2, Acc>(rows, A + m * ar, ar, ak, B + n, ldb, K, C + m * ldc + n, ldc);
       else
-        micro_upto<kRows, 1, Acc>(rows, A + m * lda, lda, B + n, ldb, K, C + m * ldc + n, ldc);
+        micro_upto<kRows, 1, Acc>(rows, A + m * ar, ar, ak, B + n, ldb, K, C + m * ldc + n, ldc);
     }
   }
 }
 
-// One thread's scratch for the fp32-product path: query rows, their outputs, running maxima and sums, a tile of
-// scores, the key tile transposed to [Dh][kTile] and the value tile, in fp32.
+// `count` values of a store as fp32: bf16 widened by vector loads into `out`, fp32 read in place.
+inline const float* as_fp32(const float* x, int64_t, std::vector<float>&) { return x; }
+inline const float* as_fp32(const at::BFloat16* x, int64_t count, std::vector<float>& out) {
+  const auto* bits = reinterpret_cast<const uint16_t*>(x);
+  for (int64_t i = 0; i < count; i += kLanes) store(out.data() + i, load_bf16(bits + i));
+  return out.data();
+}
+
+// One thread's scratch for the fp32-product path: query rows scaled and transposed [Dh][Mp] (Mp = rows rounded up
+// to kLanes), scores and then probabilities transposed [kTile][Mp], the key and value tiles as fp32, outputs
+// [Mp][Dh], per row its last visible key, running max, sum and rescale factor.
 struct Scratch {
-  std::vector<float> q, o, s, kt, vt, mx, sum;
+  std::vector<float> q, st, k, v, o, last, mx, sum, alpha;
   explicit Scratch(int64_t D)
-      : q(kQueries * D), o(kQueries * D), s(kQueries * kTile), kt(D * kTile), vt(kTile * D), mx(kQueries),
-        sum(kQueries) {}
+      : q(kQueries * D), st(kTile * kQueries), k(kTile * D), v(kTile * D), o(kQueries * D), last(kQueries),
+        mx(kQueries), sum(kQueries), alpha(kQueries) {}
 };
 
-// Rows of the block: m = (t - t0)·G + g is query head hk·G + g of token t, which sees keys [0, start + t].
+// Rows of the block: m = (t - t0)·G + g is query head hk·G + g of token t, which sees keys [0, start + t]. Scores
+// are computed transposed (keys the broadcast operand, the block's query rows the vector one), so that the online
+// softmax runs kLanes rows per vector and no key tile is transposed.
 template <typename T>
 void attend_block(const T* Q, const T* K, const T* V, T* O, int64_t H, int64_t G, int64_t cap, int64_t D,
                   int64_t start, int64_t t0, int64_t t1, int64_t hk, float scale, Scratch& w) {
-  const int64_t M = (t1 - t0) * G, end = start + t1;
-  for (int64_t t = t0; t < t1; ++t)
-    for (int64_t g = 0; g < G; ++g) {
-      const T* src = Q + (t * H + hk * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) w.q[((t - t0) * G + g) * D + d] = static_cast<float>(src[d]) * scale;
-    }
-  std::fill(w.o.begin(), w.o.begin() + M * D, 0.f);
+  const int64_t M = (t1 - t0) * G, Mp = (M + kLanes - 1) / kLanes * kLanes, end = start + t1;
+  for (int64_t m = 0; m < Mp; ++m) {
+    const int64_t t = std::min(t0 + m / G, t1 - 1), g = m % G;  // rows past M: copies of real ones, never output
+    const T* src = Q + (t * H + hk * G + g) * D;
+    for (int64_t d = 0; d < D; ++d) w.q[d * Mp + m] = static_cast<float>(src[d]) * scale;
+    w.last[m] = static_cast<float>(start + t);
+  }
+  std::fill(w.o.begin(), w.o.begin() + Mp * D, 0.f);
   std::fill(w.mx.begin(), w.mx.end(), -INFINITY);
   std::fill(w.sum.begin(), w.sum.end(), 0.f);
-  const T* k = K + hk * cap * D;
-  const T* v = V + hk * cap * D;
+  const F neg_inf = set1(-INFINITY), lowest = set1(std::numeric_limits<float>::lowest());
   for (int64_t s0 = 0; s0 < end; s0 += kTile) {
     const int64_t n = std::min(kTile, end - s0);
-    if (n < kTile) std::fill(w.kt.begin(), w.kt.end(), 0.f);
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t d = 0; d < D; ++d) w.kt[d * kTile + j] = static_cast<float>(k[(s0 + j) * D + d]);
-    gemm<false>(w.q.data(), D, w.kt.data(), kTile, w.s.data(), kTile, M, kTile, D);
-    const float* vf;
-    if constexpr (std::is_same_v<T, float>) {
-      vf = v + s0 * D;
-    } else {
-      const auto* vr = reinterpret_cast<const uint16_t*>(v + s0 * D);
-      for (int64_t i = 0; i < n * D; i += kLanes) store(w.vt.data() + i, load_bf16(vr + i));
-      vf = w.vt.data();
-    }
-    for (int64_t m = 0; m < M; ++m) {  // online softmax: p = e^(s - new max), the earlier sum and output rescaled
-      float* p = w.s.data() + m * kTile;
-      const int64_t valid = std::clamp<int64_t>(start + t0 + m / G + 1 - s0, 0, n);
-      float top = w.mx[m];
-      for (int64_t j = 0; j < valid; ++j) top = std::max(top, p[j]);
-      const F shift = set1(top);
-      for (int64_t j = 0; j < kTile; j += kLanes) store(p + j, qwenrt::simd::exp(sub(load(p + j), shift)));
-      std::fill(p + valid, p + kTile, 0.f);
-      if (valid == 0) continue;
-      float total = 0.f;
-      for (int64_t j = 0; j < valid; ++j) total += p[j];
-      const float alpha = std::exp(w.mx[m] - top);  // 0 at the row's first tile (max -inf)
-      w.sum[m] = w.sum[m] * alpha + total;
-      w.mx[m] = top;
-      if (alpha != 1.f) {
-        float* o = w.o.data() + m * D;
-        for (int64_t d = 0; d < D; d += kLanes) store(o + d, mul(load(o + d), set1(alpha)));
+    const float* kf = as_fp32(K + (hk * cap + s0) * D, n * D, w.k);
+    const float* vf = as_fp32(V + (hk * cap + s0) * D, n * D, w.v);
+    gemm<false>(kf, D, 1, w.q.data(), Mp, w.st.data(), Mp, n, Mp, D);  // st [n][Mp] = keys · q
+    for (int64_t c = 0; c < Mp; c += kLanes) {  // kLanes rows: mask, max; e^(s - max), sums; rescale factors
+      const F last = load(w.last.data() + c), old = load(w.mx.data() + c);
+      F top = old;
+      for (int64_t j = 0; j < n; ++j) {
+        float* x = w.st.data() + j * Mp + c;
+        const F masked = select_above(set1(static_cast<float>(s0 + j)), last, load(x), neg_inf);
+        store(x, masked);
+        top = max(top, masked);
       }
+      const F shift = select_above(lowest, top, top, zero());  // rows that see no key yet: p = 0 anyway
+      F total = zero();
+      for (int64_t j = 0; j < n; ++j) {
+        float* x = w.st.data() + j * Mp + c;
+        const F e = select_above(set1(static_cast<float>(s0 + j)), last, qwenrt::simd::exp(sub(load(x), shift)),
+                                 zero());
+        store(x, e);
+        total = add(total, e);
+      }
+      const F alpha = qwenrt::simd::exp(sub(old, shift));  // e^-87 where old is -inf: times a zero sum and output
+      store(w.sum.data() + c, fmadd(load(w.sum.data() + c), alpha, total));
+      store(w.mx.data() + c, top);
+      store(w.alpha.data() + c, alpha);
     }
-    gemm<true>(w.s.data(), kTile, vf, D, w.o.data(), D, M, D, n);
+    for (int64_t m = 0; m < M; ++m) {
+      if (w.alpha[m] == 1.f) continue;
+      float* o = w.o.data() + m * D;
+      for (int64_t d = 0; d < D; d += kLanes) store(o + d, mul(load(o + d), set1(w.alpha[m])));
+    }
+    gemm<true>(w.st.data(), 1, Mp, vf, D, w.o.data(), D, M, D, n);  // o [M][Dh] += p [M][n] · values [n][Dh]
   }
-  for (int64_t t = t0; t < t1; ++t)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t m = (t - t0) * G + g;
-      const float inv = 1.0f / w.sum[m];
-      T* dst = O + (t * H + hk * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(w.o[m * D + d] * inv);
-    }
+  for (int64_t m = 0; m < M; ++m) {
+    const float inv = 1.0f / w.sum[m];
+    T* dst = O + ((t0 + m / G) * H + hk * G + m % G) * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(w.o[m * D + d] * inv);
+  }
 }
 
 #if defined(__AVX512BF16__)
