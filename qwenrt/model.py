@@ -97,6 +97,11 @@ def _norm_kernels(x: torch.Tensor, *weights: torch.Tensor):
     return inference_kernels(x, *weights) if x.is_cpu and x.dtype in (torch.bfloat16, torch.float32) else None
 
 
+def _prefill_kernels(q: torch.Tensor, *kv: torch.Tensor):
+    """The native kernels for the tiled attention of a chunk against its cache (CPU, bf16/fp32, no autograd)."""
+    return inference_kernels(q, *kv) if q.is_cpu and q.dtype in (torch.bfloat16, torch.float32) else None
+
+
 class GatedAttention(nn.Module):
     """Softmax attention with a sigmoid output gate: q_proj emits [query | gate] per head; q/k RMSNorm; partial RoPE.
     Qwen3-VL's layers have no gate (`gated` False: q_proj emits the query alone)."""
@@ -142,8 +147,12 @@ class GatedAttention(nn.Module):
 
     def _cached_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SequenceState):
         """q [1, H, T, Dh] at positions length..length+T-1 of `seq`; k, v [1, Hkv, T, Dh] are stored first."""
-        start, T = seq.length, q.shape[2]
-        k, v = seq.write_kv(self.layer_idx, k, v)  # [1, Hkv, start + T, Dh]
+        start, T, i = seq.length, q.shape[2], self.layer_idx
+        kernels = _prefill_kernels(q, k, v) if seq.keys[i].dtype == q.dtype else None
+        k, v = seq.write_kv(i, k, v)  # [1, Hkv, start + T, Dh]
+        if kernels is not None:  # key tiles over the store: O(T × tile) memory, not O(T × S)
+            o = kernels.attention_prefill(q[0].transpose(0, 1).contiguous(), seq.keys[i], seq.values[i], start)
+            return o.transpose(0, 1)[None]  # [1, H, T, Dh]
         if T == 1:
             return decode_attention(q, k, v, None)
         if start == 0:

@@ -44,6 +44,16 @@ def test_split_prefill_then_decode_equals_full_forward(kind, request):
     assert rel_err(torch.cat(pieces, dim=1), full) <= 1e-4
 
 
+def test_kv_stores_grow_by_a_quarter_up_to_the_limit(dense_ckpt):
+    model, _ = qwenrt.load(dense_ckpt[0], dtype="float32")
+    seq = model.new_sequence(capacity=16, limit=1100)
+    seq.length = 10
+    for length, capacity in ((17, 256), (300, 320), (330, 400), (900, 900), (1000, 1100)):
+        seq.reserve(length)
+        assert seq.capacity == capacity
+    assert all(k.shape[2] == 1100 for k in seq.keys if k is not None)
+
+
 @pytest.mark.parametrize("kind", ["dense_ckpt", "moe_ckpt", "published_ckpt"])
 def test_greedy_decode_matches_reference_generate(kind, request):
     path, ref = request.getfixturevalue(kind)

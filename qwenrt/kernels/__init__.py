@@ -28,8 +28,8 @@ from qwenrt.errors import QwenrtError
 
 _DIR = Path(__file__).parent
 SOURCES = [_DIR / n for n in ("bindings.cpp", "cpu_gemv.cpp", "cpu_gemm.cpp", "cpu_gdn.cpp", "cpu_norm.cpp",
-                            "cpu_attention.cpp", "cpu_layer_stack.cpp", "cpu_moe.cpp", "cpu_moe_gemm.cpp",
-                            "cpu_argmax.cpp", "cpu_greedy_cycle.cpp", "cpu_lora.cpp")]
+                            "cpu_attention.cpp", "cpu_attention_prefill.cpp", "cpu_layer_stack.cpp", "cpu_moe.cpp",
+                            "cpu_moe_gemm.cpp", "cpu_argmax.cpp", "cpu_greedy_cycle.cpp", "cpu_lora.cpp")]
 HEADERS = [_DIR / n for n in ("simd.h", "gemv_common.h", "gemv_simd.h", "gemv_avx512bf16.h", "kernels.h",
                             "layer_stack.h", "parallel.h")]
 _AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"}

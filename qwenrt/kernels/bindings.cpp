@@ -54,6 +54,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "q/k norm, RoPE, KV write, attention and output gate (where gated) for one new token per sequence",
         arg("qg"), arg("k"), arg("v"), arg("q_norm_w"), arg("k_norm_w"), arg("cos"), arg("sin"), arg("keys"),
         arg("values"), arg("lengths"), arg("eps"), arg("gated") = true);
+  m.def("attention_prefill", &attention_prefill,
+        "causal attention of q [T, H, Dh] (positions start..start+T-1) over a sequence's stores [1, Hkv, cap, Dh] "
+        "-> [T, H, Dh]: key tiles with an online softmax, memory O(T·tile) whatever the context",
+        arg("q"), arg("keys"), arg("values"), arg("start"), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "zero-centred RMSNorm: (x [+ residual], normed)");
   m.def("causal_conv1d_silu", &causal_conv1d_silu,
         "DeltaNet short conv and its SiLU over a prefill chunk, token-major (state in place)");

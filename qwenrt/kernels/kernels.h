@@ -41,6 +41,8 @@ at::Tensor causal_conv1d_silu(at::Tensor x, at::Tensor conv_state, at::Tensor co
 at::Tensor attention_decode_step(at::Tensor qg, at::Tensor k, at::Tensor v, at::Tensor q_norm_w, at::Tensor k_norm_w,
                                  at::Tensor cos, at::Tensor sin, at::Tensor keys, at::Tensor values,
                                  at::Tensor lengths, double eps, bool gated = true);
+// causal attention of q [T, H, Dh] at positions start.. over a sequence's stores [1, Hkv, cap, Dh] -> [T, H, Dh]
+at::Tensor attention_prefill(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t start);
 // y [M, N] bf16 in place: rows[i]'s y += scale·Btᵀ·(A·x) (A [r, K], Bt [r, N] fp32), one bf16 rounding (LoRA)
 void lora_add_rows(at::Tensor x, at::Tensor y, at::Tensor A, at::Tensor Bt, double scale, at::Tensor rows);
 at::Tensor argmax_rows(at::Tensor x);
