@@ -59,3 +59,28 @@ def test_ray_options_need_ray(options, named):
     from qwenrt.server.main import serve
 
     one_line_error(lambda: serve(build_parser().parse_args(["serve", *options])), f"{named}: only with --ray")
+
+
+@pytest.mark.parametrize("text, bounds", [("3", (3, 3)), ("1:4", (1, 4))])
+def test_replicas_fixed_or_autoscaled(text, bounds):
+    """--replicas N is that many; MIN:MAX gives Serve an autoscaling range whose target is the engine's batch."""
+    from qwenrt.cli import build_parser
+    from qwenrt.scaleout.ray_app import _scaling
+
+    args = build_parser().parse_args(["serve", "--ray", "--replicas", text, "--max-running", "6"])
+    assert args.replicas == bounds
+    scaling = _scaling(args.replicas, vars(args))
+    if bounds[0] == bounds[1]:
+        assert scaling == {"num_replicas": 3}
+    else:
+        auto = scaling["autoscaling_config"]
+        assert (auto["min_replicas"], auto["max_replicas"], auto["target_ongoing_requests"]) == (1, 4, 6)
+
+
+@pytest.mark.parametrize("text", ["0", "4:2", "x", "1:"])
+def test_bad_replica_counts(text, capsys):
+    from qwenrt.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--ray", "--replicas", text])
+    assert "--replicas" in capsys.readouterr().err

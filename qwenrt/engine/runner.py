@@ -64,10 +64,11 @@ class ModelRunner:
         self._draft_head = None
 
     def allocate(self, seq: Sequence) -> SequenceState:
-        """A fresh cache for an admitted sequence: KV room for every token it may hold (prompt + max_tokens, what
-        admission reserved), so that it never grows by a copy (a 262K-token prompt's KV is 3 GiB on the 0.8B);
-        with speculation, the MTP head's own cache too."""
-        capacity = seq.limit
+        """A fresh cache for an admitted sequence: KV room for its prompt, so that a long prompt's prefill never
+        copies its cache (a 262K-token prompt's KV is 3 GiB on the 0.8B), grown by a quarter as it decodes, up to its
+        limit (room for every token it may hold up front would commit a full context's KV for each request without
+        max_tokens); with speculation, the MTP head's own cache too."""
+        capacity = min(seq.prompt_len + 64, seq.limit)
         if seq.max_drafts and self.mtp is not None:
             model = self.model
             # room for the drafts' entries and the padding of a batched catch-up, both rolled back each round

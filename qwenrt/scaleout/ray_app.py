@@ -217,18 +217,33 @@ class QwenrtIngress:
         return response
 
 
-def build_app(options: dict, replicas: int, threads: int, routing: str = "affinity", imbalance: int = 4):
-    """The Serve application: the ingress over `replicas` QwenrtReplica, each with `threads` CPUs (Ray's and
-    torch's). `options`: `qwenrt serve`'s arguments (vars of its namespace)."""
+def build_app(options: dict, replicas: int | tuple[int, int], threads: int, routing: str = "affinity",
+              imbalance: int = 4):
+    """The Serve application: the ingress over `replicas` QwenrtReplica (a number, or (MIN, MAX): autoscaled), each
+    with `threads` CPUs (Ray's and torch's). `options`: `qwenrt serve`'s arguments (vars of its namespace)."""
     options = {k: v for k, v in options.items() if k != "run"}
     options["threads"] = threads
-    replica = serve.deployment(QwenrtReplica, name="QwenrtReplica", num_replicas=replicas,
+    replica = serve.deployment(QwenrtReplica, name="QwenrtReplica", **_scaling(replicas, options),
                                ray_actor_options={"num_cpus": threads}, max_ongoing_requests=MAX_ONGOING,
                                health_check_period_s=5, graceful_shutdown_timeout_s=10,
                                request_router_config=RequestRouterConfig(
                                    request_router_class=PrefixAffinityRouter,
                                    request_router_kwargs={"policy": routing, "imbalance": imbalance}))
     return QwenrtIngress.bind(replica.bind(options))
+
+
+def _scaling(replicas: int | tuple[int, int], options: dict) -> dict:
+    """Serve's replica count: fixed, or autoscaled between (MIN, MAX) to keep each replica's requests under way at
+    its engine's batch (--max-running): more queue in its engine, fewer leave it idle."""
+    from qwenrt.engine.core import DEFAULT_MAX_RUNNING
+
+    low, high = (replicas, replicas) if isinstance(replicas, int) else replicas
+    if low == high:
+        return {"num_replicas": low}
+    target = options.get("max_running") or DEFAULT_MAX_RUNNING
+    return {"autoscaling_config": {"min_replicas": low, "initial_replicas": low, "max_replicas": high,
+                                   "target_ongoing_requests": target, "upscale_delay_s": 10,
+                                   "downscale_delay_s": 120}}
 
 
 def _deploy_failure(e: RuntimeError) -> str:
@@ -244,16 +259,18 @@ def _deploy_failure(e: RuntimeError) -> str:
 def serve_on_ray(args) -> None:
     """`qwenrt serve --ray`: start a local Ray cluster (or join --ray-address), run the application on --host/--port
     until Ctrl-C or SIGTERM, then shut it down."""
-    threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // args.replicas)
+    low, high = args.replicas
+    threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // high)
     if args.ray_address:
         ray.init(address=args.ray_address, log_to_driver=False)
     else:
-        ray.init(num_cpus=max(os.cpu_count() or 1, threads * args.replicas), include_dashboard=False,
+        ray.init(num_cpus=max(os.cpu_count() or 1, threads * high), include_dashboard=False,
                  log_to_driver=False)
     try:
         # one HTTP endpoint, on the cluster's head node; replicas go wherever Ray finds their CPUs
         serve.start(http_options={"host": args.host, "port": args.port}, proxy_location="HeadOnly")
-        log.info(f"qwenrt serve --ray: {args.replicas} replica(s) x {threads} thread(s), {args.routing} routing; "
+        count = str(low) if low == high else f"{low} to {high} (autoscaled)"
+        log.info(f"qwenrt serve --ray: {count} replica(s) x {threads} thread(s), {args.routing} routing; "
                  f"loading the model")
         try:
             serve.run(build_app(vars(args), args.replicas, threads, args.routing), name=APP_NAME, route_prefix="/")

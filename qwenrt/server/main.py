@@ -136,7 +136,7 @@ def make_app(args, on_load_failed=None):
 
 
 def serve(args) -> None:
-    given = [flag for flag, value in (("--replicas", args.replicas != 1), ("--threads-per-replica",
+    given = [flag for flag, value in (("--replicas", args.replicas != (1, 1)), ("--threads-per-replica",
              args.threads_per_replica), ("--ray-address", args.ray_address), ("--routing", args.routing != "affinity"))
              if value]
     if given and not args.ray:
@@ -186,6 +186,18 @@ def serve(args) -> None:
     gc.freeze()  # the exit's collections walked its ~300K objects for ~1.5 s on a busy machine; none need freeing
     if state.load_error is not None:
         raise QwenrtError(state.load_error)
+
+
+def _replicas(text: str) -> tuple[int, int]:
+    """An argparse type: N (that many replicas) or MIN:MAX (Ray Serve autoscales between them) -> (MIN, MAX)."""
+    low, colon, high = text.partition(":")
+    try:
+        bounds = int(low), int(high if colon else low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"N or MIN:MAX replicas, got {text!r}") from None
+    if not 1 <= bounds[0] <= bounds[1] <= 4096:
+        raise argparse.ArgumentTypeError(f"replicas must be 1 <= MIN <= MAX <= 4096, got {text!r}")
+    return bounds
 
 
 def _positive(kind):
@@ -272,9 +284,11 @@ def add_parser(verbs) -> None:
     ray = p.add_argument_group("replicas on Ray Serve (needs the `ray` extra)")
     ray.add_argument("--ray", action="store_true", help="serve through Ray Serve: --replicas copies of the model "
                      "behind one endpoint, on a local Ray cluster or the one at --ray-address")
-    ray.add_argument("--replicas", type=_positive(int), default=1, help="model replicas (default 1)")
+    ray.add_argument("--replicas", type=_replicas, default=(1, 1), metavar="N|MIN:MAX",
+                     help="model replicas (default 1); MIN:MAX: Ray Serve adds replicas while each has more than "
+                          "--max-running requests under way and removes idle ones, within those bounds")
     ray.add_argument("--threads-per-replica", type=_positive(int), metavar="T",
-                     help="CPU threads (and Ray CPUs) per replica (default: the cores / --replicas)")
+                     help="CPU threads (and Ray CPUs) per replica (default: the cores / the most --replicas)")
     ray.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster (e.g. 10.0.0.1:6379, or auto) "
                      "rather than starting a local one")
     ray.add_argument("--routing", choices=("affinity", "pow2"), default="affinity",
