@@ -10,6 +10,7 @@ from qwenrt.sampling import SamplingParams
 from tests.checkpoints import VOCAB
 from tests.test_multimodal import CASES
 from tests.test_qwen3_next import PROMPTS as NEXT_PROMPTS, build as build_next
+from tests.test_yarn import reference as yarn_reference, yarn_copy
 from tests.numerics import rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -77,3 +78,18 @@ def test_qwen3_vl_images_on_cuda_equal_the_cpu(kind, request):
         return [c.tokens for c in qwenrt.batch_generate(model, tok, prompts, max_tokens=10)]
 
     assert tokens(CUDA) == tokens("cpu")
+
+
+def test_yarn_past_the_original_context_on_cuda(dense_ckpt, tmp_path):
+    """YaRN (original context 64, factor 4) over 200 tokens on the GPU: transformers' logits, whole and chunked."""
+    path = yarn_copy(dense_ckpt[0], tmp_path / "yarn")
+    model, _ = qwenrt.load(path, dtype="float32", device=CUDA)
+    ids = torch.randint(0, VOCAB, (1, 200), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = yarn_reference(path)(input_ids=ids).logits.float()
+    assert rel_err(logits_on(model, ids), expected) <= 1e-4
+    cache, pieces = model.new_cache(1), []
+    with torch.inference_mode():
+        for start in range(0, 200, 64):
+            pieces.append(model(ids[:, start:start + 64].to(CUDA), cache=cache).float().cpu())
+    assert rel_err(torch.cat(pieces, 1), expected) <= 1e-4
