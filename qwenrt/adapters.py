@@ -41,6 +41,7 @@ EXPERTS, NESTED = "mlp.experts", ".base_layer"  # a routed experts module; PEFT'
 BANKS = ("experts.gate_up_proj", "experts.down_proj")
 HEAD = PREFIX + "score.weight"  # a SEQ_CLS adapter's head [num_labels, hidden]
 HEAD_MODULES = {"score", "classifier"}  # what PEFT lists in a SEQ_CLS adapter's modules_to_save
+MAX_PATTERNS, MAX_PATTERN_CHARS = 4096, 256  # rank_pattern / alpha_pattern keys
 # PEFT settings whose adapters compute something else than base + scaling·B·A on projections: refused when set
 UNSUPPORTED = {"use_dora": "DoRA", "lora_bias": "LoRA biases", "modules_to_save": "modules_to_save (whole modules)",
                "fan_in_fan_out": "fan_in_fan_out (Conv1D bases)", "trainable_token_indices": "trainable tokens",
@@ -153,18 +154,43 @@ def read_config(directory: str | Path) -> tuple[LoraSpec, Path, tuple[str, ...],
 
 
 def _pattern(file: Path, raw: dict, key: str, kinds) -> dict[str, float]:
-    """rank_pattern / alpha_pattern: {regular expression: a positive number}, as PEFT reads them."""
+    """rank_pattern / alpha_pattern: {regular expression: a positive number}, as PEFT reads them. An adapter may come
+    from a stranger: at most MAX_PATTERNS keys of MAX_PATTERN_CHARS, and no repetition of a repeated group (the
+    patterns that can backtrack for minutes over a module name)."""
     pattern = raw.get(key) or {}
-    if not isinstance(pattern, dict) or len(pattern) > 100_000:
-        raise QwenrtError(f"{file}: {key} must be an object of module patterns")
+    if not isinstance(pattern, dict) or len(pattern) > MAX_PATTERNS:
+        raise QwenrtError(f"{file}: {key} must be an object of at most {MAX_PATTERNS} module patterns")
     for name, value in pattern.items():
         if isinstance(value, bool) or not isinstance(value, kinds) or not 0 < value < 1e9:
             raise QwenrtError(f"{file}: {key}[{name!r:.80}] must be a positive number, got {value!r:.40}")
+        if len(name) > MAX_PATTERN_CHARS or _repeats_a_repetition(name):
+            raise QwenrtError(f"{file}: {key} key {name!r:.80} is longer than {MAX_PATTERN_CHARS} characters or "
+                              "repeats a repeated group")
         try:
             re.compile(name)
         except re.error as e:
             raise QwenrtError(f"{file}: {key} key {name!r:.80} is not a regular expression ({e})") from None
     return pattern
+
+
+def _repeats_a_repetition(pattern: str) -> bool:
+    """Whether a regular expression repeats (*, +, {}) a group that holds a repetition at any depth: (a+)+, ((x*))*."""
+    inside, i = [False], 0  # per open group: whether it holds a repetition
+    while i < len(pattern):
+        c, following = pattern[i], pattern[i + 1:i + 2]
+        if c == "\\":
+            i += 1  # an escaped character is a literal
+        elif c == "(":
+            inside.append(False)
+        elif c == ")" and len(inside) > 1:
+            held = inside.pop()
+            if held and following in ("*", "+", "{"):
+                return True
+            inside[-1] = inside[-1] or held or following in ("*", "+", "{")
+        elif c in "*+{":
+            inside[-1] = True
+        i += 1
+    return False
 
 
 def _module_rank_scaling(key: str, spec: LoraSpec, patterns: tuple[dict, dict]) -> tuple[int, float]:

@@ -232,6 +232,9 @@ def _break(adapter, fault):
     elif fault == "bad pattern":
         config["rank_pattern"] = {"in_proj_(z": 2}
         (adapter / CONFIG_FILE).write_text(json.dumps(config))
+    elif fault == "redos pattern":
+        config["alpha_pattern"] = {"(.*a+)+$": 3}
+        (adapter / CONFIG_FILE).write_text(json.dumps(config))
     elif fault == "pattern rank":
         config["rank_pattern"] = {"linear_attn.in_proj_z": 2}  # the tensors hold rank 4
         (adapter / CONFIG_FILE).write_text(json.dumps(config))
@@ -249,6 +252,7 @@ def _break(adapter, fault):
     ("rank", "r = 8"), ("shape", "do not fit the base"), ("unknown module", "no projection of this model"),
     ("half a pair", "has no lora_B.weight"), ("not lora", "not a LoRA adapter"),
     ("bad pattern", "rank_pattern key 'in_proj_(z' is not a regular expression"), ("pattern rank", "r = 2 for it"),
+    ("redos pattern", "repeats a repeated group"),
     ("damaged", "cannot read the adapter weights"),
 ])
 def test_bad_adapters_get_one_line_errors_naming_the_file(fault, fragment, dense_ckpt, tmp_path):
