@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFValueType, ReaderField
 
-from qwenrt.config import FAMILIES, QWEN3_NEXT, QWEN3_VL
+from qwenrt.config import FAMILIES, QWEN3_NEXT, QWEN3_VL, TEXT_MODEL_TYPES
 from qwenrt.errors import QwenrtError
 from qwenrt.families import qwen3_next, qwen3_vl
 from qwenrt.tokenizer import QWEN2_SPLIT, QWEN35_SPLIT, TokenizerParts
@@ -141,7 +141,7 @@ def config_dict(meta: Metadata, vocab_rows: int, tied: bool) -> dict:
         config.update(_deltanet_keys(meta, key, n_layers))
     if mtp:
         config["mtp_num_hidden_layers"] = mtp
-    if model_type in ("qwen3_5_text", "qwen3_vl_text"):
+    if not TEXT_MODEL_TYPES[model_type]:  # dense
         config["intermediate_size"] = meta.int(key("feed_forward_length"))
     else:
         config.update(num_experts=meta.int(key("expert_count")), num_experts_per_tok=meta.int(key("expert_used_count")),
