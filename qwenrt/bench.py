@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from qwenrt.cache import KV_CACHE_DTYPES
 from qwenrt.default_model import DEFAULT_MODEL
 from qwenrt.errors import QwenrtError
 from qwenrt.kernels import kernel_path
@@ -28,19 +29,22 @@ GIB = 1 << 30
 
 @dataclass(frozen=True)
 class Config:
-    """One measured configuration: engine, compute dtype and weight quantization ("none", "int8", "int4")."""
+    """One measured configuration: engine, compute dtype, weight quantization ("none", "int8", "int4"), draft
+    tokens and the KV cache's dtype ("auto": the compute dtype, or "int8")."""
 
     engine: str
     dtype: str
     quantize: str = "none"
     speculative: int | str = 0  # draft tokens per step (qwenrt): 0, k or "auto"
+    kv_cache_dtype: str = "auto"
 
     @property
     def label(self) -> str:
         if self.engine == "transformers":
             return f"transformers {self.dtype}"
         label = f"qwenrt {self.dtype}" if self.quantize == "none" else f"qwenrt {self.quantize} ({self.dtype} act.)"
-        return label + (f", speculative {self.speculative}" if self.speculative else "")
+        return (label + (f", speculative {self.speculative}" if self.speculative else "")
+                + (f", {self.kv_cache_dtype} KV" if self.kv_cache_dtype != "auto" else ""))
 
 
 def cache_dir() -> Path:
@@ -176,10 +180,14 @@ def run(args) -> str:
         counts = [speculative_tokens(k) for k in args.speculative_tokens.split(",")]
     except Exception as e:
         raise QwenrtError(f"--speculative-tokens: {e}") from None
-    configs = {Config("qwenrt", args.dtype, q, k): None for q in args.quantize.split(",") for k in counts}
+    configs = {Config("qwenrt", args.dtype, q, k, kv): None for q in args.quantize.split(",") for k in counts
+               for kv in args.kv_cache_dtype.split(",")}
     for config in configs:
         if config.quantize not in ("none", "int8", "int4"):
             raise QwenrtError(f"--quantize takes none, int8 or int4 (comma-separated), got {config.quantize!r}")
+        if config.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise QwenrtError(f"--kv-cache-dtype takes {' or '.join(KV_CACHE_DTYPES)} (comma-separated), got "
+                              f"{config.kv_cache_dtype!r}")
     for config in configs:  # built (once) after every argument is checked
         configs[config] = _checkpoint(args, path, config.quantize)
     reference = Config("transformers", "bf16") if args.compare else None
@@ -196,6 +204,7 @@ def run(args) -> str:
             print(f"[{repeat + 1}/{args.repeats}] {config.label}", file=sys.stderr, flush=True)
             samples[config].append(_run(dict(engine=config.engine, path=str(ckpt), dtype=config.dtype,
                                               speculative=config.speculative,
+                                              kv_cache_dtype=config.kv_cache_dtype,
                                               threads=args.threads, prompt_len=args.prompt_len,
                                               gen_len=args.gen_len, seed=args.seed, depth=args.depth,
                                               rope_scaling=args.rope_scaling)))

@@ -48,13 +48,15 @@ def _load(job: dict):
     return load_model(job["path"], dtype=dtype, rope_scaling=job.get("rope_scaling"))
 
 
-def engine_steps(model, ids: torch.Tensor, steps: int, speculative=0, drafts: list | None = None):
+def engine_steps(model, ids: torch.Tensor, steps: int, speculative=0, drafts: list | None = None,
+                 kv_cache_dtype: str = "auto"):
     """Yield once after prefill (first token chosen) and once per generated token, through the engine (with
     speculation several tokens come at once: they are yielded together). `drafts` receives the DraftCounts."""
     from qwenrt.engine import Engine, Request
     from qwenrt.sampling import SamplingParams
 
-    engine = Engine(model, max_batched_tokens=PREFILL_CHUNK, speculative_tokens=speculative, prefix_cache_size=0)
+    engine = Engine(model, max_batched_tokens=PREFILL_CHUNK, speculative_tokens=speculative, prefix_cache_size=0,
+                    kv_cache_dtype=kv_cache_dtype)
     request = Request(ids[0].tolist(), SamplingParams(max_tokens=steps + 1, ignore_eos=True))
     for out in engine.submit(request):
         if drafts is not None and out.drafts is not None:
@@ -92,14 +94,15 @@ def prefill(model, ids: torch.Tensor, cache) -> torch.Tensor:
     return logits[:, -1]
 
 
-def at_depth(model, ids: torch.Tensor, depth: int, gen_len: int) -> tuple[float, float, float]:
+def at_depth(model, ids: torch.Tensor, depth: int, gen_len: int,
+             kv_dtype: torch.dtype | None = None) -> tuple[float, float, float]:
     """As `llama-bench -d`: prefill the first `depth` tokens of ids [1, depth + N], then the N prompt tokens after
     them, then `gen_len` greedy decode steps (the engine's native step), each timed apart -> (depth prefill s,
     prompt prefill s, decode s). The ids stay a tensor (a 262K-token prompt as a Python list is ~10 MB of objects)."""
     from qwenrt.engine.runner import decode_step
 
     def run(ids: torch.Tensor, depth: int, steps: int) -> list[float]:
-        cache = model.new_cache(1, capacity=ids.shape[1] + steps)
+        cache = model.new_cache(1, capacity=ids.shape[1] + steps, kv_dtype=kv_dtype)
         marks = [time.perf_counter()]
         if depth:
             prefill(model, ids[:, :depth], cache)
@@ -118,7 +121,10 @@ def at_depth(model, ids: torch.Tensor, depth: int, gen_len: int) -> tuple[float,
 
 def measure(job: dict) -> dict:
     """job: engine (qwenrt|transformers), path, dtype, threads, prompt_len, gen_len, seed; depth (tokens of context
-    before the prompt, qwenrt only) and rope_scaling (as `load` takes it) optional."""
+    before the prompt, qwenrt only), rope_scaling (as `load` takes it) and kv_cache_dtype optional. At a depth the
+    decode bytes include the keys and values each step reads (at the mean context of the decode)."""
+    from qwenrt.cache import kv_bytes_per_token, parse_kv_cache_dtype
+
     torch.set_num_threads(job["threads"])
     start = time.perf_counter()
     model = _load(job)
@@ -129,15 +135,20 @@ def measure(job: dict) -> dict:
     depth = job.get("depth", 0)
     ids = torch.randint(0, vocab, (1, depth + job["prompt_len"]), generator=g)
     top_k, experts = getattr(text, "num_experts_per_tok", 0) or 0, getattr(text, "num_experts", 0) or 0
+    kv_cache_dtype = job.get("kv_cache_dtype", "auto")
     if depth:
-        depth_s, prefill_s, decode_s = at_depth(model, ids, depth, job["gen_len"])
+        kv_dtype = parse_kv_cache_dtype(kv_cache_dtype)
+        depth_s, prefill_s, decode_s = at_depth(model, ids, depth, job["gen_len"], kv_dtype)
+        context = depth + job["prompt_len"] + job["gen_len"] // 2
+        kv = kv_bytes_per_token(text, kv_dtype or model.dtype) * context
         return {"load_s": load_s, "depth_prefill_s": depth_s, "depth_prefill_tps": depth / depth_s,
                 "ttft_s": prefill_s, "prefill_tps": job["prompt_len"] / prefill_s,
-                "decode_tps": job["gen_len"] / decode_s, "decode_bytes": decode_bytes(model, top_k, experts),
+                "decode_tps": job["gen_len"] / decode_s, "decode_bytes": decode_bytes(model, top_k, experts) + kv,
                 "peak_rss": peak_rss()}
     drafts = []
     if job["engine"] == "qwenrt":
-        steps = functools.partial(engine_steps, speculative=job.get("speculative", 0), drafts=drafts)
+        steps = functools.partial(engine_steps, speculative=job.get("speculative", 0), drafts=drafts,
+                                  kv_cache_dtype=kv_cache_dtype)
     else:
         steps = _transformers_steps
     ttft, decode_s = time_steps(steps, model, ids, job["gen_len"])

@@ -1,7 +1,8 @@
 """Decoding state of a Qwen3.5 decoder: one `SequenceState` per sequence, a `HybridCache` batch of them per call.
 
 Full-attention layers keep keys/values [1, Hkv, capacity, Dh] per sequence (grown by a quarter, up to the
-sequence's limit); DeltaNet layers keep the last K-1 conv inputs [1, C, K-1] and the recurrent state [1, Hv, Dk, Dv],
+sequence's limit), in the model's dtype or 8-bit: int8 rows [1, Hkv, capacity, Dh + 4], each token's Dh values per
+head then their fp32 scale in the last 4 bytes (qwenrt/kernels/kv_int8.h reads and writes the same); DeltaNet layers keep the last K-1 conv inputs [1, C, K-1] and the recurrent state [1, Hv, Dk, Dv],
 both fp32, fixed size whatever the context length. Each sequence owns its tensors, so sequences of different lengths
 join and leave a batch without copying anyone else's state.
 """
@@ -11,12 +12,46 @@ from __future__ import annotations
 import torch
 
 from qwenrt.config import TextConfig
+from qwenrt.errors import QwenrtError
+
+
+SCALE_BYTES = 4  # an 8-bit row's fp32 scale
+KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8}  # --kv-cache-dtype: auto = the model's dtype
+
+
+def kv_row_size(config: TextConfig, dtype: torch.dtype) -> int:
+    """Elements of one token's row per KV head in a store of `dtype`: Dh, or Dh + 4 for 8-bit rows."""
+    return config.head_dim + (SCALE_BYTES if dtype == torch.int8 else 0)
 
 
 def kv_bytes_per_token(config: TextConfig, dtype: torch.dtype) -> int:
     """Bytes of keys + values one token adds to a sequence (full-attention layers only)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * len(config.full_attention_layers) * config.num_key_value_heads * config.head_dim * itemsize
+    return 2 * len(config.full_attention_layers) * config.num_key_value_heads * kv_row_size(config, dtype) * itemsize
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """x [..., Dh] -> 8-bit rows int8 [..., Dh + 4]: scale = max|x| / 127 per row (fp32, in the last 4 bytes),
+    values round(x / scale), half to even; a zero row has scale 0."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True) / 127  # [..., 1]
+    q = torch.round(xf / torch.where(scale > 0, scale, 1.0)).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([q, scale.view(torch.int8)], -1)
+
+
+def dequantize_kv(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """8-bit rows int8 [..., Dh + 4] -> [..., Dh] of dtype (values × scale in fp32, then rounded to dtype)."""
+    scale = q[..., -SCALE_BYTES:].contiguous().view(torch.float32)  # [..., 1]
+    return (q[..., :-SCALE_BYTES].float() * scale).to(dtype)
+
+
+def parse_kv_cache_dtype(name: str | None) -> torch.dtype | None:
+    """--kv-cache-dtype's value -> the store dtype (None: the model's)."""
+    if name is None:
+        return None
+    if not isinstance(name, str) or name not in KV_CACHE_DTYPES:
+        raise QwenrtError(f"kv cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    return KV_CACHE_DTYPES[name]
 
 
 def deltanet_state_bytes(config: TextConfig) -> int:
@@ -30,12 +65,13 @@ def deltanet_state_bytes(config: TextConfig) -> int:
 class SequenceState:
     """The cache of one sequence: `length` tokens seen, M-RoPE offset `rope_delta`, per-layer stores.
 
-    `limit` caps the KV capacity (the most tokens this sequence may hold); None grows without bound.
+    `limit` caps the KV capacity (the most tokens this sequence may hold); None grows without bound. `kv_dtype`:
+    the stores' dtype, `dtype` (the model's) by default, or torch.int8 for 8-bit rows.
     """
 
     def __init__(self, config: TextConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 capacity: int = 256, limit: int | None = None):
-        self.config, self.limit = config, limit
+                 capacity: int = 256, limit: int | None = None, kv_dtype: torch.dtype | None = None):
+        self.config, self.limit, self.dtype = config, limit, dtype
         self.length = 0  # tokens held
         self.rope_delta = 0  # decode position = length + rope_delta (non-zero after vision tokens)
         self.adapter = 0  # the slot of the LoRA adapter its tokens run with (qwenrt.served_adapters; 0: none)
@@ -46,10 +82,11 @@ class SequenceState:
         self.conv: list[torch.Tensor | None] = [None] * n
         self.recurrent: list[torch.Tensor | None] = [None] * n
         capacity = max(1, min(capacity, limit) if limit else capacity)
+        kv_dtype = kv_dtype or dtype
         for i in c.full_attention_layers:
-            shape = (1, c.num_key_value_heads, capacity, c.head_dim)
-            self.keys[i] = torch.zeros(shape, dtype=dtype, device=device)
-            self.values[i] = torch.zeros(shape, dtype=dtype, device=device)
+            shape = (1, c.num_key_value_heads, capacity, kv_row_size(c, kv_dtype))
+            self.keys[i] = torch.zeros(shape, dtype=kv_dtype, device=device)
+            self.values[i] = torch.zeros(shape, dtype=kv_dtype, device=device)
         for i in c.linear_attention_layers:
             # conv inputs are rounded to the compute dtype already; fp32 storage lets the fused kernel update in place
             self.conv[i] = torch.zeros(1, c.conv_dim, c.linear_conv_kernel_dim - 1, dtype=torch.float32, device=device)
@@ -87,13 +124,27 @@ class SequenceState:
                 grown[:, :, : self.length] = old[:, :, : self.length]
                 store[i] = grown
 
-    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [1, Hkv, T, Dh] after this sequence's tokens; return its keys and values up to and including
-        them, [1, Hkv, length + T, Dh] views (the caller has reserved room and advances `length` after the forward)."""
+    @property
+    def quantized_kv(self) -> bool:
+        first = self.config.full_attention_layers
+        return bool(first) and self.keys[first[0]].dtype == torch.int8
+
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [1, Hkv, T, Dh] after this sequence's tokens (quantized in an 8-bit store); the caller has
+        reserved room and advances `length` after the forward."""
         end = self.length + k.shape[2]
+        if self.quantized_kv:
+            k, v = quantize_kv(k), quantize_kv(v)
         self.keys[layer][:, :, self.length:end] = k
         self.values[layer][:, :, self.length:end] = v
-        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def kv(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of tokens [0, end) in the model's dtype, [1, Hkv, end, Dh]: views of the stores, or
+        dequantized copies of 8-bit ones."""
+        k, v = self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+        if self.quantized_kv:
+            return dequantize_kv(k, self.dtype), dequantize_kv(v, self.dtype)
+        return k, v
 
     def length_tensor(self) -> torch.Tensor:
         """`length` as an int64 tensor [1] for the native attention step (one reused tensor)."""

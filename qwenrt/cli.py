@@ -12,7 +12,7 @@ from qwenrt import log
 from qwenrt.default_model import DEFAULT_MODEL
 from qwenrt.errors import QwenrtError
 from qwenrt.hub import MODEL_HELP
-from qwenrt.units import add_mmproj_option, add_rope_scaling_option, add_speculative_option
+from qwenrt.units import add_kv_cache_dtype_option, add_mmproj_option, add_rope_scaling_option, add_speculative_option
 from qwenrt.server.main import add_parser as add_serve_parser
 
 
@@ -52,6 +52,7 @@ def _engine_options(args) -> dict:
         options["prefix_cache_size"] = parse_size(args.prefix_cache_size)
     if args.speculative_tokens is not None:
         options["speculative_tokens"] = args.speculative_tokens
+    options["kv_cache_dtype"] = args.kv_cache_dtype
     return options
 
 
@@ -252,6 +253,7 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", "--max-model-len", dest="max_context", type=_at_least(2),
                    help="context limit in tokens (default and most: the model's)")
     add_rope_scaling_option(p)
+    add_kv_cache_dtype_option(p)
     p.add_argument("--no-finite-check", dest="finite_check", action="store_false",
                    help="skip the NaN/Inf scan of the weights at load")
     p.add_argument("--prefix-cache-size", help="memory for reusing computed prompts, e.g. 2GiB (0 = off; default: "
@@ -403,6 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(off), 1..8, auto (e.g. 0,auto)")
     p.add_argument("--speculative", dest="speculative_tokens", action="store_const", const="0,auto",
                    help="measure with and without speculative decoding (= --speculative-tokens 0,auto)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="comma-separated KV cache dtypes to measure: auto (the "
+                   "compute dtype), int8 (e.g. auto,int8)")
     p.add_argument("--repeats", type=int, default=3, help="fresh processes per configuration, interleaved")
     p.add_argument("--compare", help="'transformers': also run transformers bf16 in the same run")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt")

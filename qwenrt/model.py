@@ -148,11 +148,12 @@ class GatedAttention(nn.Module):
     def _cached_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SequenceState):
         """q [1, H, T, Dh] at positions length..length+T-1 of `seq`; k, v [1, Hkv, T, Dh] are stored first."""
         start, T, i = seq.length, q.shape[2], self.layer_idx
-        kernels = _prefill_kernels(q, k, v) if seq.keys[i].dtype == q.dtype else None
-        k, v = seq.write_kv(i, k, v)  # [1, Hkv, start + T, Dh]
+        kernels = _prefill_kernels(q, k, v) if seq.keys[i].dtype in (q.dtype, torch.int8) else None
+        seq.write_kv(i, k, v)
         if kernels is not None:  # key tiles over the store: O(T × tile) memory, not O(T × S)
             o = kernels.attention_prefill(q[0].transpose(0, 1).contiguous(), seq.keys[i], seq.values[i], start)
             return o.transpose(0, 1)[None]  # [1, H, T, Dh]
+        k, v = seq.kv(i, start + T)  # [1, Hkv, start + T, Dh]
         if T == 1:
             return decode_attention(q, k, v, None)
         if start == 0:
@@ -253,25 +254,29 @@ class Qwen35ForCausalLM(nn.Module):
         embed = self.model.embed_tokens
         return embed.weight.device if isinstance(embed, nn.Embedding) else embed.device
 
-    def new_sequence(self, capacity: int = 256, limit: int | None = None) -> SequenceState:
-        """An empty cache for one sequence (KV for full-attention layers, conv + recurrent state for DeltaNet)."""
+    def new_sequence(self, capacity: int = 256, limit: int | None = None,
+                     kv_dtype: torch.dtype | None = None) -> SequenceState:
+        """An empty cache for one sequence (KV for full-attention layers, conv + recurrent state for DeltaNet);
+        kv_dtype: the KV stores' dtype, the model's by default, or torch.int8 (8-bit rows, qwenrt.cache)."""
         _check_count("capacity", capacity)
         if limit is not None:
             _check_count("limit", limit)
-        state = SequenceState(self.config.text, self.dtype, self.device, capacity, limit)
+        if kv_dtype not in (None, self.dtype, torch.int8):
+            raise QwenrtError(f"kv_dtype must be the model's dtype or torch.int8, got {kv_dtype}")
+        state = SequenceState(self.config.text, self.dtype, self.device, capacity, limit, kv_dtype)
         if self.served_adapters is not None:
             state.adapter = self.served_adapters.default
         return state
 
-    def new_cache(self, batch_size: int = 1, capacity: int = 256) -> HybridCache:
+    def new_cache(self, batch_size: int = 1, capacity: int = 256, kv_dtype: torch.dtype | None = None) -> HybridCache:
         """An empty cache for `batch_size` sequences, continued together by `forward`; `capacity` tokens are allocated
-        up front (it grows past them), at most the model's context."""
+        up front (it grows past them), at most the model's context; kv_dtype as `new_sequence` takes it."""
         _check_count("batch_size", batch_size)
         _check_count("capacity", capacity)
         if capacity > self.config.text.context_limit:
             raise QwenrtError(f"capacity must be at most the model's context of {self.config.text.context_limit}"
                               f" tokens, got {capacity}")
-        return HybridCache([self.new_sequence(capacity) for _ in range(batch_size)])
+        return HybridCache([self.new_sequence(capacity, kv_dtype=kv_dtype) for _ in range(batch_size)])
 
     def forward(self, input_ids: torch.Tensor | None = None, cache: HybridCache | None = None, *,
                 inputs_embeds: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,

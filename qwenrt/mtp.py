@@ -50,10 +50,11 @@ class MTPHead(nn.Module):
         return self.norm.add_forward(x, delta)[1]
 
     def new_state(self, config: TextConfig, dtype: torch.dtype, device, capacity: int,
-                  limit: int | None) -> SequenceState:
-        """An empty KV cache for this head's one attention layer, for one sequence."""
+                  limit: int | None, kv_dtype: torch.dtype | None = None) -> SequenceState:
+        """An empty KV cache for this head's one attention layer, for one sequence (stores of kv_dtype, default
+        dtype)."""
         single = dataclasses.replace(config, num_hidden_layers=1, layer_types=("full_attention",))
-        return SequenceState(single, dtype, device, capacity, limit)
+        return SequenceState(single, dtype, device, capacity, limit, kv_dtype)
 
 
 def mtp_hidden(model, mtp: MTPHead, input_ids: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:

@@ -64,6 +64,12 @@ def add_rope_scaling_option(p: argparse.ArgumentParser) -> None:
                         "prompts need it); '{\"rope_type\":\"default\"}' turns a config's off")
 
 
+def add_kv_cache_dtype_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
+                   help="keys and values in the model's dtype (auto), or in 8 bits with a scale per token and head "
+                        "(int8: about half the memory of a bf16 cache, for long contexts)")
+
+
 def add_mmproj_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mmproj", metavar="FILE", help="a llama.cpp vision projector file (mmproj-*.gguf) giving a "
                    "GGUF model its vision tower")

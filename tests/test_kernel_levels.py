@@ -83,18 +83,19 @@ def lower_levels() -> list[str]:
 
 @pytest.mark.parametrize("level", lower_levels())
 def test_lower_level_kernels_match_the_torch_reference(level):
-    """tests/test_kernels.py's, tests/test_moe_native.py's and tests/test_tiled_attention.py's kernel tests again
-    with the level capped (a build of its own, a minute or so to compile): each GEMV, the DeltaNet, attention
-    (decode step and tiled prefill) and norm kernels and the MoE block against torch or their bounds, on the code a
-    CPU of that level runs (not the MoE block's 1e-2 check against the torch path, which the int4 GEMVs' 8-bit x
-    exceed below avx512bf16). (Whole-model decodes and prefills run the same kernels: they stay at this machine's
-    level.)"""
+    """tests/test_kernels.py's, tests/test_moe_native.py's, tests/test_tiled_attention.py's and tests/test_kv_int8.py's
+    kernel tests again with the level capped (a build of its own, a minute or so to compile): each GEMV, the
+    DeltaNet, attention (decode step and tiled prefill, over plain and 8-bit stores) and norm kernels and the MoE
+    block against torch or their bounds, on the code a CPU of that level runs (not the MoE block's 1e-2 check against
+    the torch path, which the int4 GEMVs' 8-bit x exceed below avx512bf16). (Whole-model decodes and prefills run the
+    same kernels: they stay at this machine's level.)"""
     env = dict(os.environ, QWENRT_ISA=level)
     env.pop("QWENRT_KERNELS", None)
     done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-p", "no:cacheprovider", "tests/test_kernels.py",
-                           "tests/test_moe_native.py", "tests/test_tiled_attention.py", "-k",
-                           "not native_decode and not decode_plan and not copies and not inference_mode and not "
-                           "matches_the_torch_path and not model_prefill"],
+                           "tests/test_moe_native.py", "tests/test_tiled_attention.py", "tests/test_kv_int8.py",
+                           "-k", "not native_decode and not decode_plan and not copies and not inference_mode and not "
+                           "matches_the_torch_path and not model_prefill and not int8_kv and not int8_bytes and not "
+                           "bad_kv"],
                           cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout.splitlines()[-1] and "skipped" not in done.stdout, done.stdout[-500:]

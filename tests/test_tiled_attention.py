@@ -72,7 +72,7 @@ def test_bad_shapes_are_refused():
         kernels.attention_prefill(torch.zeros(4, 4, 64), keys, keys, 7)
     with pytest.raises(RuntimeError, match="H % Hkv"):
         kernels.attention_prefill(torch.zeros(4, 3, 64), keys, keys, 0)
-    with pytest.raises(RuntimeError, match="one dtype"):
+    with pytest.raises(RuntimeError, match="keys and values q.s dtype or int8"):
         kernels.attention_prefill(torch.zeros(4, 4, 64, dtype=torch.bfloat16), keys, keys, 0)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qwenrt.cache import deltanet_state_bytes, kv_bytes_per_token
+from qwenrt.cache import deltanet_state_bytes, kv_bytes_per_token, parse_kv_cache_dtype
 from qwenrt.constraints import Constraint, GrammarCompiler, TokenMask
 from qwenrt.engine.prefix_cache import Match, PrefixCache, prompt_key
 from qwenrt.engine.prefix_store import PrefixStore, model_identity
@@ -184,6 +184,8 @@ class Engine:
     or "auto" (the default: the count that pays, from measured acceptance and step times; off without an MTP
     head). Drafts come from the model's MTP head, or without one from earlier text (prompt lookup). draft_vocab: the
     MTP head drafts among the first this many token ids (its share of the LM head's weight reads).
+    kv_cache_dtype: "auto" (keys and values in the model's dtype) or "int8" (8 bits per value and an fp32 scale per
+    token and head: about half a bf16 cache).
     """
 
     def __init__(self, model, tokenizer=None, *, max_running: int = DEFAULT_MAX_RUNNING,
@@ -192,7 +194,7 @@ class Engine:
                  memory_budget: int | None = None,
                  prefix_cache_size: int | None = None, prefix_cache_dir: str | None = None,
                  snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL, speculative_tokens: int | str = "auto",
-                 draft_vocab: int = DEFAULT_DRAFT_VOCAB):
+                 draft_vocab: int = DEFAULT_DRAFT_VOCAB, kv_cache_dtype: str = "auto"):
         if not isinstance(model, Qwen35ForCausalLM):
             raise QwenrtError(f"model must be the model qwenrt.load returned, got {type(model).__name__}")
         c = model.config.text
@@ -205,10 +207,11 @@ class Engine:
         self.memory_budget = _positive("memory_budget", memory_budget) if memory_budget is not None else (
             default_memory_budget())
         self.state_bytes = deltanet_state_bytes(c)
-        self.kv_token_bytes = kv_bytes_per_token(c, model.dtype)
+        self.kv_dtype = parse_kv_cache_dtype(kv_cache_dtype) or model.dtype
+        self.kv_token_bytes = kv_bytes_per_token(c, self.kv_dtype)
         self.eos_ids = set(tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_id)
         self.speculative_tokens = _speculative_tokens(speculative_tokens)
-        self.runner = ModelRunner(model, _positive("draft_vocab", draft_vocab))
+        self.runner = ModelRunner(model, _positive("draft_vocab", draft_vocab), self.kv_dtype)
         self.draft_policy = DraftPolicy(AUTO_MAX_DRAFTS)
         self.draft_counts = DraftCounts()  # every request's, for metrics
         # the MTP head's KV for one token, and the DeltaNet states a verification keeps per draft
@@ -216,8 +219,9 @@ class Engine:
         size = default_prefix_cache_size() if prefix_cache_size is None else prefix_cache_size
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise QwenrtError(f"prefix_cache_size must be a number of bytes >= 0 (0 = off), got {size!r}")
-        store = PrefixStore(prefix_cache_dir, model_identity(model), size) if size and prefix_cache_dir else None
-        self.prefix_cache = PrefixCache(size, c, model.dtype, store) if size else None
+        store = (PrefixStore(prefix_cache_dir, model_identity(model, self.kv_dtype), size)
+                 if size and prefix_cache_dir else None)
+        self.prefix_cache = PrefixCache(size, c, self.kv_dtype, store) if size else None
         self.snapshot_interval = _positive("snapshot_interval", snapshot_interval)
         if step_target is not None and not (isinstance(step_target, (int, float)) and step_target > 0):
             raise QwenrtError(f"step_target must be a number of seconds > 0 (or None), got {step_target!r}")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qwenrt.cache import SequenceState, kv_bytes_per_token
+from qwenrt.cache import SequenceState, kv_bytes_per_token, kv_row_size
 
 
 def _stacked(states: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
@@ -70,7 +70,8 @@ class PrefixCache:
         self.shapes = {"conv": (len(self.linear_layers), c.conv_dim, c.linear_conv_kernel_dim - 1),
                        "recurrent": (len(self.linear_layers), c.linear_num_value_heads, c.linear_key_head_dim,
                                      c.linear_value_head_dim),
-                       "kv": (len(self.full_layers), 2, c.num_key_value_heads, c.head_dim), "kv_dtype": kv_dtype,
+                       "kv": (len(self.full_layers), 2, c.num_key_value_heads, kv_row_size(c, kv_dtype)),
+                       "kv_dtype": kv_dtype,
                        "vocab": c.vocab_size}
         self.root = _Node((), None, None, 0)
         self.nbytes = 0

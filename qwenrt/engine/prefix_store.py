@@ -59,9 +59,9 @@ TENSORS, REQUIRED = {"key", "conv", "recurrent", "kv", "logits"}, {"key", "conv"
 NO_FOLLOW = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a link fails, a FIFO opens without waiting
 
 
-def model_identity(model) -> str:
+def model_identity(model, kv_dtype: torch.dtype | None = None) -> str:
     """A digest of what makes logits what they are: config, weight files (headers and sampled contents), compute
-    dtype, any quantization done at load and the RoPE scaling in effect."""
+    dtype, any quantization done at load, the RoPE scaling in effect and an 8-bit KV cache (`kv_dtype`)."""
     path = getattr(model, "checkpoint_path", None)
     if path is None:
         raise QwenrtError("prefix_cache_dir needs a model loaded from a checkpoint directory")
@@ -86,6 +86,8 @@ def model_identity(model) -> str:
     specs = sorted({str(m.spec) for m in model.modules() if hasattr(m, "spec")})
     yarn = model.config.text.yarn  # a rope_scaling given at load rotates keys otherwise than config.json says
     h.update(f"{model.dtype}|{specs}".encode() + (f"|{yarn}".encode() if yarn is not None else b""))
+    if kv_dtype not in (None, model.dtype):
+        h.update(f"|kv {kv_dtype}".encode())
     return h.hexdigest()[:32]
 
 

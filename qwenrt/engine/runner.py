@@ -57,8 +57,9 @@ class Cycle:
 
 
 class ModelRunner:
-    def __init__(self, model, draft_vocab: int):
-        self.model = model
+    def __init__(self, model, draft_vocab: int, kv_dtype: torch.dtype | None = None):
+        """kv_dtype: the KV stores' dtype (None: the model's)."""
+        self.model, self.kv_dtype = model, kv_dtype
         self.mtp = getattr(model, "mtp", None)
         self.draft_vocab = draft_vocab
         self._draft_head = None
@@ -73,8 +74,8 @@ class ModelRunner:
             model = self.model
             # room for the drafts' entries and the padding of a batched catch-up, both rolled back each round
             seq.draft_state = self.mtp.new_state(model.config.text, model.dtype, model.device, capacity,
-                                                 seq.limit + 2 * seq.max_drafts + 2)
-        state = self.model.new_sequence(capacity=capacity, limit=seq.limit)
+                                                 seq.limit + 2 * seq.max_drafts + 2, self.kv_dtype)
+        state = self.model.new_sequence(capacity=capacity, limit=seq.limit, kv_dtype=self.kv_dtype)
         state.adapter = seq.adapter
         return state
 

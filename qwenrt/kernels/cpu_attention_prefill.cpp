@@ -5,8 +5,9 @@
 // Work: (KV head, block of ~kQueries / G tokens). A block's G·tokens query rows, packed once, share each key tile;
 // scores are computed transposed, [keys][rows] (the keys the broadcast operand: no tile is transposed, bf16 ones
 // only widened), the online softmax runs a vector of rows at a time, and P·V is a register-tiled product over the
-// value tile. fp32 FMAs at every level; with AVX-512 BF16 and bf16 stores both products are vdpbf16ps (exact
-// products, fp32 sums; the probabilities rounded to bf16 for P·V, as torch's bf16 attention rounds them).
+// value tile. fp32 FMAs at every level; with AVX-512 BF16 and bf16 queries both products are vdpbf16ps (exact
+// products, fp32 sums; the probabilities rounded to bf16 for P·V, as torch's bf16 attention rounds them). 8-bit
+// stores (kv_int8.h) are dequantized a tile at a time: to bf16 for the vdpbf16ps path, to fp32 otherwise.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "kv_int8.h"
 #include "parallel.h"
 #include "simd.h"
 
@@ -76,11 +78,30 @@ void gemm(const float* A, int64_t ar, int64_t ak, const float* B, int64_t ldb, f
   }
 }
 
-// `count` values of a store as fp32: bf16 widened by vector loads into `out`, fp32 read in place.
-inline const float* as_fp32(const float* x, int64_t, std::vector<float>&) { return x; }
-inline const float* as_fp32(const at::BFloat16* x, int64_t count, std::vector<float>& out) {
-  const auto* bits = reinterpret_cast<const uint16_t*>(x);
-  for (int64_t i = 0; i < count; i += kLanes) store(out.data() + i, load_bf16(bits + i));
+// Rows [s0, s0 + n) of one KV head's store X [cap][ld] as fp32 [n][D]: fp32 read in place, bf16 widened by vector
+// loads into `out`, 8-bit rows (ld = D + 4, kv_int8.h) times their scale, rounded to T (the queries' dtype) as the
+// torch path dequantizes them.
+template <typename T>
+inline const float* tile_fp32(const float* X, int64_t s0, int64_t, int64_t D, std::vector<float>&) {
+  return X + s0 * D;
+}
+template <typename T>
+inline const float* tile_fp32(const at::BFloat16* X, int64_t s0, int64_t n, int64_t D, std::vector<float>& out) {
+  const auto* bits = reinterpret_cast<const uint16_t*>(X + s0 * D);
+  for (int64_t i = 0; i < n * D; i += kLanes) store(out.data() + i, load_bf16(bits + i));
+  return out.data();
+}
+template <typename T>
+inline const float* tile_fp32(const int8_t* X, int64_t s0, int64_t n, int64_t D, std::vector<float>& out) {
+  const int64_t ld = D + qwenrt::kScaleBytes;
+  for (int64_t r = 0; r < n; ++r) {
+    const int8_t* row = X + (s0 + r) * ld;
+    const F scale = set1(qwenrt::row_scale(row, D));
+    for (int64_t d = 0; d < D; d += kLanes) {
+      const F x = mul(load_i8(row + d), scale);
+      store(out.data() + r * D + d, std::is_same_v<T, at::BFloat16> ? round_bf16(x) : x);
+    }
+  }
   return out.data();
 }
 
@@ -97,9 +118,11 @@ struct Scratch {
 // Rows of the block: m = (t - t0)·G + g is query head hk·G + g of token t, which sees keys [0, start + t]. Scores
 // are computed transposed (keys the broadcast operand, the block's query rows the vector one), so that the online
 // softmax runs kLanes rows per vector and no key tile is transposed.
-template <typename T>
-void attend_block(const T* Q, const T* K, const T* V, T* O, int64_t H, int64_t G, int64_t cap, int64_t D,
+// K, V: the stores [Hkv][cap][ld] of C (T, or 8-bit rows).
+template <typename T, typename C>
+void attend_block(const T* Q, const C* K, const C* V, T* O, int64_t H, int64_t G, int64_t cap, int64_t D,
                   int64_t start, int64_t t0, int64_t t1, int64_t hk, float scale, Scratch& w) {
+  const int64_t ld = std::is_same_v<C, int8_t> ? D + qwenrt::kScaleBytes : D;
   const int64_t M = (t1 - t0) * G, Mp = (M + kLanes - 1) / kLanes * kLanes, end = start + t1;
   for (int64_t m = 0; m < Mp; ++m) {
     const int64_t t = std::min(t0 + m / G, t1 - 1), g = m % G;  // rows past M: copies of real ones, never output
@@ -113,8 +136,8 @@ void attend_block(const T* Q, const T* K, const T* V, T* O, int64_t H, int64_t G
   const F neg_inf = set1(-INFINITY), lowest = set1(std::numeric_limits<float>::lowest());
   for (int64_t s0 = 0; s0 < end; s0 += kTile) {
     const int64_t n = std::min(kTile, end - s0);
-    const float* kf = as_fp32(K + (hk * cap + s0) * D, n * D, w.k);
-    const float* vf = as_fp32(V + (hk * cap + s0) * D, n * D, w.v);
+    const float* kf = tile_fp32<T>(K + hk * cap * ld, s0, n, D, w.k);
+    const float* vf = tile_fp32<T>(V + hk * cap * ld, s0, n, D, w.v);
     gemm<false>(kf, D, 1, w.q.data(), Mp, w.st.data(), Mp, n, Mp, D);  // st [n][Mp] = keys · q
     for (int64_t c = 0; c < Mp; c += kLanes) {  // kLanes rows: mask, max; e^(s - max), sums; rescale factors
       const F last = load(w.last.data() + c), old = load(w.mx.data() + c);
@@ -223,20 +246,39 @@ inline void interleave_rows(const uint16_t* a, const uint16_t* b, int64_t D, uin
 // [kTile][Mp], probabilities as [kTile/2][Mp][2], the value tile as [kTile/2][Dh][2], outputs [Mp][Dh] fp32, per row
 // its last visible key, running max, sum and rescale factor.
 struct ScratchBf16 {
-  std::vector<uint16_t> q, p, v, zeros;
+  std::vector<uint16_t> q, p, v, zeros, k_rows, v_rows;
   std::vector<float> st, o, last, mx, sum, alpha;
   explicit ScratchBf16(int64_t D)
-      : q(kQueries * D), p(kTile * kQueries), v(kTile * D), zeros(D), st(kTile * kQueries), o(kQueries * D),
-        last(kQueries), mx(kQueries), sum(kQueries), alpha(kQueries) {}
+      : q(kQueries * D), p(kTile * kQueries), v(kTile * D), zeros(D), k_rows(kTile * D), v_rows(kTile * D),
+        st(kTile * kQueries), o(kQueries * D), last(kQueries), mx(kQueries), sum(kQueries), alpha(kQueries) {}
 };
 
+// Rows [s0, s0 + n) of one KV head's store X [cap][ld] as bf16 rows [n][D]: a bf16 store in place, 8-bit rows
+// (kv_int8.h) times their scale, rounded to bf16 (to nearest even, as torch's .to(bfloat16)) into `out`.
+inline const uint16_t* tile_bf16(const uint16_t* X, int64_t s0, int64_t, int64_t D, std::vector<uint16_t>&) {
+  return X + s0 * D;
+}
+inline const uint16_t* tile_bf16(const int8_t* X, int64_t s0, int64_t n, int64_t D, std::vector<uint16_t>& out) {
+  const int64_t ld = D + qwenrt::kScaleBytes;
+  for (int64_t r = 0; r < n; ++r) {
+    const int8_t* row = X + (s0 + r) * ld;
+    const __m512 scale = _mm512_set1_ps(qwenrt::row_scale(row, D));
+    for (int64_t d = 0; d < D; d += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.data() + r * D + d),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(load_i8(row + d), scale)));
+  }
+  return out.data();
+}
+
 // attend_block with vdpbf16ps products, the softmax 16 rows at a time: scores are computed transposed (keys as
-// the broadcast operand, read in place from the store as (d, d + 1) pairs; the query rows, packed once per block, as
-// the vector operand), so no key tile is repacked; the probabilities are rounded to bf16 for P·V, as torch's bf16
-// attention rounds them.
-void attend_block_bf16(const uint16_t* Q, const uint16_t* K, const uint16_t* V, at::BFloat16* O, int64_t H,
-                       int64_t G, int64_t cap, int64_t D, int64_t start, int64_t t0, int64_t t1, int64_t hk,
-                       float scale, ScratchBf16& w) {
+// the broadcast operand, read in place from a bf16 store as (d, d + 1) pairs; the query rows, packed once per
+// block, as the vector operand), so no key tile is repacked; the probabilities are rounded to bf16 for P·V, as
+// torch's bf16 attention rounds them.
+// K, V: the stores [Hkv][cap][ld] of C (bf16 bits, or 8-bit rows).
+template <typename C>
+void attend_block_bf16(const uint16_t* Q, const C* K, const C* V, at::BFloat16* O, int64_t H, int64_t G,
+                       int64_t cap, int64_t D, int64_t start, int64_t t0, int64_t t1, int64_t hk, float scale,
+                       ScratchBf16& w) {
   const int64_t M = (t1 - t0) * G, Mp = (M + 15) / 16 * 16, end = start + t1;
   auto* q32 = reinterpret_cast<uint32_t*>(w.q.data());
   for (int64_t m = 0; m < Mp; ++m) {
@@ -248,16 +290,19 @@ void attend_block_bf16(const uint16_t* Q, const uint16_t* K, const uint16_t* V, 
   std::fill(w.o.begin(), w.o.begin() + Mp * D, 0.f);
   std::fill(w.mx.begin(), w.mx.end(), -INFINITY);
   std::fill(w.sum.begin(), w.sum.end(), 0.f);
-  const uint16_t* k = K + hk * cap * D;
-  const uint16_t* v = V + hk * cap * D;
+  const int64_t ld = std::is_same_v<C, int8_t> ? D + qwenrt::kScaleBytes : D;
+  const C* k = K + hk * cap * ld;
+  const C* v = V + hk * cap * ld;
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY), vscale = _mm512_set1_ps(scale);
   for (int64_t s0 = 0; s0 < end; s0 += kTile) {
     const int64_t n = std::min(kTile, end - s0), pairs = (n + 1) / 2;
+    const uint16_t* kt = tile_bf16(k, s0, n, D, w.k_rows);  // [n][Dh]
+    const uint16_t* vt = tile_bf16(v, s0, n, D, w.v_rows);
     // st [n][Mp] = keys [n][Dh] · q
-    gemm_bf16<false>(reinterpret_cast<const uint32_t*>(k + s0 * D), D / 2, 1, w.q.data(), Mp, w.st.data(), Mp, n,
-                     Mp, D / 2);
+    gemm_bf16<false>(reinterpret_cast<const uint32_t*>(kt), D / 2, 1, w.q.data(), Mp, w.st.data(), Mp, n, Mp,
+                     D / 2);
     for (int64_t j = 0; j < pairs; ++j)
-      interleave_rows(v + (s0 + 2 * j) * D, 2 * j + 1 < n ? v + (s0 + 2 * j + 1) * D : w.zeros.data(), D,
+      interleave_rows(vt + 2 * j * D, 2 * j + 1 < n ? vt + (2 * j + 1) * D : w.zeros.data(), D,
                       w.v.data() + 2 * j * D);
     for (int64_t c = 0; c < Mp; c += 16) {  // 16 rows: scale, mask, max; e^(s - max), sums; rescale factors
       const __m512 last = _mm512_loadu_ps(w.last.data() + c), old = _mm512_loadu_ps(w.mx.data() + c);
@@ -308,8 +353,8 @@ void attend_block_bf16(const uint16_t* Q, const uint16_t* K, const uint16_t* V, 
 }
 #endif
 
-template <typename T>
-void attend(const T* Q, const T* K, const T* V, T* O, int64_t Tq, int64_t H, int64_t Hkv, int64_t cap, int64_t D,
+template <typename T, typename C>
+void attend(const T* Q, const C* K, const C* V, T* O, int64_t Tq, int64_t H, int64_t Hkv, int64_t cap, int64_t D,
             int64_t start) {
   const int64_t G = H / Hkv, tokens = std::max<int64_t>(1, kQueries / G), blocks = (Tq + tokens - 1) / tokens;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
@@ -322,11 +367,12 @@ void attend(const T* Q, const T* K, const T* V, T* O, int64_t Tq, int64_t H, int
       run(b * tokens, std::min(Tq, (b + 1) * tokens), hk);
     };
 #if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if constexpr (std::is_same_v<T, at::BFloat16>) {  // bf16 or 8-bit stores
       ScratchBf16 w(D);
+      using Rows = std::conditional_t<std::is_same_v<C, int8_t>, int8_t, uint16_t>;
       const auto* q = reinterpret_cast<const uint16_t*>(Q);
-      const auto* k = reinterpret_cast<const uint16_t*>(K);
-      const auto* v = reinterpret_cast<const uint16_t*>(V);
+      const auto* k = reinterpret_cast<const Rows*>(K);
+      const auto* v = reinterpret_cast<const Rows*>(V);
       for (int64_t u = u0; u < u1; ++u)
         unit(u, [&](int64_t t0, int64_t t1, int64_t hk) {
           attend_block_bf16(q, k, v, O, H, G, cap, D, start, t0, t1, hk, scale, w);
@@ -347,28 +393,35 @@ void attend(const T* Q, const T* K, const T* V, T* O, int64_t Tq, int64_t H, int
 // Causal attention of q [T, H, Dh] (tokens start..start+T-1 of a sequence, normed and rotated) over the sequence's
 // stores keys, values [1, Hkv, cap, Dh] (or [Hkv, cap, Dh]) holding its first start + T tokens; row t sees keys
 // 0..start+t. Grouped-query (head h reads KV head h / (H / Hkv)), scale Dh^-0.5, softmax in fp32.
-// bf16 or fp32, all one dtype. Returns [T, H, Dh].
+// bf16 or fp32, the stores q's dtype or 8-bit ([.., cap, Dh + 4] int8, kv_int8.h). Returns [T, H, Dh].
 at::Tensor attention_prefill(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t start) {
   for (auto* t : {&q, &keys, &values})
     TORCH_CHECK(t->is_contiguous(), "attention_prefill: contiguous inputs only");
   const auto T = q.scalar_type();
-  TORCH_CHECK((T == at::kBFloat16 || T == at::kFloat) && keys.scalar_type() == T && values.scalar_type() == T,
-              "attention_prefill: q, keys and values must be one dtype, bf16 or fp32");
+  const bool int8 = keys.scalar_type() == at::kChar;
+  TORCH_CHECK((T == at::kBFloat16 || T == at::kFloat) && (keys.scalar_type() == T || int8) &&
+              values.scalar_type() == keys.scalar_type(),
+              "attention_prefill: q bf16 or fp32, keys and values q's dtype or int8");
   TORCH_CHECK(q.dim() == 3 && (keys.dim() == 3 || (keys.dim() == 4 && keys.size(0) == 1)) &&
               values.sizes() == keys.sizes(), "attention_prefill: shapes");
   const int64_t Tq = q.size(0), H = q.size(1), D = q.size(2), Hkv = keys.size(-3), cap = keys.size(-2);
-  TORCH_CHECK(keys.size(-1) == D && Hkv > 0 && H % Hkv == 0 && H / Hkv <= kQueries && D % 16 == 0 &&
-              D <= kMaxD && start >= 0 && start + Tq <= cap,
-              "attention_prefill: q [T, H, Dh], keys [Hkv, cap, Dh] with H % Hkv == 0, H / Hkv <= 64, Dh a multiple "
-              "of 16, start + T <= cap");
+  TORCH_CHECK(keys.size(-1) == D + (int8 ? qwenrt::kScaleBytes : 0) && Hkv > 0 && H % Hkv == 0 &&
+              H / Hkv <= kQueries && D % 16 == 0 && D <= kMaxD && start >= 0 && start + Tq <= cap,
+              "attention_prefill: q [T, H, Dh], keys [Hkv, cap, Dh] (Dh + 4 int8) with H % Hkv == 0, H / Hkv <= 64, "
+              "Dh a multiple of 16, start + T <= cap");
   auto out = at::empty({Tq, H, D}, q.options());
   if (Tq == 0) return out;
+  auto run = [&](auto* q_, auto* k) {
+    using E = std::remove_pointer_t<decltype(q_)>;
+    using C = std::remove_pointer_t<decltype(k)>;
+    attend(q_, k, values.data_ptr<C>(), out.data_ptr<E>(), Tq, H, Hkv, cap, D, start);
+  };
   if (T == at::kBFloat16) {
-    using E = at::BFloat16;
-    attend(q.data_ptr<E>(), keys.data_ptr<E>(), values.data_ptr<E>(), out.data_ptr<E>(), Tq, H, Hkv, cap, D, start);
+    auto* q_ = q.data_ptr<at::BFloat16>();
+    int8 ? run(q_, keys.data_ptr<int8_t>()) : run(q_, keys.data_ptr<at::BFloat16>());
   } else {
-    attend(q.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), out.data_ptr<float>(), Tq, H, Hkv,
-           cap, D, start);
+    auto* q_ = q.data_ptr<float>();
+    int8 ? run(q_, keys.data_ptr<int8_t>()) : run(q_, keys.data_ptr<float>());
   }
   return out;
 }

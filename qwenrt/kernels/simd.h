@@ -45,6 +45,9 @@ inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }   // a·b + c
 inline F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a·b
 inline float reduce_add(F v) { return _mm512_reduce_add_ps(v); }
 inline F round_nearest(F v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT); }
+inline F load_i8(const int8_t* p) {  // kLanes int8 -> fp32
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
 inline F load_bf16(const uint16_t* p) {  // kLanes bf16 -> fp32 (a 16-bit shift)
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
@@ -104,6 +107,9 @@ inline float reduce_add(F v) {
 inline F round_nearest(F v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline F load_bf16(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline F load_i8(const int8_t* p) {  // kLanes int8 -> fp32
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 inline F permute(F table, I index) { return _mm256_permutevar8x32_ps(table, index); }
 
@@ -169,6 +175,7 @@ inline F load_bf16(const uint16_t* p) {
   QWENRT_LANES(uint32_t bits = static_cast<uint32_t>(p[j]) << 16; std::memcpy(&r.v[j], &bits, 4));
   return r;
 }
+inline F load_i8(const int8_t* p) { F r; QWENRT_LANES(r.v[j] = static_cast<float>(p[j])); return r; }
 inline F permute(F table, I index) { F r; QWENRT_LANES(r.v[j] = table.v[index.i32[j] & (kLanes - 1)]); return r; }
 
 inline I load_i(const void* p) { I r; std::memcpy(&r, p, sizeof r); return r; }

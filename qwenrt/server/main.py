@@ -20,7 +20,8 @@ from qwenrt import log
 from qwenrt.default_model import DEFAULT_MODEL, resolve_model
 from qwenrt.errors import QwenrtError
 from qwenrt.hub import MODEL_HELP
-from qwenrt.units import add_mmproj_option, add_rope_scaling_option, add_speculative_option, parse_size
+from qwenrt.units import (add_kv_cache_dtype_option, add_mmproj_option, add_rope_scaling_option,
+                          add_speculative_option, parse_size)
 
 
 def load_engine(args):
@@ -47,7 +48,8 @@ def load_engine(args):
               "max_batched_tokens": args.max_num_batched_tokens,
               "memory_budget": parse_size(args.kv_cache_memory_bytes) if args.kv_cache_memory_bytes else None,
               "prefix_cache_size": parse_size(args.prefix_cache_size) if args.prefix_cache_size else None,
-              "prefix_cache_dir": args.prefix_cache_dir, "speculative_tokens": args.speculative_tokens}
+              "prefix_cache_dir": args.prefix_cache_dir, "speculative_tokens": args.speculative_tokens,
+              "kv_cache_dtype": args.kv_cache_dtype}
     engine = Engine(model, tokenizer, **{k: v for k, v in limits.items() if v is not None})
     per_token, full = engine.kv_token_bytes, engine.state_bytes + engine.kv_token_bytes * engine.max_model_len
     if full > engine.memory_budget:
@@ -78,7 +80,8 @@ def _describe_setup(model, engine) -> None:
     log.detail(f"checkpoint: {model.checkpoint_path}")
     log.detail(f"device: {model.device}, {torch.get_num_threads()} torch threads")
     log.detail(f"engine: {engine.scheduler.config.max_batched_tokens} tokens per step, prefix cache {prefix}, "
-               f"speculative tokens {engine.speculative_tokens}")
+               f"speculative tokens {engine.speculative_tokens}, KV cache "
+               f"{str(engine.kv_dtype).removeprefix('torch.')} ({engine.kv_token_bytes} bytes per token)")
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -255,6 +258,7 @@ def add_parser(verbs) -> None:
     p.add_argument("--max-queue", type=int, help="requests waiting at most, more get 429 (default 256)")
     p.add_argument("--max-model-len", type=int, help="context limit of every request (default: the model's)")
     add_rope_scaling_option(p)
+    add_kv_cache_dtype_option(p)
     p.add_argument("--max-num-batched-tokens", type=int,
                    help="tokens per engine step: decode tokens first, the rest for prompt chunks (default 256)")
     p.add_argument("--kv-cache-memory-bytes", help="cache budget for KV + DeltaNet state, e.g. 8G (default: half "

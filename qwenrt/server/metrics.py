@@ -103,7 +103,7 @@ class FleetCollector:
         info = GaugeMetricFamily("vllm:cache_config_info", "Cache configuration", labels=[
             "block_size", "enable_prefix_caching", "cache_dtype"])
         info.add_metric([str(engine.snapshot_interval), str(engine.prefix_cache is not None).lower(),
-                         str(engine.model.dtype).removeprefix("torch.")], 1)
+                         str(engine.kv_dtype).removeprefix("torch.")], 1)
         families.append(info)
         adapters = self.state.config.adapters
         if adapters:
