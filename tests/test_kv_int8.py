@@ -120,7 +120,8 @@ def test_model_with_int8_kv_native_equals_torch_paths(dense_ckpt, dtype, bound, 
 
 
 def test_int8_kv_logits_stay_near_the_full_cache(chat_model):
-    """The trained tiny model (fp32) over an 8-bit cache: logits within 1% of the largest, greedy tokens equal."""
+    """A tiny fp32 model with the real vocabulary over an 8-bit cache: logits within 1% of the largest, the same top
+    tokens."""
     model, tok, _ = chat_model
     ids = torch.tensor([tok.encode("The capital of France is Paris. The capital of Italy is Rome. " * 6)])
 
