@@ -72,7 +72,7 @@ class SequenceState:
 
     def __init__(self, config: TextConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
                  capacity: int = 256, limit: int | None = None, kv_dtype: torch.dtype | None = None):
-        self.config, self.limit, self.dtype = config, limit, dtype
+        self.config, self.limit, self.dtype, self.kv_dtype = config, limit, dtype, kv_dtype or dtype
         self.length = 0  # tokens held
         self.rope_delta = 0  # decode position = length + rope_delta (non-zero after vision tokens)
         self.adapter = 0  # the slot of the LoRA adapter its tokens run with (qwenrt.served_adapters; 0: none)
@@ -83,11 +83,10 @@ class SequenceState:
         self.conv: list[torch.Tensor | None] = [None] * n
         self.recurrent: list[torch.Tensor | None] = [None] * n
         capacity = max(1, min(capacity, limit) if limit else capacity)
-        kv_dtype = kv_dtype or dtype
         for i in c.full_attention_layers:
-            shape = (1, c.num_key_value_heads, capacity, kv_row_size(c, kv_dtype))
-            self.keys[i] = torch.zeros(shape, dtype=kv_dtype, device=device)
-            self.values[i] = torch.zeros(shape, dtype=kv_dtype, device=device)
+            shape = (1, c.num_key_value_heads, capacity, kv_row_size(c, self.kv_dtype))
+            self.keys[i] = torch.zeros(shape, dtype=self.kv_dtype, device=device)
+            self.values[i] = torch.zeros(shape, dtype=self.kv_dtype, device=device)
         for i in c.linear_attention_layers:
             # conv inputs are rounded to the compute dtype already; fp32 storage lets the fused kernel update in place
             self.conv[i] = torch.zeros(1, c.conv_dim, c.linear_conv_kernel_dim - 1, dtype=torch.float32, device=device)
@@ -128,8 +127,7 @@ class SequenceState:
     @property
     def quantized_kv(self) -> bool:
         """The KV stores hold 8-bit rows."""
-        first = self.config.full_attention_layers
-        return bool(first) and self.keys[first[0]].dtype == torch.int8
+        return self.kv_dtype == torch.int8
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [1, Hkv, T, Dh] after this sequence's tokens (quantized in an 8-bit store); the caller has
