@@ -165,6 +165,10 @@ def run(args) -> str:
         raise QwenrtError(f"--depth must be >= 0, got {args.depth}")
     if args.depth and (args.compare or args.speculative_tokens != "0"):
         raise QwenrtError("--depth measures plain decoding on qwenrt: not with --compare or --speculative-tokens")
+    if args.depth_fill not in ("prefill", "random"):
+        raise QwenrtError(f"--depth-fill must be prefill or random, got {args.depth_fill!r}")
+    if args.depth_fill == "random" and not args.depth:
+        raise QwenrtError("--depth-fill random fills a --depth: give one")
     if args.dtype not in ("bf16", "fp32"):
         raise QwenrtError(f"--dtype must be bf16 or fp32, got {args.dtype!r}")
     if args.compare not in (None, "transformers"):
@@ -207,10 +211,12 @@ def run(args) -> str:
                                               kv_cache_dtype=config.kv_cache_dtype,
                                               threads=args.threads, prompt_len=args.prompt_len,
                                               gen_len=args.gen_len, seed=args.seed, depth=args.depth,
+                                              depth_fill=args.depth_fill,
                                               rope_scaling=args.rope_scaling)))
     results = {c: _summary(s) for c, s in samples.items()}
     at = f" at depth {args.depth}" if args.depth else ""
-    title = (f"{args.shape or path}: prompt {args.prompt_len}{at}, {args.gen_len} greedy tokens{at}, "
+    filled = ", the depth a random context (--depth-fill random)" if args.depth_fill == "random" else ""
+    title = (f"{args.shape or path}: prompt {args.prompt_len}{at}, {args.gen_len} greedy tokens{at}{filled}, "
              f"{args.threads} threads, "
              f"CPU kernels: {kernel_path()}, "
              f"median of {args.repeats} interleaved runs")

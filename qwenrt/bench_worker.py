@@ -19,6 +19,7 @@ from torch import nn
 
 WARMUP_PROMPT, WARMUP_STEPS = 16, 4
 PREFILL_CHUNK = 512
+FILL_CHUNK = 16384  # tokens of random keys and values made at a time (fill_random)
 
 
 def decode_bytes(model: nn.Module, top_k: int = 0, experts: int = 0) -> int:
@@ -94,17 +95,40 @@ def prefill(model, ids: torch.Tensor, cache) -> torch.Tensor:
     return logits[:, -1]
 
 
-def at_depth(model, ids: torch.Tensor, depth: int, gen_len: int,
-             kv_dtype: torch.dtype | None = None) -> tuple[float, float, float]:
+def fill_random(model, cache, depth: int, seed: int = 0) -> None:
+    """The first `depth` tokens of a one-sequence cache as random keys and values (N(0, 1), stored as the cache
+    stores them) and random DeltaNet states, written directly: a decode step reads as many bytes and runs the same
+    kernels over them as over a prefilled context, in seconds rather than the prefill's minutes."""
+    seq, g = cache.sequences[0], torch.Generator().manual_seed(seed)
+    text = model.config.text if hasattr(model.config, "text") else model.config
+    shape = (1, text.num_key_value_heads, 0, text.head_dim)
+    for layer in text.full_attention_layers:
+        for start in range(0, depth, FILL_CHUNK):
+            n = min(FILL_CHUNK, depth - start)
+            seq.length = start  # write_kv writes after `length`
+            seq.write_kv(layer, *(torch.randn(*shape[:2], n, shape[3], generator=g).to(model.dtype)
+                                  for _ in range(2)))
+    for layer in text.linear_attention_layers:
+        for state in (seq.conv[layer], seq.recurrent[layer]):
+            state.copy_(torch.randn(state.shape, generator=g) * 0.1)
+    seq.length = depth
+
+
+def at_depth(model, ids: torch.Tensor, depth: int, gen_len: int, kv_dtype: torch.dtype | None = None,
+             fill: str = "prefill") -> tuple[float, float, float]:
     """As `llama-bench -d`: prefill the first `depth` tokens of ids [1, depth + N], then the N prompt tokens after
     them, then `gen_len` greedy decode steps (the engine's native step), each timed apart -> (depth prefill s,
-    prompt prefill s, decode s). The ids stay a tensor (a 262K-token prompt as a Python list is ~10 MB of objects)."""
+    prompt prefill s, decode s). fill "random": the depth's context from `fill_random` instead of its prefill (its
+    time then that of the fill). The ids stay a tensor (a 262K-token prompt as a Python list is ~10 MB of
+    objects)."""
     from qwenrt.engine.runner import decode_step
 
     def run(ids: torch.Tensor, depth: int, steps: int) -> list[float]:
         cache = model.new_cache(1, capacity=ids.shape[1] + steps, kv_dtype=kv_dtype)
         marks = [time.perf_counter()]
-        if depth:
+        if depth and fill == "random":
+            fill_random(model, cache, depth)
+        elif depth:
             prefill(model, ids[:, :depth], cache)
         marks.append(time.perf_counter())
         token = prefill(model, ids[:, depth:], cache).argmax(-1, keepdim=True)
@@ -121,7 +145,7 @@ def at_depth(model, ids: torch.Tensor, depth: int, gen_len: int,
 
 def measure(job: dict) -> dict:
     """job: engine (qwenrt|transformers), path, dtype, threads, prompt_len, gen_len, seed; depth (tokens of context
-    before the prompt, qwenrt only), rope_scaling (as `load` takes it) and kv_cache_dtype optional. At a depth the
+    before the prompt, qwenrt only) and depth_fill ("prefill", or "random": at_depth's fill), rope_scaling (as `load` takes it) and kv_cache_dtype optional. At a depth the
     decode bytes include the keys and values each step reads (at the mean context of the decode)."""
     from qwenrt.cache import kv_bytes_per_token, parse_kv_cache_dtype
 
@@ -138,11 +162,12 @@ def measure(job: dict) -> dict:
     kv_cache_dtype = job.get("kv_cache_dtype", "auto")
     if depth:
         kv_dtype = parse_kv_cache_dtype(kv_cache_dtype)
-        depth_s, prefill_s, decode_s = at_depth(model, ids, depth, job["gen_len"], kv_dtype)
+        fill = job.get("depth_fill", "prefill")
+        depth_s, prefill_s, decode_s = at_depth(model, ids, depth, job["gen_len"], kv_dtype, fill)
         context = depth + job["prompt_len"] + job["gen_len"] // 2
         kv = kv_bytes_per_token(text, kv_dtype or model.dtype) * context
-        return {"load_s": load_s, "depth_prefill_s": depth_s, "depth_prefill_tps": depth / depth_s,
-                "ttft_s": prefill_s, "prefill_tps": job["prompt_len"] / prefill_s,
+        measured = {"depth_prefill_s": depth_s, "depth_prefill_tps": depth / depth_s} if fill == "prefill" else {}
+        return {"load_s": load_s, **measured, "ttft_s": prefill_s, "prefill_tps": job["prompt_len"] / prefill_s,
                 "decode_tps": job["gen_len"] / decode_s, "decode_bytes": decode_bytes(model, top_k, experts) + kv,
                 "peak_rss": peak_rss()}
     drafts = []

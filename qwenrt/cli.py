@@ -396,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-len", type=int, default=128, help="greedy decode steps (no stop at EOS)")
     p.add_argument("--depth", type=int, default=0, help="tokens of context before the prompt, prefilled and timed "
                    "apart (as llama-bench -d): prefill and decode speed at that depth (default 0)")
+    p.add_argument("--depth-fill", default="prefill", help="how the --depth context is made: prefill (timed), or "
+                   "random (random keys, values and DeltaNet states written directly: decode speed at a depth in "
+                   "seconds, without its prefill)")
     add_rope_scaling_option(p)
     p.add_argument("--threads", type=int, help="default: torch's default (the physical cores)")
     p.add_argument("--dtype", default="bf16", help="compute dtype: bf16 or fp32")

@@ -44,8 +44,46 @@ def test_bench_reports_depth_columns(dense_ckpt, capsys, tmp_path):
     assert result["prefill_tps"] == pytest.approx(40 / result["ttft_s"]) and result["peak_rss"] > 0
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8])
+def test_a_random_fill_holds_depth_tokens_that_decoding_reads(dense_ckpt, monkeypatch, kv_dtype):
+    """--depth-fill random: the first `depth` rows of every KV store hold random rows (8-bit ones too), none past
+    them; the DeltaNet states are set; the prompt and decode steps then run at depth + prompt tokens."""
+    model, _ = qwenrt.load(dense_ckpt[0], dtype="bfloat16")
+    cache = model.new_cache(1, capacity=800, kv_dtype=kv_dtype)
+    bench_worker.fill_random(model, cache, 700)
+    seq = cache.sequences[0]
+    assert seq.length == 700
+    for layer in model.config.text.full_attention_layers:
+        k, v = seq.kv(layer, 800)
+        assert all(x[:, :, :700].float().std().item() == pytest.approx(1.0, rel=0.1) for x in (k, v))
+        assert not k[:, :, 700:].any() and not v[:, :, 700:].any()
+    assert all(seq.recurrent[i].abs().sum() > 0 for i in model.config.text.linear_attention_layers)
+    seen = []
+    step = qwenrt.engine.runner.decode_step
+    monkeypatch.setattr(qwenrt.engine.runner, "decode_step",
+                        lambda model, token, cache: (seen.append(cache.lengths[0]), step(model, token, cache))[1])
+    ids = torch.randint(0, 512, (1, 730), generator=torch.Generator().manual_seed(0))
+    fill_s, prefill_s, decode_s = bench_worker.at_depth(model, ids, 700, 3, kv_dtype, fill="random")
+    assert seen[bench_worker.WARMUP_STEPS:] == [730, 731, 732] and min(fill_s, prefill_s, decode_s) > 0
+
+
+def test_bench_with_a_random_depth_reports_no_prefill_of_it(dense_ckpt, capsys, tmp_path):
+    out = tmp_path / "r.json"
+    assert main(["bench", str(dense_ckpt[0]), "--depth", "600", "--depth-fill", "random", "--prompt-len", "40",
+                 "--gen-len", "4", "--repeats", "1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "4 greedy tokens at depth 600, the depth a random context (--depth-fill random)" in text
+    assert "| configuration | load s | prefill tok/s |" in text and "depth prefill" not in text
+    import json
+
+    result = json.loads(out.read_text())["results"][0]
+    assert "depth_prefill_s" not in result and result["decode_tps"] > 0
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--depth", "-1"], "--depth must be >= 0, got -1"),
+    (["--depth-fill", "random"], "--depth-fill random fills a --depth: give one"),
+    (["--depth", "8", "--depth-fill", "zeros"], "--depth-fill must be prefill or random, got 'zeros'"),
     (["--depth", "8", "--compare", "transformers"], "--depth measures plain decoding on qwenrt"),
     (["--depth", "8", "--speculative"], "--depth measures plain decoding on qwenrt"),
     (["--prompt-len", "0"], "--prompt-len, --gen-len, --repeats and --threads must be >= 1"),
