@@ -95,19 +95,22 @@ def prefill(model, ids: torch.Tensor, cache) -> torch.Tensor:
     return logits[:, -1]
 
 
+def text_config(model):
+    """The text decoder's config (a VLM's config holds it as .text)."""
+    return model.config.text if hasattr(model.config, "text") else model.config
+
+
 def fill_random(model, cache, depth: int, seed: int = 0) -> None:
     """The first `depth` tokens of a one-sequence cache as random keys and values (N(0, 1), stored as the cache
     stores them) and random DeltaNet states, written directly: a decode step reads as many bytes and runs the same
     kernels over them as over a prefilled context, in seconds rather than the prefill's minutes."""
     seq, g = cache.sequences[0], torch.Generator().manual_seed(seed)
-    text = model.config.text if hasattr(model.config, "text") else model.config
-    shape = (1, text.num_key_value_heads, 0, text.head_dim)
+    text = text_config(model)
     for layer in text.full_attention_layers:
         for start in range(0, depth, FILL_CHUNK):
-            n = min(FILL_CHUNK, depth - start)
+            shape = (1, text.num_key_value_heads, min(FILL_CHUNK, depth - start), text.head_dim)
             seq.length = start  # write_kv writes after `length`
-            seq.write_kv(layer, *(torch.randn(*shape[:2], n, shape[3], generator=g).to(model.dtype)
-                                  for _ in range(2)))
+            seq.write_kv(layer, *(torch.randn(shape, generator=g).to(model.dtype) for _ in range(2)))
     for layer in text.linear_attention_layers:
         for state in (seq.conv[layer], seq.recurrent[layer]):
             state.copy_(torch.randn(state.shape, generator=g) * 0.1)
@@ -145,15 +148,16 @@ def at_depth(model, ids: torch.Tensor, depth: int, gen_len: int, kv_dtype: torch
 
 def measure(job: dict) -> dict:
     """job: engine (qwenrt|transformers), path, dtype, threads, prompt_len, gen_len, seed; depth (tokens of context
-    before the prompt, qwenrt only) and depth_fill ("prefill", or "random": at_depth's fill), rope_scaling (as `load` takes it) and kv_cache_dtype optional. At a depth the
-    decode bytes include the keys and values each step reads (at the mean context of the decode)."""
+    before the prompt, qwenrt only), depth_fill ("prefill", or "random": at_depth's fill), rope_scaling (as `load`
+    takes it) and kv_cache_dtype optional. At a depth the decode bytes include the keys and values each step reads
+    (at the mean context of the decode)."""
     from qwenrt.cache import kv_bytes_per_token, parse_kv_cache_dtype
 
     torch.set_num_threads(job["threads"])
     start = time.perf_counter()
     model = _load(job)
     load_s = time.perf_counter() - start
-    text = model.config.text if hasattr(model.config, "text") else model.config
+    text = text_config(model)
     vocab = text.vocab_size
     g = torch.Generator().manual_seed(job["seed"])
     depth = job.get("depth", 0)

@@ -4,8 +4,8 @@ Full-attention layers keep keys/values [1, Hkv, capacity, Dh] per sequence (grow
 sequence's limit), in the model's dtype or 8-bit: int8 rows [1, Hkv, capacity, Dh + 4], each token's Dh values per
 head then their fp32 scale in the last 4 bytes (qwenrt/kernels/kv_int8.h reads and writes the same). DeltaNet layers
 keep the last K-1 conv inputs [1, C, K-1] and the recurrent state [1, Hv, Dk, Dv], both fp32, fixed size whatever
-the context length. Each sequence owns its tensors, so sequences of different lengths
-join and leave a batch without copying anyone else's state.
+the context length. Each sequence owns its tensors, so sequences of different lengths join and leave a batch without
+copying anyone else's state.
 """
 
 from __future__ import annotations

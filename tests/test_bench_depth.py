@@ -60,8 +60,12 @@ def test_a_random_fill_holds_depth_tokens_that_decoding_reads(dense_ckpt, monkey
     assert all(seq.recurrent[i].abs().sum() > 0 for i in model.config.text.linear_attention_layers)
     seen = []
     step = qwenrt.engine.runner.decode_step
-    monkeypatch.setattr(qwenrt.engine.runner, "decode_step",
-                        lambda model, token, cache: (seen.append(cache.lengths[0]), step(model, token, cache))[1])
+
+    def counted(model, token, cache):
+        seen.append(cache.lengths[0])
+        return step(model, token, cache)
+
+    monkeypatch.setattr(qwenrt.engine.runner, "decode_step", counted)
     ids = torch.randint(0, 512, (1, 730), generator=torch.Generator().manual_seed(0))
     fill_s, prefill_s, decode_s = bench_worker.at_depth(model, ids, 700, 3, kv_dtype, fill="random")
     assert seen[bench_worker.WARMUP_STEPS:] == [730, 731, 732] and min(fill_s, prefill_s, decode_s) > 0
