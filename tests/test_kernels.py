@@ -396,6 +396,58 @@ def test_attention_rows_of_one_sequence_in_one_call_equal_row_by_row(dtype):
                                       torch.tensor([start, start + 2]), 1e-6)
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("H, Hkv, D", [(12, 2, 96), (4, 4, 48), (8, 2, 256)])
+def test_native_attention_step_over_thousands_of_keys_matches_float64(dtype, bound, H, Hkv, D):
+    """A decode step over 9,001 keys: three units of up to 4,096 keys (the last odd) merged, query heads in blocks of
+    4 and 2 (G 6), one (G 1), and 4; dims in passes of 64 and 32 (96), 48 (not a multiple of 32: the fp32-product
+    path at every level) and 256 (Qwen3.5's). Against float64 attention over the stored rows, relative to the
+    largest output (a peaked softmax: one wrong unit or head moves it far)."""
+    g = torch.Generator().manual_seed(H + D)
+    S, R = 9001, 16
+    qg = torch.randn(1, H, 2 * D, generator=g).to(dtype)
+    k, v = (torch.randn(1, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    qw, kw = torch.full((D,), 1.0), torch.zeros(D)  # queries' norm x2: scores ~ N(0, 4)
+    cos, sin = torch.ones(1, R, dtype=dtype), torch.zeros(1, R, dtype=dtype)
+    keys, values = (torch.randn(1, Hkv, S, D, generator=g).to(dtype) for _ in range(2))
+    out = cpu_kernels().attention_decode_step(qg, k, v, qw, kw, cos, sin, keys, values, torch.tensor([S - 1]),
+                                              1e-6, True)
+    q = _norm(qg[:, :, None, :D], qw)[0, :, 0].double()  # [H, D]
+    kd, vd = (x[0].double().repeat_interleave(H // Hkv, 0) for x in (keys, values))  # [H, S, D]
+    probs = torch.softmax((kd @ q[:, :, None])[..., 0] / D ** 0.5, -1)  # [H, S]
+    ref = (probs[:, None, :] @ vd)[:, 0] * torch.sigmoid(qg[0, :, D:].double())
+    assert (out.view(H, D).double() - ref).abs().max().item() / ref.abs().max().item() < bound
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_attention_step_does_not_depend_on_the_batch_or_threads(dtype):
+    """A long row's keys are split into units over the threads and merged in a fixed order: its output is the same,
+    bit for bit, alone or beside another row, on 1 thread or 2."""
+    g = torch.Generator().manual_seed(5)
+    B, H, Hkv, D, R, cap = 2, 8, 2, 64, 16, 10000
+    qg = torch.randn(B, H, 2 * D, generator=g).to(dtype)
+    k, v = (torch.randn(B, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    qw, kw = torch.randn(D, generator=g) * 0.1, torch.randn(D, generator=g) * 0.1
+    cos, sin = torch.ones(B, R, dtype=dtype), torch.zeros(B, R, dtype=dtype)
+    keys, values = (torch.randn(B, Hkv, cap, D, generator=g).to(dtype) for _ in range(2))
+    lengths = torch.tensor([9000, 5000])
+    kernels, threads = cpu_kernels(), torch.get_num_threads()
+
+    def step(rows: slice, n: int):
+        torch.set_num_threads(n)
+        try:
+            return kernels.attention_decode_step(qg[rows], k[rows], v[rows], qw, kw, cos[rows], sin[rows],
+                                                 keys[rows].clone(), values[rows].clone(), lengths[rows], 1e-6)
+        finally:
+            torch.set_num_threads(threads)
+
+    both = step(slice(0, 2), 2)
+    assert torch.equal(both, step(slice(0, 2), 1))
+    assert torch.equal(both[:1], step(slice(0, 1), 2)) and torch.equal(both[1:], step(slice(1, 2), 1))
+
+
 def deltanet(Dk: int, Dv: int, dtype, taps: int = 4) -> qwenrt.deltanet.GatedDeltaNet:
     """A DeltaNet layer with every weight random (norm and conv included), 2 key heads shared by 4 value heads, a
     short conv of `taps` (Qwen3.5's 4, which the native step compiles for, or any other)."""
