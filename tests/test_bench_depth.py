@@ -1,6 +1,8 @@
 """`qwenrt bench --depth D --prompt-len N`: prefill D tokens (timed apart), then N prompt tokens, then decode, as
 `llama-bench -d` measures; what it reports is what it ran, and bad values are refused before anything runs."""
 
+import json
+
 import pytest
 import torch
 
@@ -10,9 +12,8 @@ from qwenrt import bench_worker
 from qwenrt.cli import main
 
 
-def test_at_depth_prefills_depth_then_prompt_then_decodes(dense_ckpt, monkeypatch):
-    """The decode steps run at depth + prompt tokens of context, on the native step, as many as asked."""
-    model, _ = qwenrt.load(dense_ckpt[0], dtype="bfloat16")
+def count_decode_lengths(monkeypatch) -> list[int]:
+    """The context length each native decode step runs at, appended as the steps run."""
     seen = []
     step = qwenrt.engine.runner.decode_step
 
@@ -21,6 +22,13 @@ def test_at_depth_prefills_depth_then_prompt_then_decodes(dense_ckpt, monkeypatc
         return step(model, token, cache)
 
     monkeypatch.setattr(qwenrt.engine.runner, "decode_step", counted)
+    return seen
+
+
+def test_at_depth_prefills_depth_then_prompt_then_decodes(dense_ckpt, monkeypatch):
+    """The decode steps run at depth + prompt tokens of context, on the native step, as many as asked."""
+    model, _ = qwenrt.load(dense_ckpt[0], dtype="bfloat16")
+    seen = count_decode_lengths(monkeypatch)
     ids = torch.randint(0, 512, (1, 700 + 30), generator=torch.Generator().manual_seed(0))
     depth_s, prefill_s, decode_s = bench_worker.at_depth(model, ids, 700, 5)
     warm = bench_worker.WARMUP_STEPS
@@ -37,8 +45,6 @@ def test_bench_reports_depth_columns(dense_ckpt, capsys, tmp_path):
     text = capsys.readouterr().out
     assert "prompt 40 at depth 600, 4 greedy tokens at depth 600" in text
     assert "| configuration | depth prefill s | depth prefill tok/s | load s | prefill tok/s |" in text
-    import json
-
     result = json.loads(out.read_text())["results"][0]
     assert result["depth_prefill_tps"] == pytest.approx(600 / result["depth_prefill_s"])
     assert result["prefill_tps"] == pytest.approx(40 / result["ttft_s"]) and result["peak_rss"] > 0
@@ -58,14 +64,7 @@ def test_a_random_fill_holds_depth_tokens_that_decoding_reads(dense_ckpt, monkey
         assert all(x[:, :, :700].float().std().item() == pytest.approx(1.0, rel=0.1) for x in (k, v))
         assert not k[:, :, 700:].any() and not v[:, :, 700:].any()
     assert all(seq.recurrent[i].abs().sum() > 0 for i in model.config.text.linear_attention_layers)
-    seen = []
-    step = qwenrt.engine.runner.decode_step
-
-    def counted(model, token, cache):
-        seen.append(cache.lengths[0])
-        return step(model, token, cache)
-
-    monkeypatch.setattr(qwenrt.engine.runner, "decode_step", counted)
+    seen = count_decode_lengths(monkeypatch)
     ids = torch.randint(0, 512, (1, 730), generator=torch.Generator().manual_seed(0))
     fill_s, prefill_s, decode_s = bench_worker.at_depth(model, ids, 700, 3, kv_dtype, fill="random")
     assert seen[bench_worker.WARMUP_STEPS:] == [730, 731, 732] and min(fill_s, prefill_s, decode_s) > 0
@@ -78,8 +77,6 @@ def test_bench_with_a_random_depth_reports_no_prefill_of_it(dense_ckpt, capsys, 
     text = capsys.readouterr().out
     assert "4 greedy tokens at depth 600, the depth a random context (--depth-fill random)" in text
     assert "| configuration | load s | prefill tok/s |" in text and "depth prefill" not in text
-    import json
-
     result = json.loads(out.read_text())["results"][0]
     assert "depth_prefill_s" not in result and result["decode_tps"] > 0
 
